@@ -1,0 +1,7 @@
+"""vlmrun: train vision-language models on SLURM with SFT and GRPO.
+
+Heavy libraries (torch, ray, energon, transformers) are imported inside the modules that need them,
+so importing this package and running `vlmrun --help` stay fast on a login node.
+"""
+
+__version__ = "0.1.0"

@@ -1,0 +1,46 @@
+"""The batch that the task encoder produces and the policy consumes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class Batch:
+    """A micro-batch of encoded conversations, right-padded.
+
+    `labels` are -100 outside assistant tokens (and everywhere in a zero-weight row); `media` holds
+    the processor's packed media tensors (e.g. `pixel_values` rows of all images and
+    `image_grid_thw`), concatenated in sample order, or is empty for a text-only batch.
+    """
+
+    sample_ids: list[str]
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    labels: torch.Tensor
+    media: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def model_inputs(self) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.input_ids, "attention_mask": self.attention_mask, **self.media}
+
+    def __len__(self) -> int:
+        return len(self.sample_ids)
+
+
+@dataclass
+class PromptBatch:
+    """Prompts for greedy generation (left-padded) with the reference answers, for validation."""
+
+    sample_ids: list[str]
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    answers: list[str]
+    media: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def model_inputs(self) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.input_ids, "attention_mask": self.attention_mask, **self.media}
+
+    def __len__(self) -> int:
+        return len(self.sample_ids)

@@ -1,0 +1,154 @@
+"""Topology mapper: from the policy's parallel layout to Energon loader shards.
+
+One loader shard per data-parallel replica. Shard `d` is read by the replica's owner rank (the rank
+with dp=d and tp=pp=cp=0) and its batches are delivered to every rank of that replica. Ranks follow
+Megatron's default order "tp-cp-ep-dp-pp" (tp fastest, pp slowest) with ep=1: experts live inside
+dp x tp, so expert parallelism does not change which rank reads which data.
+
+We compute that order here instead of calling megatron-core's `RankGenerator`: megatron-core is an
+optional GPU extra, and importing `megatron.core.parallel_state` pulls in torch (~3.5 s on CPU), too slow
+for `vlmrun submit --dry-run` on a login node. tests/test_topology.py checks our rank groups against
+`RankGenerator` whenever megatron-core is importable.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from functools import cached_property
+
+from vlmrun.errors import InputError
+
+MEGATRON_ORDER = "tp-cp-ep-dp-pp"
+_PLAN_SCHEMA = "vlmrun.placement/1"
+
+
+class LayoutError(InputError, ValueError):
+    """A parallel size that is not an integer >= 1; `field` names the size (dp, tp, pp or cp)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParallelLayout:
+    """How the policy's ranks are split: data (dp), tensor (tp), pipeline (pp) and context (cp) sizes.
+
+    Raises `LayoutError` (a `ValueError`) naming the first size that is not an integer >= 1.
+    """
+
+    dp: int
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("dp", "tp", "pp", "cp"):
+            _check_size(name, getattr(self, name))
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp * self.pp * self.cp
+
+    def describe(self) -> str:
+        """One line for error messages, e.g. "dp=2 tp=1 pp=1 cp=1 (2 ranks)"."""
+        ranks = "rank" if self.world_size == 1 else "ranks"
+        return f"dp={self.dp} tp={self.tp} pp={self.pp} cp={self.cp} ({self.world_size} {ranks})"
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoaderShardPlacement:
+    """Where one loader shard lives: `owner_rank` reads it, every rank of `delivery_ranks` gets it.
+
+    `delivery_ranks` is ascending and holds the owner.
+    """
+
+    shard: int
+    num_shards: int
+    owner_rank: int
+    delivery_ranks: tuple[int, ...]
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlacementPlan:
+    """The loader shards of one layout, indexed by data-parallel rank; build it with `plan_placement`.
+
+    `placement_hash` goes into every checkpoint: a resume compares it to refuse a changed topology.
+    """
+
+    layout: ParallelLayout
+    shards: tuple[LoaderShardPlacement, ...]
+
+    @cached_property
+    def placement_hash(self) -> str:
+        """First 16 hex digits of the sha256 of the plan's canonical JSON; stable across processes."""
+        layout = self.layout
+        payload = {
+            "schema": _PLAN_SCHEMA,
+            "order": MEGATRON_ORDER,
+            "layout": {"dp": layout.dp, "tp": layout.tp, "pp": layout.pp, "cp": layout.cp},
+            "shards": [[s.shard, s.owner_rank, list(s.delivery_ranks)] for s in self.shards],
+        }
+        text = json.dumps(payload, sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(text.encode("ascii")).hexdigest()[:16]
+
+    def coords(self, rank: int) -> dict[str, int]:
+        """The rank's index in each dimension, keys tp, cp, dp, pp; ValueError if out of range."""
+        self._check_rank(rank)
+        layout = self.layout
+        tp, rest = rank % layout.tp, rank // layout.tp
+        cp, rest = rest % layout.cp, rest // layout.cp
+        dp, pp = rest % layout.dp, rest // layout.dp
+        return {"tp": tp, "cp": cp, "dp": dp, "pp": pp}
+
+    def shard_of_rank(self, rank: int) -> int:
+        """The loader shard whose batches `rank` receives (its dp index); ValueError if out of range."""
+        return self.coords(rank)["dp"]
+
+    def owner_of_shard(self, shard: int) -> int:
+        """The global rank that runs loader `shard`; ValueError if there is no such shard."""
+        if not 0 <= shard < len(self.shards):
+            last = len(self.shards) - 1
+            raise ValueError(f"shard {shard} does not exist: {self.describe()} has shards 0..{last}")
+        return self.shards[shard].owner_rank
+
+    def describe(self) -> str:
+        """One line naming the layout, e.g. "dp=2 tp=1 pp=1 cp=1 (2 ranks)"."""
+        return self.layout.describe()
+
+    def _check_rank(self, rank: int) -> None:
+        if not 0 <= rank < self.layout.world_size:
+            last = self.layout.world_size - 1
+            raise ValueError(f"rank {rank} does not exist: {self.describe()} has ranks 0..{last}")
+
+
+def plan_placement(layout: ParallelLayout) -> PlacementPlan:
+    """One loader shard per data-parallel replica, ranks in Megatron's default order (see module doc)."""
+    shards = tuple(
+        LoaderShardPlacement(
+            shard=dp,
+            num_shards=layout.dp,
+            owner_rank=_rank_of(layout, dp=dp),
+            delivery_ranks=_replica_ranks(layout, dp),
+        )
+        for dp in range(layout.dp)
+    )
+    return PlacementPlan(layout=layout, shards=shards)
+
+
+def _rank_of(layout: ParallelLayout, *, dp: int, tp: int = 0, cp: int = 0, pp: int = 0) -> int:
+    return tp + layout.tp * (cp + layout.cp * (dp + layout.dp * pp))
+
+
+def _replica_ranks(layout: ParallelLayout, dp: int) -> tuple[int, ...]:
+    # pp outermost, tp innermost: the ranks come out ascending.
+    return tuple(
+        _rank_of(layout, dp=dp, tp=tp, cp=cp, pp=pp)
+        for pp in range(layout.pp)
+        for cp in range(layout.cp)
+        for tp in range(layout.tp)
+    )
+
+
+def _check_size(name: str, value: object) -> None:
+    # bool is an int subclass; `tp: true` in a recipe is a mistake, not tp=1.
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise LayoutError(name, value, "each parallel size (dp, tp, pp, cp) is an integer >= 1")

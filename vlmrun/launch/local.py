@@ -1,0 +1,67 @@
+"""The embedded default: run the node entrypoint on this machine, no SLURM.
+
+The same entrypoint that every SLURM node runs (`python -m vlmrun.launch.node`) runs here as a child
+process. With `wait`, it shares our process group (a kill of the group ends the run) and we forward
+SIGINT/SIGTERM/SIGUSR2 to it; without, it runs detached in its own session and logs to the run dir.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from typing import Callable
+
+from vlmrun.launch import job_record
+from vlmrun.launch.rundir import RunDirectory
+
+_OUTCOME = {job_record.EXIT_COMPLETED: "COMPLETED", job_record.EXIT_STOPPED: "STOPPED"}
+
+
+def start_local(rd: RunDirectory, recipe, *, wait: bool, echo: Callable[[str], None] | None = None):
+    from vlmrun.launch.submit import SubmitResult
+
+    attempt = len(rd.read_job().get("attempts", []))
+    cmd = [sys.executable, "-m", "vlmrun.launch.node", "--run-dir", str(rd.path)]
+    env = os.environ | {"PYTHONUNBUFFERED": "1", "VLMRUN_CLUSTER": "local"}
+    if not wait:
+        rd.logs.mkdir(exist_ok=True)
+        with open(rd.attempt_log(attempt), "ab") as log:
+            proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                    start_new_session=True)
+        job_id = f"local-{proc.pid}"
+        job_record.add_job(rd, job_id, "local", recipe.name)
+        if echo:
+            echo(f"started {job_id}; run dir {rd.path}\nfollow it with: tail -f {rd.attempt_log(attempt)}")
+        return SubmitResult(rd.path, "local", False, job_id=job_id, state="RUNNING")
+    if echo:
+        echo(f"run dir {rd.path}")
+    proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, env=env | {"VLMRUN_TEE_LOG": str(rd.attempt_log(attempt))})
+    job_id = f"local-{proc.pid}"
+    job_record.add_job(rd, job_id, "local", recipe.name)
+    code = _wait_forwarding_signals(proc)
+    state = _OUTCOME.get(code, "FAILED")
+    if echo and code == job_record.EXIT_STOPPED:
+        echo(f"stopped at a checkpoint; continue with: vlmrun resume {rd.path} --wait")
+    return SubmitResult(rd.path, "local", False, job_id=job_id, state=state,
+                        exit_code=code if code in (0, job_record.EXIT_STOPPED) else 1)
+
+
+def _wait_forwarding_signals(proc: subprocess.Popen) -> int:
+    def forward(signum, _frame):
+        try:
+            proc.send_signal(signum)
+        except ProcessLookupError:
+            pass
+
+    previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR2)}
+    try:
+        while True:
+            try:
+                return proc.wait()
+            except InterruptedError:
+                continue
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)

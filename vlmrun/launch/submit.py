@@ -1,0 +1,65 @@
+"""`vlmrun submit`: validate the recipe, then hand the run to the executor the user chose."""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from vlmrun.errors import InputError
+from vlmrun.launch.rundir import RunDirectory, default_run_dir, dump_recipe
+
+CLUSTERS = ("auto", "slurm", "local")
+
+
+@dataclass
+class SubmitResult:
+    run_dir: Path
+    cluster: str
+    dry_run: bool
+    rendered: str = ""
+    job_id: str | None = None
+    state: str | None = None
+    exit_code: int = 0
+    extra: dict = field(default_factory=dict)
+
+    def summary(self) -> dict:
+        out = {"run_dir": str(self.run_dir), "cluster": self.cluster, "dry_run": self.dry_run}
+        if self.job_id is not None:
+            out["job_id"] = self.job_id
+        if self.state is not None:
+            out["state"] = self.state
+        if self.dry_run:
+            out["recipe"] = self.rendered
+        return out | self.extra
+
+
+def resolve_cluster(cluster: str) -> str:
+    if cluster not in CLUSTERS:
+        raise InputError("--cluster", cluster, f"choose one of {', '.join(CLUSTERS)}")
+    if cluster == "auto":
+        return "slurm" if shutil.which("sbatch") else "local"
+    return cluster
+
+
+def submit_run(recipe_path: Path, overrides: list[str], *, cluster: str = "auto", run_dir: Path | None = None,
+               dry_run: bool = False, wait: bool = False, echo: Callable[[str], None] | None = None) -> SubmitResult:
+    """Validate everything first, so a bad recipe or argument starts and submits nothing."""
+    from vlmrun.recipe.load import load_recipe
+
+    recipe = load_recipe(recipe_path, overrides)
+    chosen = resolve_cluster(cluster)
+    rd = RunDirectory(run_dir or default_run_dir(recipe.name))
+    if rd.exists():
+        raise InputError("--run-dir", str(rd.path),
+                         f"already holds a run; continue it with `vlmrun resume {rd.path}` or choose another --run-dir")
+    if chosen == "slurm":
+        raise InputError("--cluster", "slurm",
+                         "this version runs on the embedded local executor only: use --cluster local")
+    if dry_run:
+        return SubmitResult(rd.path, chosen, True, rendered=dump_recipe(recipe))
+    from vlmrun.launch.local import start_local
+
+    rd.create(recipe)
+    return start_local(rd, recipe, wait=wait, echo=echo)

@@ -1,0 +1,42 @@
+"""Config of the policy: which model, which backend, how it is laid out across ranks."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+Family = Literal["qwen2_5_vl", "nemotron_omni"]
+
+
+class ModelConfig(BaseModel):
+    """The model to train: a local HF directory (`path`) or a tiny one built from config (`tiny`)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    family: Family
+    path: str | None = Field(None, description="local HF model directory (weights, processor, chat template)")
+    tiny: bool = Field(False, description="build a tiny random-init model of `family` under the run's cache dir")
+    backend: Literal["hf"] = "hf"
+    dtype: Literal["float32", "bfloat16"] = "float32"
+
+    @model_validator(mode="after")
+    def _one_source(self) -> "ModelConfig":
+        if self.tiny == (self.path is not None):
+            raise ValueError("set exactly one of model.path (a local model directory) or model.tiny: true")
+        return self
+
+
+class ParallelConfig(BaseModel):
+    """Data, tensor, pipeline and context parallel sizes; experts live inside dp x tp."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    dp: int = Field(1, ge=1)
+    tp: int = Field(1, ge=1)
+    pp: int = Field(1, ge=1)
+    cp: int = Field(1, ge=1)
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp * self.pp * self.cp

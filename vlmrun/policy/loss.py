@@ -1,0 +1,20 @@
+"""Token-level NLL over assistant tokens, normalized by the step's global count of valid tokens."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+IGNORE = -100
+
+
+def valid_tokens(labels: torch.Tensor) -> int:
+    """Tokens that carry loss after the one-position shift of causal LM training."""
+    return int((labels[:, 1:] != IGNORE).sum())
+
+
+def nll_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Sum (not mean) of next-token NLL over positions whose label is not IGNORE, in float32."""
+    shifted = logits[:, :-1].float().reshape(-1, logits.shape[-1])
+    target = labels[:, 1:].reshape(-1)
+    return F.cross_entropy(shifted, target, ignore_index=IGNORE, reduction="sum")

@@ -1,0 +1,1 @@
+"""Recipes: the typed, validated description of a run."""

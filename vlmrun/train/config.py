@@ -1,0 +1,47 @@
+"""Config of the training loop and of checkpointing."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class TrainConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    algorithm: Literal["sft", "grpo"] = "sft"
+    loop: Literal["v1", "v2"] = "v2"
+    global_batch_size: int = Field(8, ge=1)
+    micro_batch_size: int = Field(1, ge=1)
+    max_steps: int = Field(100, ge=1)
+    epochs: int = Field(1, ge=1)
+    optimizer: Literal["adamw", "sgd"] = "adamw"
+    lr: float = Field(1e-4, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    betas: tuple[float, float] = (0.9, 0.95)
+    grad_clip: float = Field(1.0, ge=0, description="max grad norm; 0 = no clipping")
+    lr_schedule: Literal["constant", "cosine", "linear"] = "cosine"
+    warmup_steps: int = Field(0, ge=0)
+    min_lr_ratio: float = Field(0.1, ge=0, le=1)
+    seed: int = 1234
+    val_period: int = Field(0, ge=0, description="validate every N steps; 0 = only at the end")
+    val_samples: int = Field(64, ge=0, description="val samples scored per validation; 0 = no validation")
+
+
+class RequeueBudget(BaseModel):
+    """How many times SLURM may requeue the job, counted separately for time limits and preemptions."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    timeouts: int = Field(3, ge=0)
+    preemptions: int = Field(3, ge=0)
+
+
+class CheckpointConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    dir: str | None = Field(None, description="default: <run dir>/checkpoints")
+    save_period: int = Field(50, ge=0, description="save every N steps; 0 = only when stopping and at the end")
+    keep: int = Field(2, ge=1)
+    requeue: RequeueBudget = Field(default_factory=RequeueBudget)
