@@ -65,6 +65,60 @@ def submit(
     raise typer.Exit(result.exit_code)
 
 
+@app.command(no_args_is_help=True)
+def resume(
+    target: str = typer.Argument(..., help="run directory of an ended run"),
+    set_: Optional[list[str]] = SetOpt,
+    wait: bool = typer.Option(False, "--wait", help="stay attached: stream progress, exit with the job's outcome"),
+    json_out: bool = JsonOpt,
+):
+    """Continue an ended run from its newest complete checkpoint (a new attempt in the same run dir).
+
+    Only fields that leave the sample stream and placement unchanged may be overridden
+    (train.max_steps, train.loop, checkpoint.*, cluster.*, logger.* ...).
+
+    Example: vlmrun resume runs/tiny-clevr-cpu-20261130-101500 --set train.max_steps=400 --wait
+    """
+    from vlmrun.launch.resume import resume_run
+
+    result = resume_run(target, set_ or [], wait=wait, echo=None if json_out else typer.echo)
+    if json_out:
+        _print_json(result.summary())
+    raise typer.Exit(result.exit_code)
+
+
+@app.command(no_args_is_help=True)
+def compare(
+    a: str = typer.Argument(..., help="v1 (with --recipe), or a run directory"),
+    b: str = typer.Argument(..., help="v2 (with --recipe), or a run directory"),
+    recipe: Optional[Path] = typer.Option(None, "--recipe", help="recipe to run through both loops"),
+    steps: Optional[int] = typer.Option(None, "--steps", min=1, help="steps of each loop run (sets train.max_steps)"),
+    set_: Optional[list[str]] = SetOpt,
+    out: Optional[Path] = typer.Option(None, "--out", help="folder for the runs and the plot (default runs/compare-<time>)"),
+    rtol: float = typer.Option(0.0, "--rtol", min=0.0, help="relative tolerance per metric; 0 = bitwise identical"),
+    json_out: bool = JsonOpt,
+):
+    """Compare loss and grad_norm of two runs step by step, with a plot and a verdict.
+
+    Exit 0 when every compared metric is within --rtol and the sample ids match, 1 when not.
+
+    Examples:
+      vlmrun compare v1 v2 --recipe recipes/tiny-clevr-cpu.yaml --steps 30
+      vlmrun compare runs/a runs/b --rtol 1e-6 --json
+    """
+    from vlmrun.launch.compare_loops import compare_targets
+
+    result = compare_targets(a, b, recipe=recipe, steps=steps, overrides=set_ or [], out=out, rtol=rtol,
+                             echo=None if json_out else typer.echo)
+    if json_out:
+        _print_json(result)
+    else:
+        from vlmrun.observe.tables import print_comparison
+
+        print_comparison(result)
+    raise typer.Exit(0 if result["verdict"] == "match" else 1)
+
+
 @data_app.command("clevr", no_args_is_help=True)
 def data_clevr(
     out: Path = typer.Argument(..., help="output directory (Energon-prepared WebDataset shards)"),
@@ -108,14 +162,19 @@ def main() -> None:
         typer.echo("aborted", err=True)
         sys.exit(130)
     except _click_exceptions() as e:
-        e.show()
+        ctx = getattr(e, "ctx", None)
+        where = f" (see `{ctx.command_path} --help`)" if ctx is not None else ""
+        typer.echo(f"error: {e.format_message()}{where}", err=True)
         sys.exit(EXIT_BAD_INPUT if e.exit_code == 2 else e.exit_code)
 
 
 def _click_exceptions():
-    import click
-
-    return (click.exceptions.ClickException,)
+    """Typer >= 0.25 vendors click as typer._click; older ones use click itself."""
+    try:
+        from typer._click.exceptions import ClickException
+    except ImportError:
+        from click.exceptions import ClickException
+    return (ClickException,)
 
 
 if __name__ == "__main__":

@@ -37,7 +37,9 @@ def start_local(rd: RunDirectory, recipe, *, wait: bool, echo: Callable[[str], N
         return SubmitResult(rd.path, "local", False, job_id=job_id, state="RUNNING")
     if echo:
         echo(f"run dir {rd.path}")
-    proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, env=env | {"VLMRUN_TEE_LOG": str(rd.attempt_log(attempt))})
+    # The job's output goes to our stderr: stdout stays clean for `--json`.
+    proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=sys.stderr.fileno(), stderr=sys.stderr.fileno(),
+                            env=env | {"VLMRUN_TEE_LOG": str(rd.attempt_log(attempt))})
     job_id = f"local-{proc.pid}"
     job_record.add_job(rd, job_id, "local", recipe.name)
     code = _wait_forwarding_signals(proc)

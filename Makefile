@@ -1,0 +1,30 @@
+# vlmrun: `make demo` (install + the embedded default run) and `make test` (install + the test suite).
+PYTHON ?= python3
+VENV   := .venv
+PIP    := $(VENV)/bin/pip
+# FACTS.md: torch 2.14.1 with torchvision 0.29.1 is the pair whose standard HF processor path works;
+# pin both on the same command line so no dependency pulls another torch.
+TORCH  := torch==2.14.1 torchvision==0.29.1
+export HF_HUB_OFFLINE := 1
+export WANDB_MODE ?= offline
+
+.PHONY: setup demo test test-fast clean
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml requirements/tested.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --disable-pip-version-check -c requirements/tested.txt $(TORCH) -e '.[test]'
+	touch $@
+
+demo: setup
+	$(VENV)/bin/vlmrun submit recipes/tiny-clevr-cpu.yaml --cluster local --run-dir runs/demo-$$(date +%Y%m%d-%H%M%S) --wait
+
+test: setup
+	$(VENV)/bin/python -m pytest -q -ra
+
+test-fast: setup
+	$(VENV)/bin/python -m pytest -q -m "not slow and not slurm"
+
+clean:
+	rm -rf $(VENV) runs data .pytest_cache

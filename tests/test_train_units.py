@@ -1,0 +1,129 @@
+"""Unit tests of the training core's logic: checkpoint store, data plane, schedule, step plan, stop flag."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+
+from vlmrun.plane.local import DataPlaneError, LocalDataPlane
+from vlmrun.policy.lr_schedule import lr_factor
+from vlmrun.policy.rng import rng_state, seed_all, set_rng_state
+from vlmrun.recipe.load import load_recipe
+from vlmrun.train.checkpoint import CheckpointStore, verify
+from vlmrun.train.steps import plan_steps
+from vlmrun.train.stop import StopFlag
+
+TINY = Path(__file__).resolve().parents[1] / "recipes" / "tiny-clevr-cpu.yaml"
+
+
+def _save(store: CheckpointStore, step: int, payload: bytes = b"x") -> Path:
+    tmp = store.begin(step)
+    (tmp / "model.pt").write_bytes(payload * 100)
+    return store.finish(step, tmp, {"placement_hash": "h"}, ["model.pt"])
+
+
+def test_checkpoint_retention_and_newest_wins(tmp_path):
+    store = CheckpointStore(tmp_path, keep=2)
+    for step in (3, 6, 9):
+        _save(store, step)
+    assert [s for s, _ in store.complete()] == [6, 9]
+    found, skipped = store.latest()
+    assert found.step == 9 and not skipped
+
+
+@pytest.mark.parametrize("damage", ["delete_meta", "truncate", "flip", "bad_json"])
+def test_torn_or_corrupt_checkpoint_is_reported_and_skipped(tmp_path, damage):
+    store = CheckpointStore(tmp_path, keep=3)
+    _save(store, 2)
+    newest = _save(store, 4)
+    model = newest / "model.pt"
+    if damage == "delete_meta":
+        (newest / "meta.json").unlink()
+    elif damage == "truncate":
+        model.write_bytes(model.read_bytes()[:10])
+    elif damage == "flip":
+        model.write_bytes(b"y" + model.read_bytes()[1:])
+    else:
+        (newest / "meta.json").write_text("{not json")
+    found, skipped = store.latest()
+    assert found.step == 2
+    assert len(skipped) == 1 and "step_4" in skipped[0]
+
+
+def test_unfinished_tmp_checkpoint_is_ignored_and_cleaned(tmp_path):
+    store = CheckpointStore(tmp_path, keep=2)
+    _save(store, 1)
+    tmp = store.begin(2)
+    (tmp / "model.pt").write_bytes(b"partial")
+    assert store.latest()[0].step == 1
+    _save(store, 3)
+    assert not tmp.exists()
+
+
+def test_meta_records_sizes_and_checksums(tmp_path):
+    path = _save(CheckpointStore(tmp_path, keep=1), 5, b"abc")
+    meta = verify(path)
+    assert meta["step"] == 5 and meta["files"]["model.pt"]["size"] == 300
+
+
+def test_data_plane_one_write_commit_abort():
+    plane = LocalDataPlane()
+    plane.put("step-1", [1, 2], ["a", "b"])
+    with pytest.raises(DataPlaneError, match="exactly one write"):
+        plane.put("step-1", [3], ["c"])
+    with pytest.raises(DataPlaneError, match="not committed"):
+        plane.get("step-1")
+    with pytest.raises(DataPlaneError, match="uncommitted"):
+        plane.state_dict()
+    plane.commit("step-1")
+    assert plane.get("step-1") == [1, 2] and plane.list_sample_ids("step-1") == ["a", "b"]
+    restored = LocalDataPlane()
+    restored.load_state_dict(plane.state_dict())
+    assert restored.get("step-1") == [1, 2]
+    plane.put("step-2", [9], ["z"])
+    plane.abort("step-2")
+    assert plane.partitions() == ["step-1"] and plane.in_flight() == []
+
+
+def test_lr_schedule_warmup_then_cosine_to_min():
+    kw = dict(max_steps=100, warmup_steps=10, schedule="cosine", min_lr_ratio=0.1)
+    assert lr_factor(0, **kw) == pytest.approx(0.1)
+    assert lr_factor(9, **kw) == pytest.approx(1.0)
+    assert lr_factor(10, **kw) == pytest.approx(1.0)
+    assert lr_factor(100, **kw) == pytest.approx(0.1)
+    assert lr_factor(55, **kw) == pytest.approx(0.55)
+    assert lr_factor(50, max_steps=100, warmup_steps=0, schedule="constant", min_lr_ratio=0.0) == 1.0
+
+
+def test_step_plan_caps_by_epochs():
+    r = load_recipe(TINY, ["train.max_steps=1000", "train.epochs=2"])
+    plan = plan_steps(r, train_samples=80)
+    assert plan.steps_per_epoch == 10 and plan.max_steps == 20
+    assert plan.samples_per_replica == 4 and plan.micro_batches_per_replica == 2
+    assert plan.epoch_of(10) == 0 and plan.epoch_of(11) == 1
+    r = load_recipe(TINY, ["train.max_steps=5", "data.virtual_epoch_length=3"])
+    assert plan_steps(r, train_samples=80).max_steps == 3
+
+
+def test_rng_state_round_trips_through_weights_only_load(tmp_path):
+    seed_all(7)
+    torch.save(rng_state(), tmp_path / "rng.pt")
+    want = (torch.rand(3), __import__("random").random(), __import__("numpy").random.rand())
+    set_rng_state(torch.load(tmp_path / "rng.pt", weights_only=True))
+    got = (torch.rand(3), __import__("random").random(), __import__("numpy").random.rand())
+    assert torch.equal(want[0], got[0]) and want[1:] == got[1:]
+
+
+def test_stop_flag_set_by_signal_only():
+    flag = StopFlag().install([signal.SIGUSR2])
+    try:
+        assert not flag.is_set()
+        os.kill(os.getpid(), signal.SIGUSR2)
+        assert flag.wait(2) and flag.signal_name == "SIGUSR2"
+    finally:
+        signal.signal(signal.SIGUSR2, signal.SIG_DFL)

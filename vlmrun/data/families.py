@@ -1,0 +1,114 @@
+"""Model-family registry: what each family's processor produces, and which data components serve it.
+
+Light on purpose (no torch, no Energon, no transformers): `vlmrun submit --dry-run` calls
+`check_components` on a login node. The implementations live in `cookers.py` and `task_encoder.py`
+and are looked up by the names declared here; tests/test_data_families.py checks that both agree.
+
+1. A `FamilySpec` names the processor class a model directory must carry and sorts the processor's
+   outputs: per-token inputs (padded with the batch, e.g. Qwen's `mm_token_type_ids`, without which
+   Qwen2.5-VL silently falls back to 1-D positions) and packed media (rows of all images
+   concatenated, plus their grid sizes).
+2. A `ComponentSpec` is a cooker or task encoder: its name, a version that goes into the loader
+   fingerprint (bump it when the component would produce different samples), and the families it
+   supports. A cooker also says which Energon subflavors it cooks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from types import MappingProxyType
+
+from vlmrun.errors import InputError
+
+
+@dataclass(frozen=True, kw_only=True)
+class FamilySpec:
+    name: str
+    processor_class: str
+    token_keys: tuple[str, ...]
+    media_keys: tuple[str, ...]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ComponentSpec:
+    name: str
+    version: int
+    families: tuple[str, ...]
+    subflavors: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def tag(self) -> str:
+        """`name@version`, as it appears in the loader fingerprint."""
+        return f"{self.name}@{self.version}"
+
+
+FAMILIES = MappingProxyType(
+    {
+        "qwen2_5_vl": FamilySpec(
+            name="qwen2_5_vl",
+            processor_class="Qwen2_5_VLProcessor",
+            token_keys=("mm_token_type_ids",),
+            media_keys=("pixel_values", "image_grid_thw"),
+        ),
+        "nemotron_omni": FamilySpec(
+            name="nemotron_omni",
+            processor_class="NemotronH_Omni_Reasoning_V3Processor",
+            token_keys=(),
+            media_keys=("pixel_values", "image_grid_hw"),
+        ),
+    }
+)
+
+COOKERS = MappingProxyType(
+    {
+        "conversation": ComponentSpec(
+            name="conversation",
+            version=1,
+            families=("qwen2_5_vl", "nemotron_omni"),
+            subflavors={"format": "vlmrun-conversation"},
+        ),
+    }
+)
+
+TASK_ENCODERS = MappingProxyType(
+    {
+        "chat_sft": ComponentSpec(name="chat_sft", version=1, families=("qwen2_5_vl", "nemotron_omni")),
+    }
+)
+
+
+def family_spec(family: str) -> FamilySpec:
+    """The spec of `family`; `InputError` on `model.family` listing the known families."""
+    try:
+        return FAMILIES[family]
+    except KeyError:
+        raise InputError("model.family", family, f"allowed: {', '.join(FAMILIES)}") from None
+
+
+def check_components(recipe) -> None:
+    """Refuse a recipe whose cookers or task encoder are unknown or do not support its family.
+
+    `recipe` is a `vlmrun.recipe.model.Recipe`. Raises `InputError` naming the field
+    (`data.cookers` or `data.task_encoder`), the bad value and the supported families or names.
+    """
+    family = recipe.family
+    family_spec(family)
+    if not recipe.data.cookers:
+        raise InputError("data.cookers", [], f"name at least one cooker; known: {', '.join(COOKERS)}")
+    for name in recipe.data.cookers:
+        _check_one("data.cookers", name, COOKERS, family)
+    _check_one("data.task_encoder", recipe.data.task_encoder, TASK_ENCODERS, family)
+
+
+def _check_one(field_path: str, name: str, registry, family: str) -> ComponentSpec:
+    spec = registry.get(name)
+    if spec is None:
+        raise InputError(field_path, name, f"known: {', '.join(registry)}")
+    if family not in spec.families:
+        supported = ", ".join(spec.families)
+        raise InputError(
+            field_path,
+            name,
+            message=f"{field_path}: {name!r} does not support family {family!r}; it supports: {supported}",
+        )
+    return spec

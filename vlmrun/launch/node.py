@@ -1,0 +1,98 @@
+"""The node entrypoint: what every node of a job runs (`python -m vlmrun.launch.node --run-dir DIR`).
+
+On the embedded default there is one node: it records the attempt in job.json, makes sure data and
+model exist, starts a private Ray, runs the driver, records the outcome and exits with
+0 (completed), 3 (stopped at a checkpoint, resumable), 1 (failed) or 2 (bad input).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import traceback
+
+from vlmrun.errors import EXIT_BAD_INPUT, InputError, VlmrunError
+from vlmrun.launch import job_record
+from vlmrun.launch.rundir import RunDirectory
+from vlmrun.train.stop import StopFlag, ignore_stop_signals
+
+log = logging.getLogger("vlmrun")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse(argv)
+    rd = RunDirectory(args.run_dir)
+    _setup_logging(os.environ.get("VLMRUN_TEE_LOG"))
+    # Before any helper process starts: they inherit SIG_IGN for the stop signals (see stop.py).
+    ignore_stop_signals()
+    job_id = os.environ.get("SLURM_JOB_ID") or f"local-{os.getpid()}"
+    restart = int(os.environ.get("SLURM_RESTART_COUNT", "0"))
+    attempt = job_record.begin_attempt(rd, job_id, restart)
+    try:
+        outcome = _run(rd, attempt, job_id)
+    except VlmrunError as e:
+        log.error("%s", e)
+        job_record.end_attempt(rd, attempt, "FAILED", str(e))
+        return e.exit_code
+    except BaseException as e:  # our bug or a crash below us: keep the traceback
+        traceback.print_exc()
+        job_record.end_attempt(rd, attempt, "FAILED", f"{type(e).__name__}: {e}")
+        return job_record.EXIT_FAILED
+    state = outcome["state"]
+    job_record.end_attempt(rd, attempt, state, outcome["reason"], outcome["last_step"])
+    log.info("%s: %s", state, outcome["reason"])
+    return job_record.EXIT_STOPPED if state == "STOPPED" else job_record.EXIT_COMPLETED
+
+
+def _run(rd: RunDirectory, attempt: int, job_id: str) -> dict:
+    from vlmrun.data.prepare import ensure_dataset
+    from vlmrun.launch.ray_cluster import start_local_ray
+    from vlmrun.policy.model_source import ensure_model
+    from vlmrun.train.driver import ProgressLine, run_sft
+
+    recipe = rd.load_recipe()
+    log.info("attempt %d of %s (%s, loop %s, dp=%d)", attempt, rd.path, job_id, recipe.train.loop, recipe.parallel.dp)
+    ensure_dataset(recipe.data)
+    model_dir = ensure_model(recipe.model, rd.cache, recipe.train.seed)
+    from vlmrun.data.loader import check_components
+
+    check_components(recipe)
+    import ray
+
+    stop = StopFlag()
+    cpus = max(recipe.parallel.world_size, os.cpu_count() or 1)
+    start_local_ray(job_id, cpus)
+    stop.install()
+    try:
+        progress = ProgressLine(recipe.train.max_steps)
+        return run_sft(rd, recipe, attempt=attempt, model_dir=model_dir, stop=stop,
+                       on_row=lambda row: log.info("%s", progress(row)))
+    finally:
+        ray.shutdown()
+
+
+def _parse(argv):
+    p = argparse.ArgumentParser(prog="python -m vlmrun.launch.node", description=__doc__.splitlines()[0])
+    p.add_argument("--run-dir", required=True)
+    return p.parse_args(argv)
+
+
+def _setup_logging(tee_path: str | None) -> None:
+    fmt = logging.Formatter("%(asctime)s %(levelname)s %(message)s", "%H:%M:%S")
+    handlers = [logging.StreamHandler(sys.stderr)]
+    if tee_path:
+        handlers.append(logging.FileHandler(tee_path))
+    root = logging.getLogger()
+    root.setLevel(logging.INFO)
+    for h in handlers:
+        h.setFormatter(fmt)
+        root.addHandler(h)
+
+
+if __name__ == "__main__":
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code if code is not None else EXIT_BAD_INPUT)

@@ -1,0 +1,44 @@
+"""`vlmrun resume`: continue an ended run from its newest complete checkpoint, as a new attempt.
+
+Overrides that would change the sample stream or the placement (what the loader fingerprint and the
+checkpoint's placement hash would refuse) are refused here, before anything starts, naming the field.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+import yaml
+
+from vlmrun.errors import InputError
+from vlmrun.launch import job_record
+from vlmrun.launch.rundir import RunDirectory, dump_recipe, write_atomic
+
+# Fields a resume may change: none of them changes which samples a step sees or where ranks sit.
+RESUMABLE = ("train.max_steps", "train.epochs", "train.val_period", "train.val_samples", "train.loop",
+             "checkpoint.save_period", "checkpoint.keep", "checkpoint.requeue", "cluster", "logger")
+
+
+def resume_run(target: str, overrides: list[str], *, wait: bool, echo: Callable[[str], None] | None = None):
+    from vlmrun.launch.local import start_local
+    from vlmrun.recipe.load import parse_override, set_dotted, validate
+
+    rd = RunDirectory(Path(target))
+    if not rd.exists():
+        raise InputError("RUN_DIR", target, message=f"{target}: not a vlmrun run directory (no recipe.yaml)")
+    job = rd.read_job()
+    pid = job_record.running_pid(job)
+    if pid is not None:
+        raise InputError("RUN_DIR", target, message=f"{target} is still running (pid {pid}); stop it before resuming")
+    raw = yaml.safe_load(rd.recipe_file.read_text())
+    for item in overrides:
+        key, value = parse_override(item)
+        if not any(key == p or key.startswith(p + ".") for p in RESUMABLE):
+            raise InputError(key, value, "changing it would change the sample stream or placement the checkpoint "
+                             f"belongs to; a resume may change {', '.join(RESUMABLE)}")
+        set_dotted(raw, key, value)
+    recipe = validate(raw)
+    if overrides:
+        write_atomic(rd.recipe_file, dump_recipe(recipe))
+    return start_local(rd, recipe, wait=wait, echo=echo)
