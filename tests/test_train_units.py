@@ -127,3 +127,21 @@ def test_stop_flag_set_by_signal_only():
         assert flag.wait(2) and flag.signal_name == "SIGUSR2"
     finally:
         signal.signal(signal.SIGUSR2, signal.SIG_DFL)
+
+
+def test_metrics_log_drops_a_torn_row_and_readers_take_latest_attempt(tmp_path):
+    from vlmrun.observe.metrics import MetricsLog, history
+
+    path = tmp_path / "metrics.jsonl"
+    log = MetricsLog(path)
+    log.append({"step": 1, "attempt": 0, "loss": 2.0})
+    log.append({"step": 2, "attempt": 0, "loss": 1.5})
+    with open(path, "a") as f:
+        f.write('{"step": 3, "attempt": 0, "lo')  # killed mid-write
+    log = MetricsLog(path)
+    log.append({"step": 2, "attempt": 1, "loss": 1.5})
+    log.append({"step": 3, "attempt": 1, "loss": 1.2})
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert len(rows) == 4
+    h = history(path)
+    assert sorted(h) == [1, 2, 3] and h[3]["attempt"] == 1 and h[1]["attempt"] == 0

@@ -14,6 +14,8 @@ class Batch:
     `labels` are -100 outside assistant tokens (and everywhere in a zero-weight row); `media` holds
     the processor's packed media tensors (e.g. `pixel_values` rows of all images and
     `image_grid_thw`), concatenated in sample order, or is empty for a text-only batch.
+    `token_inputs` holds the processor's other per-token inputs, padded like `input_ids` (e.g.
+    Qwen2.5-VL's `mm_token_type_ids`: without it the model silently drops its 3-D vision positions).
     """
 
     sample_ids: list[str]
@@ -21,9 +23,10 @@ class Batch:
     attention_mask: torch.Tensor
     labels: torch.Tensor
     media: dict[str, torch.Tensor] = field(default_factory=dict)
+    token_inputs: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def model_inputs(self) -> dict[str, torch.Tensor]:
-        return {"input_ids": self.input_ids, "attention_mask": self.attention_mask, **self.media}
+        return {"input_ids": self.input_ids, "attention_mask": self.attention_mask, **self.token_inputs, **self.media}
 
     def __len__(self) -> int:
         return len(self.sample_ids)
@@ -31,16 +34,20 @@ class Batch:
 
 @dataclass
 class PromptBatch:
-    """Prompts for greedy generation (left-padded) with the reference answers, for validation."""
+    """Prompts for greedy generation (left-padded) with the reference answers, for validation.
+
+    `token_inputs` are left-padded like `input_ids` (see `Batch`).
+    """
 
     sample_ids: list[str]
     input_ids: torch.Tensor
     attention_mask: torch.Tensor
     answers: list[str]
     media: dict[str, torch.Tensor] = field(default_factory=dict)
+    token_inputs: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def model_inputs(self) -> dict[str, torch.Tensor]:
-        return {"input_ids": self.input_ids, "attention_mask": self.attention_mask, **self.media}
+        return {"input_ids": self.input_ids, "attention_mask": self.attention_mask, **self.token_inputs, **self.media}
 
     def __len__(self) -> int:
         return len(self.sample_ids)

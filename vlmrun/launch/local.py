@@ -13,6 +13,7 @@ import subprocess
 import sys
 from typing import Callable
 
+from vlmrun.errors import EXIT_BAD_INPUT
 from vlmrun.launch import job_record
 from vlmrun.launch.rundir import RunDirectory
 
@@ -46,8 +47,9 @@ def start_local(rd: RunDirectory, recipe, *, wait: bool, echo: Callable[[str], N
     state = _OUTCOME.get(code, "FAILED")
     if echo and code == job_record.EXIT_STOPPED:
         echo(f"stopped at a checkpoint; continue with: vlmrun resume {rd.path} --wait")
+    passed_on = (job_record.EXIT_COMPLETED, job_record.EXIT_STOPPED, EXIT_BAD_INPUT)
     return SubmitResult(rd.path, "local", False, job_id=job_id, state=state,
-                        exit_code=code if code in (0, job_record.EXIT_STOPPED) else 1)
+                        exit_code=code if code in passed_on else job_record.EXIT_FAILED)
 
 
 def _wait_forwarding_signals(proc: subprocess.Popen) -> int:

@@ -47,8 +47,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(rd: RunDirectory, attempt: int, job_id: str) -> dict:
+    from vlmrun.launch.ray_cluster import set_local_environment, start_local_ray
+
+    set_local_environment()
     from vlmrun.data.prepare import ensure_dataset
-    from vlmrun.launch.ray_cluster import start_local_ray
     from vlmrun.policy.model_source import ensure_model
     from vlmrun.train.driver import ProgressLine, run_sft
 
@@ -56,7 +58,7 @@ def _run(rd: RunDirectory, attempt: int, job_id: str) -> dict:
     log.info("attempt %d of %s (%s, loop %s, dp=%d)", attempt, rd.path, job_id, recipe.train.loop, recipe.parallel.dp)
     ensure_dataset(recipe.data)
     model_dir = ensure_model(recipe.model, rd.cache, recipe.train.seed)
-    from vlmrun.data.loader import check_components
+    from vlmrun.data.families import check_components
 
     check_components(recipe)
     import ray

@@ -10,13 +10,27 @@ import os
 import tempfile
 from pathlib import Path
 
+# Read by Ray and gloo when they are imported / start: set before either happens.
+LOCAL_ENV = {
+    "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",  # FACTS: the node then registers as 127.0.0.1
+    "RAY_USAGE_STATS_ENABLED": "0",
+    "GLOO_SOCKET_IFNAME": "lo",  # keep gloo's collectives on loopback, not the machine's outward address
+    "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+    "TRANSFORMERS_VERBOSITY": "error",
+    "TOKENIZERS_PARALLELISM": "false",
+}
+
+
+def set_local_environment() -> None:
+    """Call before importing ray; worker processes inherit these variables."""
+    for key, value in LOCAL_ENV.items():
+        os.environ.setdefault(key, value)
+
 
 def start_local_ray(job_id: str, num_cpus: int) -> Path:
+    set_local_environment()
     import ray
 
-    # Keep a single-machine Ray on loopback (FACTS: nodes then register as 127.0.0.1).
-    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     temp = Path(tempfile.gettempdir()) / "vlmrun-ray" / job_id.replace("/", "_")[:40]
     temp.mkdir(parents=True, exist_ok=True)
     ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, _temp_dir=str(temp),

@@ -6,17 +6,34 @@ A resumed attempt appends rows; readers take, for each step, the row of the late
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 
 class MetricsLog:
+    """Appends rows with one write(2) each; on open, drops a torn last line left by a killed writer."""
+
     def __init__(self, path: Path):
         self.path = Path(path)
+        _drop_torn_tail(self.path)
 
     def append(self, row: dict) -> None:
-        with open(self.path, "a") as f:
-            f.write(json.dumps(row, sort_keys=False) + "\n")
-            f.flush()
+        data = (json.dumps(row, sort_keys=False) + "\n").encode()
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, data)
+        finally:
+            os.close(fd)
+
+
+def _drop_torn_tail(path: Path) -> None:
+    if not path.is_file() or path.stat().st_size == 0:
+        return
+    with open(path, "rb+") as f:
+        data = f.read()
+        if data.endswith(b"\n"):
+            return
+        f.truncate(data.rfind(b"\n") + 1)
 
 
 def read_rows(path: Path) -> list[dict]:

@@ -37,6 +37,7 @@ class PolicyWorker:
 
     # ---- set-up -------------------------------------------------------------------------------
     def node_address(self) -> str:
+        """The address other ranks reach this one at (127.0.0.1 on the embedded default)."""
         import ray
 
         return ray.util.get_node_ip_address()

@@ -23,6 +23,7 @@ from vlmrun.data.topology import ParallelLayout, plan_placement
 from vlmrun.errors import InputError
 from vlmrun.launch.rundir import RunDirectory
 from vlmrun.observe.metrics import MetricsLog
+from vlmrun.observe.wandb_sink import WandbSink
 from vlmrun.policy import rng
 from vlmrun.policy.worker import PolicyWorker
 from vlmrun.train.checkpoint import CheckpointStore
@@ -55,6 +56,8 @@ class SftController:
         self.steps = plan_steps(r, split_size(r.data.path, r.data.split))
         self.store = CheckpointStore(self.rd.checkpoints(r), r.checkpoint.keep)
         self.metrics = MetricsLog(self.rd.metrics_file(r))
+        self.wandb = WandbSink(mode=r.logger.wandb_mode, project=r.logger.wandb_project, run_dir=self.rd.path,
+                               name=self.rd.path.name, run_id=_wandb_id(self.rd.path))
         t_start = time.time()
         self._start_workers()
         self._open_loaders()
@@ -73,6 +76,7 @@ class SftController:
             if self._due(step, r.train.val_period):
                 row |= self._validate()
             self.metrics.append(row)
+            self.wandb.log(row)
             if self._due(step, r.checkpoint.save_period) or self._stop.is_set():
                 self._save(step, counters)
         if self._stop.is_set() and step < self.steps.max_steps:
@@ -83,6 +87,7 @@ class SftController:
         return step == self.steps.max_steps or (period > 0 and step % period == 0)
 
     def _outcome(self, state: str, step: int, reason: str, notes: dict) -> dict:
+        self.wandb.close()
         for w in self.workers:
             w.shutdown.remote()
         for loader in self.loaders.values():
@@ -207,3 +212,10 @@ class SftController:
                 "loop": self.recipe.train.loop, "attempt": self.attempt, "counters": counters}
         path = self.store.finish(step, tmp, meta, files)
         log.info("saved %s in %.2fs", path, time.perf_counter() - t0)
+
+
+def _wandb_id(run_dir: Path) -> str:
+    """One wandb run per run directory, so resumed attempts append to it."""
+    import hashlib
+
+    return hashlib.sha256(str(run_dir).encode()).hexdigest()[:16]

@@ -1,0 +1,234 @@
+"""Encode a `Conversation` with a model family's HF processor, and collate encodings into batches.
+
+Shared by the Energon task encoder and the reference loader, so both produce identical tensors.
+
+1. The text comes from the processor's chat template. Assistant spans are found by rendering: the
+   span of assistant message i is what `messages[:i+1]` adds to `messages[:i]` rendered with the
+   generation prompt, minus trailing whitespace. So the span holds the answer and its end-of-turn
+   token, never the role header or a template's empty `<think></think>`; it works for templates
+   without `{% generation %}` markers, and for Nemotron, whose processor breaks HF's assistant mask.
+2. The rendered text is cut at span borders into pieces. Pieces with media go through the processor
+   (it expands the placeholders and processes the images exactly once), text-only pieces through the
+   tokenizer. Borders sit next to special tokens or a newline, where tokenization does not merge, so
+   the concatenation is the tokenization of the whole text (tests/test_data_encoding.py checks it);
+   a validation prompt is exactly the first piece.
+3. Longer than `max_seq_len`: the sample becomes a zero-weight text-only row (media parts dropped,
+   labels all -100, cut to `max_seq_len`), so every micro-batch keeps its sample count.
+4. Media stay in the processor's packed form: per sample the rows of all its images and their grid
+   sizes; a batch concatenates them in sample order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from vlmrun.data.batch import Batch, PromptBatch
+from vlmrun.data.cookers import Conversation, MalformedSample
+from vlmrun.data.families import FamilySpec
+
+IGNORE_INDEX = -100
+
+
+@dataclass
+class Encoded:
+    """One encoded sample: 1-D `input_ids`/`labels`, per-token extras, packed media (may be empty)."""
+
+    key: str
+    input_ids: torch.Tensor
+    labels: torch.Tensor
+    token_inputs: dict[str, torch.Tensor]
+    media: dict[str, torch.Tensor]
+    over_length: bool = False
+
+
+@dataclass
+class EncodedPrompt:
+    """A prompt (everything before the last assistant answer) and the reference answer."""
+
+    key: str
+    input_ids: torch.Tensor
+    token_inputs: dict[str, torch.Tensor]
+    media: dict[str, torch.Tensor]
+    answer: str
+
+
+class ConversationEncoder:
+    """Turns conversations into token ids, assistant-only labels and processed media.
+
+    Holds the processor; not thread-safe (HF processors are not). Raises `MalformedSample` for a
+    conversation the chat template cannot render consistently.
+    """
+
+    def __init__(self, processor, family: FamilySpec, max_seq_len: int):
+        self.processor = processor
+        self.tokenizer = processor.tokenizer
+        self.family = family
+        self.max_seq_len = max_seq_len
+        self.image_token = getattr(processor, "image_token", None)
+        self.pad_token_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+
+    # ---- encoding -----------------------------------------------------------------------------
+    def encode(self, conv: Conversation) -> Encoded:
+        """The full conversation with labels on assistant spans; over-length -> text-only, zero weight."""
+        encoded = self._encode_messages(conv, conv.messages, train=True)
+        if encoded.input_ids.numel() <= self.max_seq_len:
+            return encoded
+        text_only = self._encode_messages(conv, _without_media(conv.messages), train=False)
+        n = self.max_seq_len
+        return Encoded(
+            key=conv.__key__,
+            input_ids=text_only.input_ids[:n],
+            labels=torch.full((min(n, text_only.input_ids.numel()),), IGNORE_INDEX, dtype=torch.long),
+            token_inputs={k: v[:n] for k, v in text_only.token_inputs.items()},
+            media={},
+            over_length=True,
+        )
+
+    def encode_prompt(self, conv: Conversation) -> EncodedPrompt:
+        """Prompt for generation (with the template's generation prompt) and the reference answer."""
+        prompt = conv.messages[:-1] if conv.messages[-1]["role"] == "assistant" else conv.messages
+        text = self._render(prompt, generation_prompt=True)
+        ids, tokens, media = self._process(text, self._images_of(conv, prompt), first=True)
+        if ids.numel() > self.max_seq_len:
+            prompt = _without_media(prompt)
+            text = self._render(prompt, generation_prompt=True)
+            ids, tokens, media = self._process(text, [], first=True)
+            ids, tokens = ids[-self.max_seq_len:], {k: v[-self.max_seq_len:] for k, v in tokens.items()}
+        return EncodedPrompt(key=conv.__key__, input_ids=ids, token_inputs=tokens, media=media, answer=conv.answer)
+
+    def _encode_messages(self, conv: Conversation, messages: list[dict], *, train: bool) -> Encoded:
+        text, spans = self._render_with_spans(conv.__key__, messages)
+        images = self._images_of(conv, messages)
+        ids, labels, media_parts = [], [], []
+        tokens: dict[str, list[torch.Tensor]] = {k: [] for k in self.family.token_keys}
+        for start, end, trainable in _pieces(len(text), spans):
+            piece = text[start:end]
+            n_images = piece.count(self.image_token) if self.image_token else 0
+            piece_ids, piece_tokens, piece_media = self._process(piece, images[:n_images], first=(start == 0))
+            images = images[n_images:]
+            ids.append(piece_ids)
+            labels.append(piece_ids.clone() if (trainable and train) else torch.full_like(piece_ids, IGNORE_INDEX))
+            for k in tokens:
+                tokens[k].append(piece_tokens[k])
+            if piece_media:
+                media_parts.append(piece_media)
+        if images:
+            raise MalformedSample(f"{conv.__key__}: {len(images)} image(s) without a placeholder in the chat template")
+        return Encoded(
+            key=conv.__key__,
+            input_ids=torch.cat(ids),
+            labels=torch.cat(labels),
+            token_inputs={k: torch.cat(v) for k, v in tokens.items()},
+            media=_cat_media(media_parts),
+        )
+
+    def _process(self, text: str, images: list[torch.Tensor], *, first: bool):
+        """(ids, per-token extras, media) of one piece; the processor only where there are images."""
+        if not images:
+            ids = self.tokenizer(text, add_special_tokens=first)["input_ids"]
+            ids = torch.tensor(ids, dtype=torch.long)
+            return ids, {k: torch.zeros_like(ids) for k in self.family.token_keys}, {}
+        out = self.processor(text=[text], images=images, return_tensors="pt", add_special_tokens=first)
+        ids = out["input_ids"][0].to(torch.long)
+        tokens = {k: out[k][0].to(torch.long) for k in self.family.token_keys}
+        media = {k: out[k] for k in self.family.media_keys}
+        return ids, tokens, media
+
+    # ---- chat template ------------------------------------------------------------------------
+    def _render(self, messages: list[dict], *, generation_prompt: bool) -> str:
+        return self.processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+
+    def _render_with_spans(self, key: str, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
+        """The whole text and the character spans of the assistant answers (see module doc, 1)."""
+        text = self._render(messages, generation_prompt=False)
+        spans = []
+        for i, message in enumerate(messages):
+            if message["role"] != "assistant":
+                continue
+            before = self._render(messages[:i], generation_prompt=True) if i else ""
+            upto = self._render(messages[: i + 1], generation_prompt=False)
+            if not (upto.startswith(before) and text.startswith(upto)):
+                raise MalformedSample(f"{key}: the chat template does not render turn {i} as a prefix of the next")
+            end = len(upto.rstrip())
+            if end > len(before):
+                spans.append((len(before), end))
+        return text, spans
+
+    @staticmethod
+    def _images_of(conv: Conversation, messages: list[dict]) -> list[torch.Tensor]:
+        return [
+            conv.media[part["media"]].data
+            for message in messages
+            for part in message["content"]
+            if part["type"] == "image"
+        ]
+
+    # ---- collation ----------------------------------------------------------------------------
+    def collate(self, samples: list[Encoded]) -> Batch:
+        """Right-padded batch; media concatenated in sample order (empty when no sample has any)."""
+        width = max(s.input_ids.numel() for s in samples)
+        input_ids = torch.full((len(samples), width), self.pad_token_id, dtype=torch.long)
+        labels = torch.full((len(samples), width), IGNORE_INDEX, dtype=torch.long)
+        mask = torch.zeros((len(samples), width), dtype=torch.long)
+        tokens = {k: torch.zeros((len(samples), width), dtype=torch.long) for k in self.family.token_keys}
+        for row, s in enumerate(samples):
+            n = s.input_ids.numel()
+            input_ids[row, :n], labels[row, :n], mask[row, :n] = s.input_ids, s.labels, 1
+            for k in tokens:
+                tokens[k][row, :n] = s.token_inputs[k]
+        return Batch(
+            sample_ids=[s.key for s in samples],
+            input_ids=input_ids,
+            attention_mask=mask,
+            labels=labels,
+            media=_cat_media([s.media for s in samples if s.media]),
+            token_inputs=tokens,
+        )
+
+    def collate_prompts(self, prompts: list[EncodedPrompt]) -> PromptBatch:
+        """Left-padded prompts (generation appends on the right), answers in the same order."""
+        width = max(p.input_ids.numel() for p in prompts)
+        input_ids = torch.full((len(prompts), width), self.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((len(prompts), width), dtype=torch.long)
+        tokens = {k: torch.zeros((len(prompts), width), dtype=torch.long) for k in self.family.token_keys}
+        for row, p in enumerate(prompts):
+            n = p.input_ids.numel()
+            input_ids[row, width - n:], mask[row, width - n:] = p.input_ids, 1
+            for k in tokens:
+                tokens[k][row, width - n:] = p.token_inputs[k]
+        return PromptBatch(
+            sample_ids=[p.key for p in prompts],
+            input_ids=input_ids,
+            attention_mask=mask,
+            answers=[p.answer for p in prompts],
+            media=_cat_media([p.media for p in prompts if p.media]),
+            token_inputs=tokens,
+        )
+
+
+def _pieces(length: int, spans: list[tuple[int, int]]) -> list[tuple[int, int, bool]]:
+    """Cut [0, length) at the span borders: (start, end, is_assistant_span), empty pieces dropped."""
+    pieces, cursor = [], 0
+    for start, end in spans:
+        if start > cursor:
+            pieces.append((cursor, start, False))
+        pieces.append((start, end, True))
+        cursor = end
+    if length > cursor:
+        pieces.append((cursor, length, False))
+    return pieces
+
+
+def _without_media(messages: list[dict]) -> list[dict]:
+    return [
+        {**m, "content": [p for p in m["content"] if p["type"] == "text"]}
+        for m in messages
+    ]
+
+
+def _cat_media(parts: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    if not parts:
+        return {}
+    return {k: torch.cat([p[k] for p in parts]) if len(parts) > 1 else parts[0][k] for k in parts[0]}

@@ -1,0 +1,109 @@
+"""Identity fingerprint of a loader shard: everything that would silently change its sample stream.
+
+A saved loader state carries the fingerprint of the shard that wrote it; restoring it into a shard
+with another fingerprint is refused before anything is read, with every changed field listed as
+`path: old -> new`. Field names are recipe paths where the value comes from the recipe.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+from vlmrun.errors import InputError
+
+#: Bump when the loader's state layout or sample order changes for the same settings.
+LOADER_FORMAT = 1
+
+# Files of a HF model directory that decide what the processor makes of a sample.
+_PROCESSOR_FILES = (
+    "preprocessor_config.json",
+    "processor_config.json",
+    "video_preprocessor_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+)
+
+
+class LoaderStateRefused(InputError):
+    """A saved loader state that this shard must not load: another identity, or too late."""
+
+
+def loader_fingerprint(recipe, *, processor_dir: str, chat_template: str | None, shard: int, num_shards: int,
+                       placement_hash: str, split: str) -> dict[str, object]:
+    """The fingerprint of one loader shard, a flat dict of JSON values keyed by dotted path."""
+    import megatron.energon
+
+    from vlmrun.data.families import COOKERS, TASK_ENCODERS
+
+    d, t = recipe.data, recipe.train
+    return {
+        "data.path": str(Path(d.path).resolve()),
+        "data.split": split,
+        "data.content": dataset_content_hash(d.path, split),
+        "data.num_workers": d.num_workers,
+        "data.shuffle": d.shuffle_buffer > 1,
+        "data.shuffle_buffer": d.shuffle_buffer,
+        "data.max_samples_per_sequence": d.max_samples_per_sequence,
+        "data.virtual_epoch_length": d.virtual_epoch_length,
+        "data.max_seq_len": d.max_seq_len,
+        "data.family": recipe.family,
+        "data.cookers": [COOKERS[name].tag for name in d.cookers],
+        "data.task_encoder": TASK_ENCODERS[d.task_encoder].tag,
+        "train.seed": t.seed,
+        "train.micro_batch_size": t.micro_batch_size,
+        "processor.config": processor_config_hash(processor_dir),
+        "processor.chat_template": _sha(chat_template or ""),
+        "versions.energon": megatron.energon.__version__,
+        "versions.loader_format": LOADER_FORMAT,
+        "topology.shard": shard,
+        "topology.num_shards": num_shards,
+        "topology.placement_hash": placement_hash,
+    }
+
+
+def check_same_identity(saved: dict[str, object], current: dict[str, object], *, shard: int) -> None:
+    """Raise `LoaderStateRefused` listing every field where `saved` and `current` differ."""
+    changes = [
+        f"{key}: {_show(saved.get(key, '<missing>'))} -> {_show(current.get(key, '<missing>'))}"
+        for key in sorted(set(saved) | set(current))
+        if saved.get(key, "<missing>") != current.get(key, "<missing>")
+    ]
+    if changes:
+        fields = ", ".join(c.split(":", 1)[0] for c in changes)
+        raise LoaderStateRefused(
+            fields,
+            message=f"loader shard {shard}: the saved loader state belongs to another data stream; "
+            f"changed: {'; '.join(changes)}. Resume with the settings it was saved with.",
+        )
+
+
+def dataset_content_hash(path: str | Path, split: str) -> str:
+    """Hash of the split's shard names and sample counts (from `.nv-meta`), not of the bytes."""
+    from vlmrun.data.loader import split_shards
+
+    return _sha(json.dumps(split_shards(path, split), sort_keys=True))
+
+
+def processor_config_hash(processor_dir: str | Path) -> str:
+    """Hash of the processor's and tokenizer's files in a HF model directory."""
+    digest = hashlib.sha256()
+    for name in _PROCESSOR_FILES:
+        file = Path(processor_dir) / name
+        if file.is_file():
+            digest.update(name.encode() + b"\0" + file.read_bytes() + b"\0")
+    return digest.hexdigest()[:16]
+
+
+def _sha(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _show(value: object) -> str:
+    text = json.dumps(value) if not isinstance(value, str) else value
+    return text if len(text) <= 120 else text[:117] + "..."

@@ -1,0 +1,229 @@
+"""Savable Energon loader shards: the training stream of one data-parallel replica, and validation.
+
+1. One Energon savable loader per shard: `WorkerConfig(rank=shard, world_size=num_shards,
+   num_workers=data.num_workers, seed_offset=train.seed)`. Shards are disjoint, and two shards built
+   with equal arguments yield identical batches in any process (driver or Ray actor).
+2. `state_dict()` is plain data (`torch.load(weights_only=True)` reads it) and carries the shard's
+   identity fingerprint (`vlmrun.data.fingerprint`); `load_state_dict()` refuses another identity,
+   or any state once the first batch was taken (Energon restores only before iterating).
+3. The stream is infinite: Energon repeats the split; with `data.virtual_epoch_length` the shard
+   ends an epoch every that many samples (rounded down to micro-batches) and starts the next.
+4. Corrupt samples are skipped and counted per shard up to `data.error_tolerance`
+   (`vlmrun.data.error_budget`); one more fails the shard with its key and tar file.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import warnings
+from pathlib import Path
+
+from vlmrun.data.batch import Batch, PromptBatch
+from vlmrun.data.error_budget import CorruptDataError, ErrorBudget
+from vlmrun.data.fingerprint import LOADER_FORMAT, LoaderStateRefused, check_same_identity, loader_fingerprint
+from vlmrun.errors import InputError
+
+logger = logging.getLogger(__name__)
+
+_META = ".nv-meta"
+
+
+def split_shards(path: str | Path, split: str) -> list[tuple[str, int]]:
+    """(tar name, sample count) of each shard of `split`, read from `.nv-meta` (no tar is opened).
+
+    Raises `InputError` on `data.path` for a folder Energon has not prepared, on `data.split` for
+    a split it does not have.
+    """
+    import braceexpand
+    import yaml
+
+    meta = Path(path) / _META
+    try:
+        counts = json.loads((meta / ".info.json").read_text())["shard_counts"]
+        splits = yaml.safe_load((meta / "split.yaml").read_text())
+    except (OSError, ValueError, KeyError, TypeError):
+        raise InputError("data.path", str(path), "must be an Energon-prepared dataset folder "
+                         "(.nv-meta/ with .info.json and split.yaml)") from None
+    parts = splits.get("split_parts") or {}
+    if split not in parts:
+        raise InputError("data.split", split, f"{path} has the splits: {', '.join(parts) or 'none'}")
+    excluded = {name for pattern in splits.get("exclude") or () for name in braceexpand.braceexpand(pattern)}
+    names = [n for pattern in parts[split] for n in braceexpand.braceexpand(pattern) if n not in excluded]
+    return [(name, int(counts[name])) for name in names]
+
+
+def split_size(path: str, split: str) -> int:
+    """Number of samples in `split` of the Energon dataset at `path`, from `.nv-meta` (fast)."""
+    return sum(count for _, count in split_shards(path, split))
+
+
+def load_processor(processor_dir: str, family: str):
+    """`AutoProcessor` of a local model directory, checked against the family's processor class."""
+    from transformers import AutoProcessor
+
+    from vlmrun.data.families import family_spec
+
+    spec = family_spec(family)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # loader workers fork after it is loaded
+    processor = AutoProcessor.from_pretrained(processor_dir)
+    if type(processor).__name__ != spec.processor_class:
+        raise InputError("model.family", family, f"{processor_dir} holds a {type(processor).__name__}, "
+                         f"but family {family!r} needs a {spec.processor_class}")
+    return processor
+
+
+class LoaderShard:
+    """Shard `shard` of `num_shards` of the training stream; build it with `open_loader_shard`.
+
+    Not thread-safe. `close()` stops the worker processes; a closed shard cannot be reopened.
+    """
+
+    def __init__(self, recipe, *, processor_dir: str, shard: int, num_shards: int, placement_hash: str,
+                 split: str):
+        from megatron.energon import WorkerConfig, get_savable_loader, get_train_dataset
+
+        from vlmrun.data.task_encoder import make_task_encoder
+
+        if not 0 <= shard < num_shards:
+            raise ValueError(f"shard {shard} does not exist: there are {num_shards} shards")
+        d, t = recipe.data, recipe.train
+        self.shard, self.num_shards, self.split = shard, num_shards, split
+        self.micro_batch_size = t.micro_batch_size
+        split_size(d.path, split)  # refuses a missing dataset or split with an InputError
+        processor = load_processor(processor_dir, recipe.family)
+        self.fingerprint = loader_fingerprint(
+            recipe, processor_dir=processor_dir, chat_template=processor.chat_template, shard=shard,
+            num_shards=num_shards, placement_hash=placement_hash, split=split)
+        self._budget = ErrorBudget(shard=shard, num_shards=num_shards, split=split, tolerance=d.error_tolerance)
+        worker_config = WorkerConfig(rank=shard, world_size=num_shards, num_workers=d.num_workers,
+                                     seed_offset=t.seed, global_error_handler=self._budget)
+        task_encoder = make_task_encoder(d.task_encoder, processor=processor, family=recipe.family,
+                                         cookers=d.cookers, max_seq_len=d.max_seq_len)
+        epoch_batches = d.virtual_epoch_length // t.micro_batch_size if d.virtual_epoch_length else 0
+        dataset = get_train_dataset(
+            d.path, split_part=split, worker_config=worker_config, batch_size=t.micro_batch_size,
+            shuffle_buffer_size=d.shuffle_buffer if d.shuffle_buffer > 1 else None,
+            max_samples_per_sequence=d.max_samples_per_sequence,
+            virtual_epoch_length=max(epoch_batches, 1) if d.virtual_epoch_length else 0,
+            task_encoder=task_encoder)
+        self._loader = get_savable_loader(dataset)
+        self._iter = None
+        self._batches = 0
+        self._closed = False
+
+    def next_batch(self) -> Batch:
+        """The next micro-batch (`train.micro_batch_size` samples); epochs follow each other forever.
+
+        Raises `CorruptDataError` once the shard skipped more than `data.error_tolerance` samples.
+        """
+        if self._closed:
+            raise RuntimeError(f"loader shard {self.shard} is closed")
+        try:
+            with warnings.catch_warnings():
+                # Energon always asks for pinned memory; without a GPU torch warns (per epoch) and ignores it.
+                warnings.filterwarnings("ignore", message=".*pin_memory.*no accelerator", category=UserWarning)
+                batch = self._next()
+        except CorruptDataError as e:
+            raise CorruptDataError(_last_line(str(e))) from None
+        self._batches += 1
+        return batch
+
+    def _next(self) -> Batch:
+        if self._iter is None:
+            self._iter = iter(self._loader)
+        try:
+            return next(self._iter)
+        except StopIteration:  # the end of a virtual epoch: the next one starts where it stopped
+            self._iter = iter(self._loader)
+            return next(self._iter)
+
+    def state_dict(self) -> dict:
+        """Where this shard stands, with its fingerprint; plain data for `torch.save`/`torch.load`."""
+        from vlmrun.data.loader_state import to_plain
+
+        return {
+            "format": LOADER_FORMAT,
+            "fingerprint": dict(self.fingerprint),
+            "batches": self._batches,
+            "corrupt_skipped": self._budget.count,
+            "energon": to_plain(self._loader.save_state_rank()),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue from `state`; refused (`LoaderStateRefused`) after the first batch or on any
+        identity change, before anything is restored."""
+        from vlmrun.data.loader_state import from_plain
+
+        if self._iter is not None:
+            raise LoaderStateRefused(
+                "loader state", message=f"loader shard {self.shard}: a state can only be loaded before the "
+                f"first batch ({self._batches} batches were already taken)")
+        if not isinstance(state, dict) or "fingerprint" not in state or "energon" not in state:
+            raise LoaderStateRefused("loader state", message=f"loader shard {self.shard}: not a loader state "
+                                     f"(keys: {sorted(state) if isinstance(state, dict) else type(state).__name__})")
+        check_same_identity(state["fingerprint"], self.fingerprint, shard=self.shard)
+        self._loader.restore_state_rank(from_plain(state["energon"]))
+        self._batches = int(state.get("batches", 0))
+        self._budget.reset(int(state.get("corrupt_skipped", 0)))
+
+    def close(self) -> None:
+        """Stop the worker processes (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        self._iter = None
+        iterator = getattr(self._loader, "_iterator", None)
+        if iterator is not None and hasattr(iterator, "_shutdown_workers"):
+            iterator._shutdown_workers()
+        self._loader = None
+
+
+def open_loader_shard(recipe, *, processor_dir: str, shard: int, num_shards: int, placement_hash: str,
+                      split: str) -> LoaderShard:
+    """Open loader shard `shard` of `num_shards` over `split` of `recipe.data.path` (see LoaderShard)."""
+    return LoaderShard(recipe, processor_dir=processor_dir, shard=shard, num_shards=num_shards,
+                       placement_hash=placement_hash, split=split)
+
+
+def val_batches(recipe, *, processor_dir: str, samples: int, batch_size: int
+                ) -> tuple[list[Batch], list[PromptBatch]]:
+    """The first `samples` of `recipe.data.val_split` in a fixed order, as loss and prompt batches.
+
+    Loss batches hold full conversations with labels; prompt batches the same samples' prompts,
+    left-padded, with the reference answers. Corrupt samples are skipped (up to the tolerance).
+    """
+    from megatron.energon import WorkerConfig, get_loader, get_val_dataset
+
+    from vlmrun.data.task_encoder import make_task_encoder
+
+    d = recipe.data
+    if samples <= 0:
+        return [], []
+    split_size(d.path, d.val_split)
+    processor = load_processor(processor_dir, recipe.family)
+    budget = ErrorBudget(shard=0, num_shards=1, split=d.val_split, tolerance=d.error_tolerance)
+    worker_config = WorkerConfig(rank=0, world_size=1, num_workers=0, global_error_handler=budget)
+    task_encoder = make_task_encoder(d.task_encoder, processor=processor, family=recipe.family, cookers=d.cookers,
+                                     max_seq_len=d.max_seq_len, val=True)
+    dataset = get_val_dataset(d.path, split_part=d.val_split, worker_config=worker_config, batch_size=batch_size,
+                              task_encoder=task_encoder)
+    pairs = []
+    for group in get_loader(dataset):
+        pairs.extend(group)
+        if len(pairs) >= samples:
+            break
+    pairs = pairs[:samples]
+    encoder = task_encoder.encoder
+    chunks = [pairs[i:i + batch_size] for i in range(0, len(pairs), batch_size)]
+    return ([encoder.collate([s.encoded for s in c]) for c in chunks],
+            [encoder.collate_prompts([s.prompt for s in c]) for c in chunks])
+
+
+def _last_line(text: str) -> str:
+    """The error message itself, without the worker traceback torch puts in front of it."""
+    lines = [line for line in text.strip().splitlines() if line.strip()]
+    last = lines[-1] if lines else text
+    prefix = f"{CorruptDataError.__module__}.{CorruptDataError.__name__}: "
+    return last.split(prefix, 1)[-1].removeprefix(f"{CorruptDataError.__name__}: ")

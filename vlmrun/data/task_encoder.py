@@ -1,0 +1,77 @@
+"""Energon task encoders: cook -> encode with the family's processor -> batch, on Energon's hooks.
+
+`ChatSftTaskEncoder` (recipe name `chat_sft`) yields `vlmrun.data.batch.Batch`; its validation twin
+`ChatSftValTaskEncoder` yields `(Batch, PromptBatch)` pairs built from the same samples. Every hook is
+`@stateless` (a pure function of its input), which is what lets Energon restore a shuffle buffer by
+re-reading samples. `decoder = None`: samples reach the cooker as raw bytes, and the cooker decodes
+images straight to uint8 (Energon's default decoder would make float tensors the processor then
+rescales again; FACTS.md measured that at ~45% of the loader's time).
+"""
+
+from __future__ import annotations
+
+from megatron.energon import DefaultTaskEncoder, Sample, edataclass, stateless
+
+from vlmrun.data.batch import Batch
+from vlmrun.data.chat_encoding import ConversationEncoder, Encoded, EncodedPrompt
+from vlmrun.data.cookers import Conversation, energon_cookers
+from vlmrun.data.families import TASK_ENCODERS, family_spec
+
+
+@edataclass
+class EncodedSample(Sample):
+    """Energon's view of one encoded sample (carries the restore key through the pipeline)."""
+
+    encoded: Encoded
+
+
+@edataclass
+class EncodedValSample(Sample):
+    encoded: Encoded
+    prompt: EncodedPrompt
+
+
+class ChatSftTaskEncoder(DefaultTaskEncoder):
+    """Chat-template SFT encoding for any registered family; see `vlmrun.data.chat_encoding`."""
+
+    # Our ErrorBudget is the only limit: Energon's per-stage "N failures in a row" check is off.
+    __default_failure_tolerance__ = 0
+    decoder = None
+
+    def __init__(self, *, processor, family: str, cookers: list[str], max_seq_len: int):
+        super().__init__()
+        self.cookers = energon_cookers(cookers)
+        self.encoder = ConversationEncoder(processor, family_spec(family), max_seq_len)
+
+    @stateless
+    def encode_sample(self, sample: Conversation) -> EncodedSample:
+        return EncodedSample.derive_from(sample, encoded=self.encoder.encode(sample))
+
+    @stateless
+    def batch(self, samples: list[EncodedSample]) -> Batch:
+        return self.encoder.collate([s.encoded for s in samples])
+
+
+class ChatSftValTaskEncoder(ChatSftTaskEncoder):
+    """Validation: each sample encoded twice (full conversation, prompt); `batch` keeps the list, so
+    the caller can cut the stream at any sample count before collating."""
+
+    @stateless
+    def encode_sample(self, sample: Conversation) -> EncodedValSample:
+        return EncodedValSample.derive_from(
+            sample, encoded=self.encoder.encode(sample), prompt=self.encoder.encode_prompt(sample)
+        )
+
+    @stateless
+    def batch(self, samples: list[EncodedValSample]) -> list[EncodedValSample]:
+        return list(samples)
+
+
+_ENCODERS = {"chat_sft": (ChatSftTaskEncoder, ChatSftValTaskEncoder)}
+assert set(_ENCODERS) == set(TASK_ENCODERS), "task encoders and their registry entries disagree"
+
+
+def make_task_encoder(name: str, *, processor, family: str, cookers: list[str], max_seq_len: int, val: bool = False):
+    """The task encoder registered as `name` (train or validation variant)."""
+    cls = _ENCODERS[name][1 if val else 0]
+    return cls(processor=processor, family=family, cookers=cookers, max_seq_len=max_seq_len)
