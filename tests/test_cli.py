@@ -36,7 +36,8 @@ def test_each_command_help_has_an_example(cmd):
 
 
 def test_dry_run_json_names_run_dir_and_starts_nothing(tmp_path):
-    out = vlmrun("submit", TINY, "--dry-run", "--run-dir", str(tmp_path / "r"), "--json", "--set", "train.max_steps=5")
+    out = vlmrun("submit", TINY, "--dry-run", "--cluster", "local", "--run-dir", str(tmp_path / "r"), "--json",
+                 "--set", "train.max_steps=5")
     assert out.returncode == 0, out.stderr
     data = json.loads(out.stdout)
     assert data["run_dir"] == str(tmp_path / "r") and data["dry_run"] is True
@@ -86,7 +87,7 @@ def test_submit_refuses_a_run_dir_that_holds_a_run(tmp_path):
 
 
 def test_resume_refuses_fingerprinted_override_before_starting(tmp_path):
-    out = vlmrun("submit", TINY, "--dry-run", "--json")
+    out = vlmrun("submit", TINY, "--dry-run", "--cluster", "local", "--json")
     assert out.returncode == 0
     rd = tmp_path / "run"
     rd.mkdir()
@@ -105,3 +106,18 @@ def test_data_clevr_cli_is_deterministic_and_reports_baseline(tmp_path):
     for tar in sorted((tmp_path / "a").glob("*.tar")):
         assert tar.read_bytes() == (tmp_path / "b" / tar.name).read_bytes()
     assert (tmp_path / "a" / ".nv-meta").is_dir()
+
+
+def test_exit_codes_of_a_failed_check_reach_the_shell(tmp_path):
+    for name, loss in (("a", 1.0), ("b", 1.5)):
+        d = tmp_path / name
+        d.mkdir()
+        (d / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": loss, "grad_norm": 1.0, "sample_ids": ["x"],
+                                                     "step_time_s": 0.1}) + "\n")
+        (d / "recipe.yaml").write_text(Path(TINY).read_text())
+    out = vlmrun("compare", str(tmp_path / "a"), str(tmp_path / "b"), "--json", "--out", str(tmp_path / "o"))
+    assert out.returncode == 1
+    d = json.loads(out.stdout)
+    assert d["verdict"] == "diverged" and d["max_abs_diff"]["loss"] == 0.5
+    out = vlmrun("compare", str(tmp_path / "a"), str(tmp_path / "a"), "--json", "--out", str(tmp_path / "o"))
+    assert out.returncode == 0 and json.loads(out.stdout)["verdict"] == "match"

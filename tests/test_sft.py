@@ -111,8 +111,8 @@ def test_sigusr2_checkpoints_at_step_boundary_and_resumes_without_recompute(tmp_
     run = tmp_path / "c"
     proc = start("submit", TINY, "--cluster", "local", "--run-dir", str(run), *sets, "--wait")
     deadline = time.time() + 300
-    while last_step(run) < 4 and time.time() < deadline and proc.poll() is None:
-        time.sleep(0.2)
+    while last_step(run) < 2 and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.02)
     os.killpg(proc.pid, signal.SIGUSR2)
     assert proc.wait(timeout=300) == 3  # stopped at a checkpoint, resumable
     job = json.loads((run / "job.json").read_text())

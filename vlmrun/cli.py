@@ -152,7 +152,9 @@ def data_clevr(
 def main() -> None:
     """Console entry point: user mistakes print one or two lines and exit 2; our bugs keep tracebacks."""
     try:
-        app(standalone_mode=False)
+        # With standalone_mode=False click returns the code of a raised typer.Exit instead of exiting.
+        code = app(standalone_mode=False)
+        sys.exit(code if isinstance(code, int) else 0)
     except VlmrunError as e:
         typer.echo(f"error: {e}", err=True)
         sys.exit(e.exit_code)

@@ -166,26 +166,47 @@ class ConversationEncoder:
         ]
 
     # ---- collation ----------------------------------------------------------------------------
-    def collate(self, samples: list[Encoded]) -> Batch:
-        """Right-padded batch; media concatenated in sample order (empty when no sample has any)."""
-        width = max(s.input_ids.numel() for s in samples)
-        input_ids = torch.full((len(samples), width), self.pad_token_id, dtype=torch.long)
-        labels = torch.full((len(samples), width), IGNORE_INDEX, dtype=torch.long)
-        mask = torch.zeros((len(samples), width), dtype=torch.long)
-        tokens = {k: torch.zeros((len(samples), width), dtype=torch.long) for k in self.family.token_keys}
+    def batch_layout(self, samples: list[Encoded]) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """Shape and dtype of every tensor of the batch `collate` makes of `samples`, by field name
+        (`input_ids`, `attention_mask`, `labels`, `token_inputs.<key>`, `media.<key>`)."""
+        shape = (len(samples), max(s.input_ids.numel() for s in samples))
+        layout = {name: (shape, torch.long) for name in ("input_ids", "attention_mask", "labels")}
+        layout |= {f"token_inputs.{k}": (shape, torch.long) for k in self.family.token_keys}
+        with_media = [s.media for s in samples if s.media]
+        for k in with_media[0] if with_media else ():
+            first = with_media[0][k]
+            rows = sum(m[k].shape[0] for m in with_media)
+            layout[f"media.{k}"] = ((rows, *first.shape[1:]), first.dtype)
+        return layout
+
+    def collate(self, samples: list[Encoded], out: dict[str, torch.Tensor] | None = None) -> Batch:
+        """Right-padded batch; media concatenated in sample order (empty when no sample has any).
+
+        `out` may hold preallocated tensors for every field of `batch_layout(samples)` (e.g. views
+        into one shared-memory block); they are overwritten and become the batch's tensors.
+        """
+        if out is None:
+            out = {name: torch.empty(shape, dtype=dtype) for name, (shape, dtype) in self.batch_layout(samples).items()}
+        input_ids, labels, mask = out["input_ids"], out["labels"], out["attention_mask"]
+        tokens = {k: out[f"token_inputs.{k}"] for k in self.family.token_keys}
+        input_ids.fill_(self.pad_token_id)
+        labels.fill_(IGNORE_INDEX)
+        mask.zero_()
+        for t in tokens.values():
+            t.zero_()
         for row, s in enumerate(samples):
             n = s.input_ids.numel()
             input_ids[row, :n], labels[row, :n], mask[row, :n] = s.input_ids, s.labels, 1
-            for k in tokens:
-                tokens[k][row, :n] = s.token_inputs[k]
-        return Batch(
-            sample_ids=[s.key for s in samples],
-            input_ids=input_ids,
-            attention_mask=mask,
-            labels=labels,
-            media=_cat_media([s.media for s in samples if s.media]),
-            token_inputs=tokens,
-        )
+            for k, t in tokens.items():
+                t[row, :n] = s.token_inputs[k]
+        media = {}
+        for name in out:
+            if name.startswith("media."):
+                k = name.removeprefix("media.")
+                torch.cat([s.media[k] for s in samples if s.media], dim=0, out=out[name])
+                media[k] = out[name]
+        return Batch(sample_ids=[s.key for s in samples], input_ids=input_ids, attention_mask=mask, labels=labels,
+                     media=media, token_inputs=tokens)
 
     def collate_prompts(self, prompts: list[EncodedPrompt]) -> PromptBatch:
         """Left-padded prompts (generation appends on the right), answers in the same order."""

@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import collections
 import json
 import logging
 import os
@@ -22,6 +23,7 @@ from pathlib import Path
 
 from vlmrun.data.batch import Batch, PromptBatch
 from vlmrun.data.error_budget import CorruptDataError, ErrorBudget
+from vlmrun.data.transport import unpack
 from vlmrun.data.fingerprint import LOADER_FORMAT, LoaderStateRefused, check_same_identity, loader_fingerprint
 from vlmrun.errors import InputError
 
@@ -100,16 +102,19 @@ class LoaderShard:
         worker_config = WorkerConfig(rank=shard, world_size=num_shards, num_workers=d.num_workers,
                                      seed_offset=t.seed, global_error_handler=self._budget)
         task_encoder = make_task_encoder(d.task_encoder, processor=processor, family=recipe.family,
-                                         cookers=d.cookers, max_seq_len=d.max_seq_len)
-        epoch_batches = d.virtual_epoch_length // t.micro_batch_size if d.virtual_epoch_length else 0
+                                         cookers=d.cookers, max_seq_len=d.max_seq_len,
+                                         micro_batch_size=t.micro_batch_size)
+        self.group = int(os.environ.get("VLMRUN_GROUP", "1"))
+        epoch_batches = d.virtual_epoch_length // (t.micro_batch_size * self.group) if d.virtual_epoch_length else 0
         dataset = get_train_dataset(
-            d.path, split_part=split, worker_config=worker_config, batch_size=t.micro_batch_size,
+            d.path, split_part=split, worker_config=worker_config, batch_size=t.micro_batch_size * self.group,
             shuffle_buffer_size=d.shuffle_buffer if d.shuffle_buffer > 1 else None,
             max_samples_per_sequence=d.max_samples_per_sequence,
             virtual_epoch_length=max(epoch_batches, 1) if d.virtual_epoch_length else 0,
             task_encoder=task_encoder)
         self._loader = get_savable_loader(dataset)
         self._iter = None
+        self._pending = collections.deque()
         self._batches = 0
         self._closed = False
 
@@ -131,6 +136,11 @@ class LoaderShard:
         return batch
 
     def _next(self) -> Batch:
+        if not self._pending:
+            self._pending.extend(unpack(self._next_group()))
+        return self._pending.popleft()
+
+    def _next_group(self):
         if self._iter is None:
             self._iter = iter(self._loader)
         try:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 import time
 from pathlib import Path
 from typing import Callable
@@ -27,14 +28,11 @@ def run_sft(rd: RunDirectory, recipe, *, attempt: int, model_dir: Path, stop: St
         worker_threads=worker_threads)
     ref = controller.run.remote()
     follower = _RowFollower(rd.metrics_file(recipe))
-    forwarded = False
+    done = threading.Event()
+    threading.Thread(target=_forward_stop, args=(stop, done, controller), daemon=True, name="stop-forwarder").start()
     try:
         while True:
             ready, _ = ray.wait([ref], timeout=0.5)
-            if stop.is_set() and not forwarded:
-                log.info("stop requested (%s): checkpointing at the next step boundary", stop.signal_name)
-                controller.request_stop.remote(stop.signal_name or "signal")
-                forwarded = True
             for row in follower.new_rows():
                 if on_row:
                     on_row(row)
@@ -46,6 +44,17 @@ def run_sft(rd: RunDirectory, recipe, *, attempt: int, model_dir: Path, stop: St
         if isinstance(cause, VlmrunError):
             raise cause from None
         raise
+    finally:
+        done.set()
+
+
+def _forward_stop(stop: StopFlag, done: threading.Event, controller) -> None:
+    """Wakes as soon as the flag is set (not on a polling tick): steps can be tens of milliseconds."""
+    while not done.is_set():
+        if stop.wait(timeout=1.0):
+            log.info("stop requested (%s): checkpointing at the next step boundary", stop.signal_name)
+            controller.request_stop.remote(stop.signal_name or "signal")
+            return
 
 
 class _RowFollower:

@@ -1,0 +1,22 @@
+#!/bin/bash
+
+# Parameters
+#SBATCH --cpus-per-task=64
+#SBATCH --exclusive=user
+#SBATCH --gpus-per-node=8
+#SBATCH --job-name=omni-clevr
+#SBATCH --mem=1000GB
+#SBATCH --nodes=1
+#SBATCH --ntasks-per-node=1
+#SBATCH --open-mode=append
+#SBATCH --output={RUN_DIR}/submitit/%j_0_log.out
+#SBATCH --requeue
+#SBATCH --signal=USR2@600
+#SBATCH --time=480
+#SBATCH --wckey=submitit
+
+# setup
+
+# command
+export SUBMITIT_EXECUTOR=slurm
+srun --unbuffered --output {RUN_DIR}/submitit/%j_%t_log.out --open-mode=append '--container-image=nvcr.io#nvidia/pytorch:25.01-py3' --container-mounts=/data:/data,/models:/models:ro,{RUN_DIR}:{RUN_DIR} --cpu-bind=none python3 -u -m submitit.core._submit {RUN_DIR}/submitit

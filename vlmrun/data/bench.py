@@ -1,0 +1,235 @@
+"""bench-loader: the Energon loader side by side with the reference loader and the compute limit.
+
+Three kinds of rows, each for every requested worker count:
+
+1. `energon`: a `LoaderShard` (shard 0 of 1), exactly what training uses.
+2. `reference`: `vlmrun.data.reference` (plain WebDataset + torch DataLoader), same cooker and encoder.
+3. `limit`: the same cook + encode + collate on samples already in memory, in `max(1, workers)`
+   processes with no loader at all: what the CPUs allow. Its rows also break the per-sample cost
+   into stages (read, decode, processor, collate).
+
+Measurements interleave: every configuration runs `rounds` chunks in turn, so a noisy neighbour on
+a shared machine hits all of them alike. Rates are samples over the summed time of the measured
+chunks; batch latency percentiles are over all measured batches. The ratios compare the best worker
+count of each kind. Results are plain JSON (the CLI prints a table or `--json`).
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from pathlib import Path
+
+from vlmrun.data.bench_limit import LimitRunner
+from vlmrun.errors import InputError
+
+TARGET_VS_REFERENCE = 1.1
+TARGET_VS_LIMIT = 0.8
+BENCH_IMAGE_SIZE = 224
+_WARMUP_BATCHES = 8
+
+
+def run_bench(recipe, *, workers: list[int] = (0, 1, 2), batches: int = 200, image_size: int | None = None,
+              rounds: int = 4, processor_dir: str | None = None, progress=None) -> dict:
+    """Measure the three loaders on `recipe` (see module doc); returns the JSON-ready result dict.
+
+    `batches` is the number of measured micro-batches per row (spread over `rounds`). The data set
+    is the recipe's, regenerated at `image_size` (default 224) next to it when it is synthetic.
+    `processor_dir` defaults to the recipe's model (a tiny one is built into a cache next to the
+    data). `progress(done, total)` is called after each measured chunk. Raises `InputError` for a
+    bad worker list or batch count.
+    """
+    workers = sorted(set(workers))
+    if not workers or min(workers) < 0:
+        raise InputError("--workers", workers, "a comma-separated list of worker counts >= 0, e.g. 0,1,2")
+    if batches < rounds:
+        raise InputError("--batches", batches, f"at least {rounds}")
+    data_path, size = bench_dataset(recipe, image_size)
+    recipe = recipe.model_copy(update={"data": recipe.data.model_copy(update={"path": str(data_path)})})
+    processor_dir = processor_dir or _processor_dir(recipe)
+    runners = _open_runners(recipe, processor_dir, workers)
+    try:
+        for runner in runners:
+            runner.warm_up(_WARMUP_BATCHES)
+        chunk = batches // rounds
+        for r in range(rounds):
+            for i, runner in enumerate(runners):
+                runner.measure(chunk)
+                if progress is not None:
+                    progress(r * len(runners) + i + 1, rounds * len(runners))
+        rows = [runner.row() for runner in runners]
+    finally:
+        for runner in runners:
+            runner.close()
+    return _summary(recipe, data_path, size, workers, batches, rounds, rows)
+
+
+def bench_dataset(recipe, image_size: int | None) -> tuple[Path, int | None]:
+    """The data set to measure on: for a synthetic recipe, its twin at `image_size` (default 224)."""
+    d = recipe.data
+    if d.synthetic is None:
+        if image_size is not None:
+            raise InputError("--image-size", image_size, "only for recipes with data.synthetic (the set is generated)")
+        return Path(d.path), None
+    from vlmrun.data.clevr import ensure_clevr
+
+    s = d.synthetic
+    size = image_size or BENCH_IMAGE_SIZE
+    path = Path(d.path) if size == s.image_size else Path(f"{d.path}-{size}")
+    ensure_clevr(path, train=s.train, val=s.val, image_size=size, seed=s.seed)
+    return path, size
+
+
+def _processor_dir(recipe) -> str:
+    from vlmrun.policy.model_source import ensure_model
+
+    cache = Path(recipe.data.path).parent / ".vlmrun-cache"
+    return str(ensure_model(recipe.model, cache, recipe.train.seed))
+
+
+def _open_runners(recipe, processor_dir: str, workers: list[int]) -> list:
+    runners = []
+    for kind in ("energon", "reference", "limit"):
+        for k in workers:
+            runners.append(_Runner(kind, k, recipe, processor_dir))
+    return runners
+
+
+class _Runner:
+    """One row: a loader kind at one worker count, measured chunk by chunk."""
+
+    def __init__(self, kind: str, num_workers: int, recipe, processor_dir: str):
+        self.kind, self.num_workers = kind, num_workers
+        self.micro_batch_size = recipe.train.micro_batch_size
+        self.bytes_per_sample = _bytes_per_sample(recipe.data.path, recipe.data.split)
+        self.latencies: list[float] = []
+        self.seconds = 0.0
+        self.peak_rss_mb = 0.0
+        self.worker_rss_mb: list[float] = []
+        self._before = _child_pids()
+        self._limit = None
+        self._shard = None
+        r = recipe.model_copy(update={"data": recipe.data.model_copy(update={"num_workers": num_workers})})
+        if kind == "energon":
+            from vlmrun.data.loader import open_loader_shard
+
+            self._shard = open_loader_shard(r, processor_dir=processor_dir, shard=0, num_shards=1,
+                                            placement_hash="bench", split=r.data.split)
+            self._next = self._shard.next_batch
+        elif kind == "reference":
+            from vlmrun.data.reference import reference_loader
+
+            iterator = reference_loader(r, processor_dir=processor_dir, split=r.data.split, num_workers=num_workers)
+            self._next = iterator.__next__
+            self._iterator = iterator
+        else:
+            self._limit = LimitRunner(r, processor_dir=processor_dir, processes=max(1, num_workers))
+
+    def warm_up(self, n: int) -> None:
+        if self._limit is not None:
+            self._limit.run(n)
+        else:
+            for _ in range(n):
+                self._next()
+        self._workers = sorted(_child_pids() - self._before)
+
+    def measure(self, n: int) -> None:
+        if self._limit is not None:
+            seconds, latencies = self._limit.run(n)
+        else:
+            latencies = []
+            start = time.perf_counter()
+            for _ in range(n):
+                t = time.perf_counter()
+                self._next()
+                latencies.append(time.perf_counter() - t)
+            seconds = time.perf_counter() - start
+        self.seconds += seconds
+        self.latencies += latencies
+        self._sample_rss()
+
+    def _sample_rss(self) -> None:
+        import psutil
+
+        pids = self._workers if self.num_workers and self._workers else [os.getpid()]
+        rss = []
+        for pid in pids:
+            try:
+                rss.append(psutil.Process(pid).memory_info().rss / 2**20)
+            except psutil.Error:
+                continue
+        if rss:
+            self.worker_rss_mb = [round(x, 1) for x in rss]
+            self.peak_rss_mb = max(self.peak_rss_mb, round(max(rss), 1))
+
+    def row(self) -> dict:
+        samples = len(self.latencies) * self.micro_batch_size
+        sps = samples / self.seconds if self.seconds else 0.0
+        ms = sorted(x * 1000 for x in self.latencies)
+        row = {
+            "loader": self.kind,
+            "num_workers": self.num_workers,
+            "samples_per_s": round(sps, 1),
+            "mb_per_s": round(sps * self.bytes_per_sample / 1e6, 2),
+            "p50_batch_ms": round(statistics.median(ms), 3) if ms else None,
+            "p95_batch_ms": round(ms[min(len(ms) - 1, int(0.95 * len(ms)))], 3) if ms else None,
+            "measured_batches": len(self.latencies),
+            "stage_ms_per_sample": self._limit.stage_ms() if self._limit is not None else None,
+            "peak_rss_mb": self.peak_rss_mb,
+            "rss_per_worker_mb": self.worker_rss_mb if self.num_workers else [],
+        }
+        return row
+
+    def close(self) -> None:
+        if self._shard is not None:
+            self._shard.close()
+        if self._limit is not None:
+            self._limit.close()
+        if self.kind == "reference":
+            self._iterator.close()
+
+
+def _summary(recipe, data_path: Path, size, workers, batches, rounds, rows) -> dict:
+    best = {}
+    for kind in ("energon", "reference", "limit"):
+        top = max((r for r in rows if r["loader"] == kind), key=lambda r: r["samples_per_s"])
+        best[kind] = {"num_workers": top["num_workers"], "samples_per_s": top["samples_per_s"]}
+    vs_ref = _ratio(best["energon"]["samples_per_s"], best["reference"]["samples_per_s"])
+    vs_limit = _ratio(best["energon"]["samples_per_s"], best["limit"]["samples_per_s"])
+    return {
+        "recipe": recipe.name,
+        "family": recipe.family,
+        "dataset": str(data_path),
+        "split": recipe.data.split,
+        "image_size": size,
+        "micro_batch_size": recipe.train.micro_batch_size,
+        "workers": list(workers),
+        "batches": batches,
+        "rounds": rounds,
+        "cpus": os.cpu_count(),
+        "results": rows,
+        "best": best,
+        "ratio_energon_vs_reference": vs_ref,
+        "ratio_energon_vs_limit": vs_limit,
+        "target": {"energon_vs_reference": TARGET_VS_REFERENCE, "energon_vs_limit": TARGET_VS_LIMIT},
+        "target_met": bool(vs_ref >= TARGET_VS_REFERENCE and vs_limit >= TARGET_VS_LIMIT),
+    }
+
+
+def _ratio(a: float, b: float) -> float:
+    return round(a / b, 3) if b else 0.0
+
+
+def _bytes_per_sample(path: str, split: str) -> float:
+    from vlmrun.data.loader import split_shards
+
+    shards = split_shards(path, split)
+    total = sum((Path(path) / name).stat().st_size for name, _ in shards)
+    return total / max(1, sum(count for _, count in shards))
+
+
+def _child_pids() -> set[int]:
+    import psutil
+
+    return {p.pid for p in psutil.Process().children(recursive=False)}

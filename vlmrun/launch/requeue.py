@@ -1,0 +1,149 @@
+"""Requeue policy: after the driver stopped at a checkpoint, does SLURM run the job again?
+
+1. Only a stop caused by SIGUSR2 requeues (SLURM's time-limit signal, a preemption notice, or
+   `vlmrun requeue`). A run that finished, failed, was stopped by SIGTERM or cancelled never requeues.
+2. The cause is told apart by elapsed time, like submitit: an attempt that ran into the last
+   `signal_delay_s + TICK_SLACK_S` seconds of its time limit hit the time limit (`timeout`); an
+   earlier USR2 is a `preemption`; `vlmrun requeue` writes REQUEUE_REQUESTED first (`requested`).
+3. Budgets per job id: `recipe.checkpoint.requeue.timeouts` and `.preemptions`, counted from the
+   attempts of that job id in job.json (`requeue_cause`). A requested requeue uses no budget. An
+   exhausted budget ends the job with state BUDGET_EXHAUSTED (resumable with `vlmrun resume`).
+4. `signal_delay_warnings` says at submit time when `signal_delay_s` looks too short for one step
+   plus a checkpoint; the assumptions are in the message (see `_STEP_S`, `_BYTES_PER_PARAM`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from vlmrun.launch.rundir import RunDirectory
+
+TICK_SLACK_S = 60                 # slurmctld checks time-limit signals every 30 s, plus job launch time
+REQUEUE_REQUEST = "REQUEUE_REQUESTED"
+CANCEL_REQUEST = "CANCEL_REQUESTED"
+CAUSES = ("timeout", "preemption", "requested")
+_STEP_S = {"tiny": 10, "gpu": 60, "cpu": 30}   # assumed seconds per optimizer step
+_BYTES_PER_PARAM = 16             # bf16 weights 2 + fp32 master 4 + two fp32 Adam moments 8, rounded up
+_WRITE_BPS_PER_NODE = 1e9         # assumed checkpoint write speed per node (shared filesystem)
+
+
+@dataclass(frozen=True)
+class RequeueDecision:
+    requeue: bool
+    state: str       # the job's state after this attempt: REQUEUED, BUDGET_EXHAUSTED, STOPPED, CANCELLED, ...
+    cause: str | None
+    reason: str
+
+
+def classify_stop(elapsed_s: float, time_limit_min: int, signal_delay_s: int, *, requested: bool) -> str:
+    """'requested', 'timeout' (within the last signal_delay_s + TICK_SLACK_S s of the limit) or 'preemption'."""
+    if requested:
+        return "requested"
+    return "timeout" if elapsed_s >= time_limit_min * 60 - signal_delay_s - TICK_SLACK_S else "preemption"
+
+
+def stop_signal(attempt: dict) -> str | None:
+    """The signal that stopped an attempt: its `stop_signal`, else the `(SIG...)` in its reason."""
+    if attempt.get("stop_signal"):
+        return attempt["stop_signal"]
+    m = re.search(r"\((SIG[A-Z0-9]+)\)", attempt.get("reason") or "")
+    return m.group(1) if m else None
+
+
+def used_budget(job: dict, job_id: str) -> dict[str, int]:
+    """Requeues so far of `job_id`, per cause."""
+    used = dict.fromkeys(CAUSES, 0)
+    for a in job.get("attempts", []):
+        if a.get("job_id") == job_id and a.get("requeue_cause") in used:
+            used[a["requeue_cause"]] += 1
+    return used
+
+
+def decide(job: dict, *, job_id: str, cause: str, budget, cancelled: bool = False) -> RequeueDecision:
+    """What to do after the last attempt of `job` ended; `budget` is recipe.checkpoint.requeue."""
+    last = job["attempts"][-1] if job.get("attempts") else {}
+    state = last.get("state", "FAILED")
+    if state != "STOPPED":
+        return RequeueDecision(False, state, None, last.get("reason", ""))
+    if cancelled:
+        return RequeueDecision(False, "CANCELLED", None, "cancelled by `vlmrun cancel`; checkpointed, not requeued")
+    sig = stop_signal(last)
+    if sig != "SIGUSR2" and cause != "requested":
+        return RequeueDecision(False, "STOPPED", None, f"stopped by {sig or 'a request'}; only SIGUSR2 requeues")
+    if cause == "requested":
+        return RequeueDecision(True, "REQUEUED", cause, "requeue requested with `vlmrun requeue`")
+    allowed = budget.timeouts if cause == "timeout" else budget.preemptions
+    used = used_budget(job, job_id)[cause]
+    if used >= allowed:
+        field = "timeouts" if cause == "timeout" else "preemptions"
+        return RequeueDecision(False, "BUDGET_EXHAUSTED", cause,
+                               f"{cause} #{used + 1} of job {job_id} exceeds checkpoint.requeue.{field}={allowed}; "
+                               "continue with `vlmrun resume`")
+    return RequeueDecision(True, "REQUEUED", cause, f"{cause} {used + 1}/{allowed}: requeued")
+
+
+def record(rd: RunDirectory, decision: RequeueDecision) -> None:
+    """Write the decision into job.json: the last attempt's `requeue_cause`, the job's state and reason."""
+    job = rd.read_job()
+    if job.get("attempts"):
+        last = job["attempts"][-1]
+        if decision.requeue:
+            last["requeue_cause"] = decision.cause
+        else:
+            last.pop("requeue_cause", None)
+        last["requeue_decision"] = decision.reason
+    job["state"] = decision.state
+    job["reason"] = decision.reason
+    rd.write_job(job)
+
+
+def take_request(rd: RunDirectory, name: str, job_id: str) -> bool:
+    """True when `name` (REQUEUE_REQUESTED, CANCEL_REQUESTED) exists for `job_id`; removes it."""
+    path = rd.path / name
+    try:
+        request = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return False
+    path.unlink(missing_ok=True)
+    return str(request.get("job_id")) == str(job_id)
+
+
+def write_request(rd: RunDirectory, name: str, job_id: str) -> Path:
+    from vlmrun.launch.job_record import now
+    from vlmrun.launch.rundir import write_atomic
+
+    path = rd.path / name
+    write_atomic(path, json.dumps({"job_id": str(job_id), "time": now()}) + "\n")
+    return path
+
+
+def signal_delay_warnings(recipe) -> list[str]:
+    """Warnings when cluster.signal_delay_s looks too short for one step plus one checkpoint."""
+    c = recipe.cluster
+    out = []
+    if c.signal_delay_s >= c.time_limit * 60:
+        out.append(f"cluster.signal_delay_s={c.signal_delay_s} is not shorter than cluster.time_limit="
+                   f"{c.time_limit} min: USR2 arrives as soon as the job starts")
+    kind = "tiny" if recipe.model.tiny else ("gpu" if c.gpus_per_node else "cpu")
+    step_s = _STEP_S[kind]
+    params = estimate_params(recipe.model)
+    ckpt_s = params * _BYTES_PER_PARAM / (_WRITE_BPS_PER_NODE * c.nodes) if params else 5.0
+    need = math.ceil(step_s + ckpt_s)
+    if c.signal_delay_s < need:
+        size = f"{params / 1e9:g}B parameters x {_BYTES_PER_PARAM} bytes" if params else "a small checkpoint (5 s)"
+        out.append(f"cluster.signal_delay_s={c.signal_delay_s} may not fit one step plus a checkpoint: assumed "
+                   f"{step_s} s per step ({kind}) and {size} written at {_WRITE_BPS_PER_NODE / 1e9:g} GB/s per node "
+                   f"over {c.nodes} node(s) = {need} s; raise it to at least {need}")
+    return out
+
+
+def estimate_params(model) -> float | None:
+    """Parameter count from the model directory's name (`...-3B-...`, `...-30B-A3B`); None when unknown."""
+    if model.tiny or not model.path:
+        return None
+    sizes = re.findall(r"(?<![A-Za-z0-9.])(\d+(?:\.\d+)?)[Bb](?![A-Za-z])", Path(model.path).name)
+    return max(float(s) for s in sizes) * 1e9 if sizes else None
