@@ -19,4 +19,4 @@
 
 # command
 export SUBMITIT_EXECUTOR=slurm
-srun --unbuffered --output {RUN_DIR}/submitit/%j_%t_log.out --open-mode=append '--container-image=nvcr.io#nvidia/pytorch:25.01-py3' --container-mounts=/data:/data,/models:/models:ro,{RUN_DIR}:{RUN_DIR} --cpu-bind=none python3 -u -m submitit.core._submit {RUN_DIR}/submitit
+srun --unbuffered --output {RUN_DIR}/submitit/%j_%t_log.out --open-mode=append --kill-on-bad-exit=1 '--container-image=nvcr.io#nvidia/pytorch:25.01-py3' --container-mounts=/data:/data,/models:/models:ro,{RUN_DIR}:{RUN_DIR} --cpu-bind=none python3 -u -m submitit.core._submit {RUN_DIR}/submitit

@@ -16,4 +16,4 @@
 
 # command
 export SUBMITIT_EXECUTOR=slurm
-srun --unbuffered --output {RUN_DIR}/submitit/%j_%t_log.out --open-mode=append {PYTHON} -u -m submitit.core._submit {RUN_DIR}/submitit
+srun --unbuffered --output {RUN_DIR}/submitit/%j_%t_log.out --open-mode=append --kill-on-bad-exit=1 {PYTHON} -u -m submitit.core._submit {RUN_DIR}/submitit

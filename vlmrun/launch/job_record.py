@@ -54,10 +54,12 @@ def begin_attempt(rd: RunDirectory, job_id: str, restart_count: int, pid: int | 
     return index
 
 
-def end_attempt(rd: RunDirectory, index: int, state: str, reason: str = "", last_step: int | None = None) -> None:
+def end_attempt(rd: RunDirectory, index: int, state: str, reason: str = "", last_step: int | None = None,
+                **details: Any) -> None:
+    """Record an attempt's outcome; `details` (resumed_from, first_step_s, ...) are kept beside it."""
     job = rd.read_job()
     attempt = job["attempts"][index]
-    attempt.update(state=state, ended=now(), reason=reason, last_step=last_step)
+    attempt.update(state=state, ended=now(), reason=reason, last_step=last_step, **details)
     job["state"] = state
     job["reason"] = reason
     rd.write_job(job)

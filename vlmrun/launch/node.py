@@ -11,6 +11,7 @@ import argparse
 import logging
 import os
 import sys
+import time
 import traceback
 
 from vlmrun.errors import EXIT_BAD_INPUT, InputError, VlmrunError
@@ -22,6 +23,7 @@ log = logging.getLogger("vlmrun")
 
 
 def main(argv: list[str] | None = None) -> int:
+    started_at = time.time()
     args = _parse(argv)
     rd = RunDirectory(args.run_dir)
     _setup_logging(os.environ.get("VLMRUN_TEE_LOG"))
@@ -31,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     restart = int(os.environ.get("SLURM_RESTART_COUNT", "0"))
     attempt = job_record.begin_attempt(rd, job_id, restart)
     try:
-        outcome = _run(rd, attempt, job_id)
+        outcome = _run(rd, attempt, job_id, started_at)
     except VlmrunError as e:
         log.error("%s", e)
         job_record.end_attempt(rd, attempt, "FAILED", str(e))
@@ -41,12 +43,18 @@ def main(argv: list[str] | None = None) -> int:
         job_record.end_attempt(rd, attempt, "FAILED", f"{type(e).__name__}: {e}")
         return job_record.EXIT_FAILED
     state = outcome["state"]
-    job_record.end_attempt(rd, attempt, state, outcome["reason"], outcome["last_step"])
+    details = {k: v for k, v in outcome.items() if k not in ("state", "reason", "last_step")}
+    job_record.end_attempt(rd, attempt, state, outcome["reason"], outcome["last_step"], **details)
     log.info("%s: %s", state, outcome["reason"])
+    val = outcome.get("final_val")
+    if val and val.get("val_samples"):
+        log.info("validation at step %d: accuracy %.3f vs majority-class baseline %.3f on %d val samples (val loss %.4f)",
+                 outcome["last_step"], val["val_accuracy"], val["val_majority_baseline"], val["val_samples"],
+                 val["val_loss"])
     return job_record.EXIT_STOPPED if state == "STOPPED" else job_record.EXIT_COMPLETED
 
 
-def _run(rd: RunDirectory, attempt: int, job_id: str) -> dict:
+def _run(rd: RunDirectory, attempt: int, job_id: str, started_at: float) -> dict:
     from vlmrun.launch.ray_cluster import set_local_environment, start_local_ray
 
     set_local_environment()
@@ -69,7 +77,7 @@ def _run(rd: RunDirectory, attempt: int, job_id: str) -> dict:
     stop.install()
     try:
         progress = ProgressLine(recipe.train.max_steps)
-        return run_sft(rd, recipe, attempt=attempt, model_dir=model_dir, stop=stop,
+        return run_sft(rd, recipe, attempt=attempt, model_dir=model_dir, stop=stop, started_at=started_at,
                        on_row=lambda row: log.info("%s", progress(row)))
     finally:
         ray.shutdown()

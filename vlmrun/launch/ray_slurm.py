@@ -278,12 +278,15 @@ class _Watchdog:
 # ---------------------------------------------------------------- nodes 1..N-1: join and wait
 
 def serve_worker(alloc: SlurmAllocation, rendezvous_root: Path, *, deadline_s: float = 180.0,
-                 num_cpus: int | None = None, num_gpus: int | None = None, head_lost_s: float = 30.0) -> int:
+                 num_cpus: int | None = None, num_gpus: int | None = None, head_lost_s: float = 30.0,
+                 linger_s: float = 20.0) -> int:
     """Join the head of this job and block until node 0 says done; returns 0, raises on failure.
 
     Raises RayBringUpError (no head within `deadline_s`, ports taken, `ray start` died) and
     RayNodeLost (the head stopped answering for `head_lost_s` without saying done). Either way this
-    node's status file tells node 0 why, and every Ray process started here is ended.
+    node's status file tells node 0 why, every Ray process started here is ended, and the raise
+    waits up to `linger_s` for node 0's `done`: srun's --kill-on-bad-exit would otherwise end node 0
+    before it recorded the failure.
     """
     rdv = alloc.rendezvous(rendezvous_root)
     status = rdv / f"worker-{alloc.nodename}.json"
@@ -313,9 +316,18 @@ def serve_worker(alloc: SlurmAllocation, rendezvous_root: Path, *, deadline_s: f
         return 0
     except (RayBringUpError, RayNodeLost) as e:
         report("failed", str(e))
+        stop_ray_node(proc)
+        proc = None
+        _linger_for_done(rdv, linger_s)
         raise
     finally:
         stop_ray_node(proc)
+
+
+def _linger_for_done(rdv: Path, linger_s: float) -> None:
+    deadline = time.monotonic() + linger_s
+    while time.monotonic() < deadline and not (rdv / "done").exists():
+        time.sleep(POLL_S)
 
 
 def _wait_for_head_file(rdv: Path, deadline: float, alloc: SlurmAllocation) -> dict | None:

@@ -30,6 +30,9 @@ from vlmrun.errors import InputError
 
 TEMPLATES = Path(os.environ.get("VLMRUN_SBATCH_TEMPLATES") or Path(__file__).resolve().parents[2] / "sbatch_templates")
 CONTAINER_PYTHON = "python3"   # the interpreter inside the container image (container/Dockerfile)
+# append: a requeued attempt adds to its task log instead of truncating it; kill-on-bad-exit: when a
+# node's entrypoint fails, the other tasks end too (a node that never joins Ray cannot hang the job)
+SRUN_ALWAYS = ("--open-mode=append", "--kill-on-bad-exit=1")
 SRUN_MARK = "#--- srun arguments ---"   # separates the template's setup lines from its srun arguments
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 _SBATCH_OPTION = re.compile(r"^[a-z][a-z0-9-]*$")
@@ -84,8 +87,7 @@ def executor_parameters(run_dir: Path, recipe) -> dict[str, Any]:
         "signal_delay_s": c.signal_delay_s,
         "stderr_to_stdout": True,
         "setup": setup,
-        # append: a requeued attempt adds to the task's log instead of truncating it
-        "srun_args": ["--open-mode=append", *srun_args, *c.extra_srun_args],
+        "srun_args": [*SRUN_ALWAYS, *srun_args, *c.extra_srun_args],
         "additional_parameters": {"requeue": True, **{k: str(v) for k, v in c.extra_sbatch_args.items()}},
     }
     if c.gpus_per_node:

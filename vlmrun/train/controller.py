@@ -33,7 +33,8 @@ log = logging.getLogger(__name__)
 
 
 class SftController:
-    def __init__(self, *, recipe_json: str, run_dir: str, attempt: int, model_dir: str, worker_threads: int = 1):
+    def __init__(self, *, recipe_json: str, run_dir: str, attempt: int, model_dir: str, worker_threads: int = 1,
+                 started_at: float | None = None):
         from vlmrun.recipe.model import Recipe
 
         self.recipe = Recipe.model_validate_json(recipe_json)
@@ -42,6 +43,8 @@ class SftController:
         self.worker_threads = worker_threads
         self._stop = threading.Event()
         self.stop_reason = ""
+        self.save_times: list[float] = []
+        self.started_at = started_at or time.time()
 
     def request_stop(self, reason: str = "signal") -> None:
         self.stop_reason = self.stop_reason or reason
@@ -58,7 +61,6 @@ class SftController:
         self.metrics = MetricsLog(self.rd.metrics_file(r))
         self.wandb = WandbSink(mode=r.logger.wandb_mode, project=r.logger.wandb_project, run_dir=self.rd.path,
                                name=self.rd.path.name, run_id=_wandb_id(self.rd.path))
-        t_start = time.time()
         self._start_workers()
         self._open_loaders()
         start_step, counters, notes = self._resume()
@@ -72,9 +74,10 @@ class SftController:
             row = self._train_step(step, counters)
             if first_step_at is None:
                 first_step_at = time.time()
-                notes["first_step_s"] = round(first_step_at - t_start, 3)
+                notes["first_step_s"] = round(first_step_at - self.started_at, 3)  # job start -> first step done
             if self._due(step, r.train.val_period):
                 row |= self._validate()
+                notes["final_val"] = {k: row[k] for k in row if k.startswith("val_")}
             self.metrics.append(row)
             self.wandb.log(row)
             if self._due(step, r.checkpoint.save_period) or self._stop.is_set():
@@ -92,7 +95,8 @@ class SftController:
             w.shutdown.remote()
         for loader in self.loaders.values():
             loader.close()
-        return {"state": state, "last_step": step, "reason": reason, "max_steps": self.steps.max_steps, **notes}
+        return {"state": state, "last_step": step, "reason": reason, "max_steps": self.steps.max_steps,
+                "checkpoint_save_s": self.save_times, **notes}
 
     # ---- set-up ----------------------------------------------------------------------------------
     def _start_workers(self) -> None:
@@ -189,7 +193,8 @@ class SftController:
         n = len(self.workers)
         parts = ray.get([w.validate.remote(loss_b[i::n], prompt_b[i::n]) for i, w in enumerate(self.workers)])
         nll, tokens, correct, answered = [sum(p[k] for p in parts) for k in range(4)]
-        return {"val_loss": nll / max(tokens, 1), "val_accuracy": correct / max(answered, 1), "val_samples": int(answered)}
+        return {"val_loss": nll / max(tokens, 1), "val_accuracy": correct / max(answered, 1), "val_samples": int(answered),
+                "val_majority_baseline": majority_share([a for b in prompt_b for a in b.answers])}
 
     def _save(self, step: int, counters: dict) -> None:
         import torch
@@ -211,7 +216,8 @@ class SftController:
         meta = {"placement_hash": self.plan.placement_hash, "layout": self.plan.layout.describe(),
                 "loop": self.recipe.train.loop, "attempt": self.attempt, "counters": counters}
         path = self.store.finish(step, tmp, meta, files)
-        log.info("saved %s in %.2fs", path, time.perf_counter() - t0)
+        self.save_times.append(round(time.perf_counter() - t0, 4))
+        log.info("saved %s in %.2fs", path, self.save_times[-1])
 
 
 def _wandb_id(run_dir: Path) -> str:
@@ -219,3 +225,10 @@ def _wandb_id(run_dir: Path) -> str:
     import hashlib
 
     return hashlib.sha256(str(run_dir).encode()).hexdigest()[:16]
+
+
+def majority_share(answers: list[str]) -> float:
+    """Accuracy of always answering the most common answer: the bar a model must beat."""
+    from collections import Counter
+
+    return Counter(answers).most_common(1)[0][1] / len(answers) if answers else 0.0

@@ -19,13 +19,14 @@ log = logging.getLogger(__name__)
 
 
 def run_sft(rd: RunDirectory, recipe, *, attempt: int, model_dir: Path, stop: StopFlag,
-            on_row: Callable[[dict], None] | None = None, worker_threads: int = 1) -> dict:
+            on_row: Callable[[dict], None] | None = None, worker_threads: int = 1,
+            started_at: float | None = None) -> dict:
     """Run (or continue) the SFT loop of `recipe` in the Ray instance this process is connected to."""
     from vlmrun.train.controller import SftController
 
     controller = ray.remote(SftController).options(num_cpus=0, max_concurrency=2).remote(
         recipe_json=recipe.model_dump_json(), run_dir=str(rd.path), attempt=attempt, model_dir=str(model_dir),
-        worker_threads=worker_threads)
+        worker_threads=worker_threads, started_at=started_at)
     ref = controller.run.remote()
     follower = _RowFollower(rd.metrics_file(recipe))
     done = threading.Event()
@@ -90,7 +91,8 @@ class ProgressLine:
         text = (f"step {step}/{self.max_steps} | loss {row['loss']:.4f} | grad_norm {row['grad_norm']:.3f} | "
                 f"{row.get('tokens_per_s', 0):.0f} tok/s | ETA {_fmt(eta)}")
         if "val_accuracy" in row:
-            text += f" | val_loss {row['val_loss']:.4f} val_acc {row['val_accuracy']:.3f}"
+            text += (f" | val_loss {row['val_loss']:.4f} val_acc {row['val_accuracy']:.3f}"
+                     f" (majority baseline {row['val_majority_baseline']:.3f})")
         return text
 
 

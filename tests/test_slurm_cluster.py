@@ -1,0 +1,239 @@
+"""On the real local SLURM cluster (tools/slurm/up.sh; 2-node tests: tools/slurm/up-2node.sh) with real Ray.
+
+The payloads below stand in for the training entrypoint (`NodeEntrypoint(run_dir, main=...)`); they
+are pickled by value, so the job needs only vlmrun importable. Skipped when `sinfo` does not answer.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import cloudpickle
+import pytest
+
+from vlmrun.launch import jobs
+from vlmrun.launch.slurm import submit_slurm, wait_for_job
+from vlmrun.launch.slurm_entry import NodeEntrypoint
+from vlmrun.launch.rundir import RunDirectory
+from vlmrun.recipe.load import load_recipe
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.slurm
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+
+def sinfo_nodes() -> list[dict] | None:
+    try:
+        out = subprocess.run(["sinfo", "-h", "-N", "-o", "%N %T"], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if out.returncode != 0 or not out.stdout.strip():
+        return None
+    nodes = []
+    for line in out.stdout.split("\n"):
+        if line.strip():
+            name, state = line.split()
+            addr = subprocess.run(["scontrol", "show", "node", name], capture_output=True, text=True).stdout
+            nodes.append({"name": name, "state": state, "addr": addr.split("NodeAddr=")[1].split()[0]})
+    return nodes
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    nodes = sinfo_nodes()
+    if not nodes:
+        pytest.skip("no SLURM cluster answers `sinfo`; start one with tools/slurm/up.sh")
+    return nodes
+
+
+@pytest.fixture
+def two_nodes(cluster):
+    if len({n["addr"] for n in cluster}) < 2:
+        pytest.skip("needs 2 nodes with their own addresses: SLURM_NETNS=1 tools/slurm/up-2node.sh")
+    return cluster
+
+
+@pytest.fixture(autouse=True)
+def registry(tmp_path, monkeypatch):
+    monkeypatch.setenv("VLMRUN_JOBS_DIR", str(tmp_path / "registry"))
+
+
+def recipe(*sets: str):
+    return load_recipe(ROOT / "recipes" / "tiny-clevr-cpu.yaml", ["cluster.cpus_per_node=1", "parallel.dp=1",
+                                                                 "cluster.mem_gb=2", *sets])
+
+
+# ---------------------------------------------------------------- payloads (run inside the job)
+
+def complete_main(argv: list[str]) -> int:
+    from vlmrun.launch import job_record
+
+    rd = RunDirectory(argv[1])
+    attempt = job_record.begin_attempt(rd, os.environ["SLURM_JOB_ID"], int(os.environ.get("SLURM_RESTART_COUNT", 0)))
+    print("payload ran on", os.environ["SLURMD_NODENAME"], flush=True)
+    job_record.end_attempt(rd, attempt, "COMPLETED", "done", last_step=1)
+    return 0
+
+
+def stop_then_complete_main(argv: list[str]) -> int:
+    """Attempt 0 trains until the stop flag is set (USR2), 'checkpoints', returns 3; a restart completes."""
+    from vlmrun.launch import job_record
+    from vlmrun.train.stop import StopFlag, ignore_stop_signals
+
+    rd = RunDirectory(argv[1])
+    restart = int(os.environ.get("SLURM_RESTART_COUNT", 0))
+    ignore_stop_signals()
+    attempt = job_record.begin_attempt(rd, os.environ["SLURM_JOB_ID"], restart)
+    (rd.path / f"restart-{restart}.env").write_text(json.dumps({"job": os.environ["SLURM_JOB_ID"], "restart": restart}))
+    if restart >= 1:
+        job_record.end_attempt(rd, attempt, "COMPLETED", "resumed and finished", last_step=2)
+        return 0
+    stop = StopFlag().install()
+    (rd.path / "ready").touch()
+    if not stop.wait(300):
+        job_record.end_attempt(rd, attempt, "FAILED", "no stop signal came")
+        return 1
+    job_record.end_attempt(rd, attempt, "STOPPED", f"stop requested ({stop.signal_name}); checkpointed at step 1", 1)
+    return 3
+
+
+def ray_probe_main(argv: list[str]) -> int:
+    from vlmrun.launch.ray_slurm import probe_nodes, run_on_allocation
+    from vlmrun.train.stop import ignore_stop_signals
+
+    ignore_stop_signals()
+    rd = Path(argv[1])
+    out = run_on_allocation(probe_nodes, rd / "ray", deadline_s=90)
+    if out is not None:
+        (rd / "probe.json").write_text(json.dumps(out))
+    return 0
+
+
+def never_join_main(argv: list[str]) -> int:
+    """Node 0 brings Ray up; node 1 never joins (its entrypoint hangs)."""
+    from vlmrun.launch.ray_slurm import RayBringUpError, probe_nodes, run_on_allocation
+
+    rd = Path(argv[1])
+    if os.environ["SLURM_NODEID"] != "0":
+        (rd / "hung.pid").write_text(str(os.getpid()))
+        time.sleep(3600)
+    try:
+        run_on_allocation(probe_nodes, rd / "ray", deadline_s=20)
+    except RayBringUpError as e:
+        (rd / "error.txt").write_text(str(e))
+        raise
+    return 0
+
+
+def submit(rd: Path, r, main, *, wait: bool):
+    return submit_slurm(RunDirectory(rd), r, dry_run=False, wait=wait, entrypoint=NodeEntrypoint(str(rd), main),
+                        poll_s=0.5)
+
+
+def wait_for(predicate, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.3)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+# ---------------------------------------------------------------- tests
+
+def test_submit_runs_the_payload_and_records_the_job(cluster, tmp_path):
+    t0 = time.monotonic()
+    result = submit(tmp_path / "run", recipe(), complete_main, wait=True)
+    assert (result.state, result.exit_code) == ("COMPLETED", 0), jobs.log_file(RunDirectory(tmp_path / "run"), result.job_id).read_text()
+    job = RunDirectory(tmp_path / "run").read_job()
+    assert job["cluster"] == "slurm" and job["job_ids"] == [result.job_id] and job["submits"][0]["job_id"] == result.job_id
+    st = jobs.status(result.job_id)
+    assert st["state"] == "COMPLETED" and st["run_dir"] == str(tmp_path / "run")
+    lines = list(jobs.logs(result.job_id))
+    assert lines[0].startswith(jobs.ATTEMPT_MARKER) and any("payload ran on" in line for line in lines)
+    print(f"submit -> completed: {time.monotonic() - t0:.1f}s")
+
+
+def test_requeue_gives_same_job_id_and_restart_count_1(cluster, tmp_path):
+    rd = RunDirectory(tmp_path / "run")
+    result = submit(rd.path, recipe(), stop_then_complete_main, wait=False)
+    wait_for(lambda: (rd.path / "ready").exists(), 60, "the payload to start")
+    t0 = time.monotonic()
+    assert jobs.requeue(result.job_id)["signalled"] == "SIGUSR2"
+    final = wait_for_job(rd, result.job_id, poll_s=0.5)
+    turnaround = time.monotonic() - t0
+    assert (final.state, final.exit_code) == ("COMPLETED", 0)
+    assert json.loads((rd.path / "restart-1.env").read_text()) == {"job": result.job_id, "restart": 1}
+    job = rd.read_job()
+    assert [(a["job_id"], a["restart_count"], a["state"]) for a in job["attempts"]] == [
+        (result.job_id, 0, "STOPPED"), (result.job_id, 1, "COMPLETED")]
+    assert job["attempts"][0]["requeue_cause"] == "requested" and job["job_ids"] == [result.job_id]
+    first, second = list(jobs.logs(str(rd.path), attempt=0)), list(jobs.logs(str(rd.path), attempt=1))
+    assert "restart=0" in first[0] and "restart=1" in second[0]  # both attempts kept in submitit's appended log
+    print(f"requeue -> restarted and completed: {turnaround:.1f}s")
+
+
+def test_preemption_beyond_the_budget_ends_budget_exhausted(cluster, tmp_path):
+    rd = RunDirectory(tmp_path / "run")
+    result = submit(rd.path, recipe("checkpoint.requeue.preemptions=0"), stop_then_complete_main, wait=False)
+    wait_for(lambda: (rd.path / "ready").exists(), 60, "the payload to start")
+    subprocess.run(["scancel", "--signal=USR2", result.job_id], check=True)  # a preemption notice
+    final = wait_for_job(rd, result.job_id, poll_s=0.5)
+    job = rd.read_job()
+    assert final.state == "BUDGET_EXHAUSTED" and final.exit_code == 3
+    assert "checkpoint.requeue.preemptions=0" in job["reason"] and len(job["attempts"]) == 1
+
+
+def test_ray_on_one_node(cluster, tmp_path):
+    rd = tmp_path / "run"
+    result = submit(rd, recipe("cluster.cpus_per_node=2", "cluster.mem_gb=3"), ray_probe_main, wait=True)
+    assert result.state is not None and result.exit_code in (0, 1)
+    probe = json.loads((rd / "probe.json").read_text())
+    assert probe["alive_nodes"] == 1 and len(probe["ran_on"]) == 1
+    print(f"Ray ready on 1 node: {probe['ready_s']}s")
+
+
+def test_ray_on_two_nodes(two_nodes, tmp_path):
+    rd = tmp_path / "run"
+    submit(rd, recipe("cluster.nodes=2", "cluster.cpus_per_node=2", "cluster.mem_gb=3"), ray_probe_main, wait=True)
+    probe = json.loads((rd / "probe.json").read_text())
+    assert probe["alive_nodes"] == 2
+    ran_on = probe["ran_on"]
+    assert sorted(v["slurm_node"] for v in ran_on.values()) == sorted(ran_on) and len(ran_on) == 2
+    assert len({v["ip"] for v in ran_on.values()}) == 2 and not any(ip.startswith("127.") for ip in probe["addresses"])
+    print(f"Ray ready on 2 nodes: {probe['ready_s']}s")
+
+
+def test_node_that_never_joins_fails_within_the_deadline_naming_it(two_nodes, tmp_path):
+    rd = tmp_path / "run"
+    r = recipe("cluster.nodes=2", "cluster.cpus_per_node=2", "cluster.mem_gb=3")
+    result = submit(rd, r, never_join_main, wait=False)
+    wait_for(lambda: (rd / "hung.pid").exists(), 60, "the job to start")
+    t0 = time.monotonic()
+    wait_for(lambda: not jobs.is_live(result.job_id), 90, "the job to end")
+    took = time.monotonic() - t0
+    error = (rd / "error.txt").read_text()
+    missing = [n["name"] for n in two_nodes][1]
+    assert f"{missing} did not join (its node entrypoint never reported)" in error and "within 20s" in error
+    assert took < 20 + 30, f"the job took {took:.0f}s to end after it started"
+    leftovers = subprocess.run(["pgrep", "-f", f"vlmrun-ray-{result.job_id}-|{rd}/submitit"],
+                               capture_output=True, text=True).stdout.split()
+    assert leftovers == [], f"processes of job {result.job_id} left: {leftovers}"
+    print(f"never-joining node: job ended {took:.1f}s after it started")
+
+
+@pytest.mark.slow
+def test_real_time_limit_requeues_by_itself(cluster, tmp_path):
+    """--time=2 with USR2 60 s before: SLURM's own signal stops the attempt, the job requeues once."""
+    rd = RunDirectory(tmp_path / "run")
+    r = recipe("cluster.time_limit=2", "cluster.signal_delay_s=60", "checkpoint.requeue.timeouts=1")
+    result = submit(rd.path, r, stop_then_complete_main, wait=True)
+    job = rd.read_job()
+    assert (result.state, result.exit_code) == ("COMPLETED", 0), job
+    assert [a["restart_count"] for a in job["attempts"]] == [0, 1]
+    assert job["attempts"][0]["requeue_cause"] == "timeout" and "SIGUSR2" in job["attempts"][0]["reason"]

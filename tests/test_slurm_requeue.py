@@ -1,0 +1,112 @@
+"""Requeue policy: causes told apart, separate budgets, finished runs never requeue, warnings at submit."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from vlmrun.launch import requeue
+from vlmrun.launch.rundir import RunDirectory
+from vlmrun.recipe.load import load_recipe
+from vlmrun.train.config import RequeueBudget
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def job_with(*attempts: dict) -> dict:
+    return {"cluster": "slurm", "state": "RUNNING", "job_ids": ["7"], "attempts": list(attempts)}
+
+
+def stopped(job_id="7", signal="SIGUSR2", cause=None) -> dict:
+    a = {"job_id": job_id, "state": "STOPPED", "reason": f"stop requested ({signal}); checkpointed at step 5"}
+    if cause:
+        a["requeue_cause"] = cause
+    return a
+
+
+@pytest.mark.parametrize("elapsed,expected", [(0, "preemption"), (1000, "preemption"), (1619, "preemption"),
+                                              (1620, "timeout"), (1800, "timeout")])
+def test_timeout_is_the_last_signal_delay_plus_slack_of_the_limit(elapsed, expected):
+    # 30 min limit, USR2 120 s before it, 60 s slack for the 30 s tick: >= 1620 s is a timeout
+    assert requeue.classify_stop(elapsed, 30, 120, requested=False) == expected
+
+
+def test_requested_wins_over_elapsed_time():
+    assert requeue.classify_stop(1800, 30, 120, requested=True) == "requested"
+
+
+def test_budgets_are_separate_per_cause():
+    budget = RequeueBudget(timeouts=2, preemptions=1)
+    job = job_with(stopped(cause="timeout"), stopped())
+    assert requeue.decide(job, job_id="7", cause="timeout", budget=budget).requeue
+    assert requeue.decide(job, job_id="7", cause="preemption", budget=budget).requeue
+    job = job_with(stopped(cause="timeout"), stopped(cause="preemption"), stopped())
+    d = requeue.decide(job, job_id="7", cause="preemption", budget=budget)
+    assert not d.requeue and d.state == "BUDGET_EXHAUSTED" and "checkpoint.requeue.preemptions=1" in d.reason
+    assert requeue.decide(job, job_id="7", cause="timeout", budget=budget).requeue
+
+
+def test_budget_counts_only_this_job_id():
+    budget = RequeueBudget(timeouts=1, preemptions=0)
+    job = job_with(stopped(job_id="6", cause="timeout"), stopped(job_id="7"))
+    assert requeue.decide(job, job_id="7", cause="timeout", budget=budget).requeue
+
+
+def test_zero_budget_ends_at_once_and_requested_needs_no_budget():
+    budget = RequeueBudget(timeouts=0, preemptions=0)
+    job = job_with(stopped())
+    assert requeue.decide(job, job_id="7", cause="timeout", budget=budget).state == "BUDGET_EXHAUSTED"
+    assert requeue.decide(job, job_id="7", cause="requested", budget=budget).requeue
+
+
+@pytest.mark.parametrize("state", ["COMPLETED", "FAILED"])
+def test_a_finished_or_failed_run_never_requeues(state):
+    job = job_with({"job_id": "7", "state": state, "reason": "done"})
+    d = requeue.decide(job, job_id="7", cause="requested", budget=RequeueBudget())
+    assert not d.requeue and d.state == state
+
+
+def test_sigterm_and_cancel_do_not_requeue():
+    budget = RequeueBudget()
+    d = requeue.decide(job_with(stopped(signal="SIGTERM")), job_id="7", cause="preemption", budget=budget)
+    assert not d.requeue and d.state == "STOPPED" and "SIGTERM" in d.reason
+    d = requeue.decide(job_with(stopped()), job_id="7", cause="requested", budget=budget, cancelled=True)
+    assert not d.requeue and d.state == "CANCELLED"
+
+
+def test_record_writes_state_and_cause(tmp_path):
+    rd = RunDirectory(tmp_path)
+    rd.write_job(job_with(stopped()))
+    requeue.record(rd, requeue.RequeueDecision(True, "REQUEUED", "timeout", "timeout 1/3: requeued"))
+    job = rd.read_job()
+    assert job["state"] == "REQUEUED" and job["attempts"][-1]["requeue_cause"] == "timeout"
+    assert requeue.used_budget(job, "7")["timeout"] == 1
+    requeue.record(rd, requeue.RequeueDecision(False, "STOPPED", "timeout", "requeue failed"))
+    assert "requeue_cause" not in rd.read_job()["attempts"][-1]
+
+
+def test_requests_are_taken_once_and_only_for_their_job(tmp_path):
+    rd = RunDirectory(tmp_path)
+    requeue.write_request(rd, requeue.REQUEUE_REQUEST, "7")
+    assert not requeue.take_request(rd, requeue.REQUEUE_REQUEST, "8")  # stale request of another job: dropped
+    requeue.write_request(rd, requeue.REQUEUE_REQUEST, "7")
+    assert requeue.take_request(rd, requeue.REQUEUE_REQUEST, "7")
+    assert not requeue.take_request(rd, requeue.REQUEUE_REQUEST, "7")
+
+
+@pytest.mark.parametrize("path,params", [("/models/Qwen2.5-VL-3B-Instruct", 3e9), ("/m/Nemotron-3-Nano-Omni-30B-A3B", 30e9),
+                                         ("/m/my-model", None)])
+def test_parameter_count_from_the_model_name(path, params):
+    r = load_recipe(ROOT / "recipes" / "qwen2.5-vl-3b-clevr-1n2g.yaml", [f"model.path={path}"])
+    assert requeue.estimate_params(r.model) == params
+
+
+def test_signal_delay_warnings():
+    tiny = load_recipe(ROOT / "recipes" / "tiny-clevr-cpu.yaml")
+    assert requeue.signal_delay_warnings(tiny) == []
+    omni = load_recipe(ROOT / "recipes" / "omni-clevr-1n8g.yaml", ["cluster.signal_delay_s=120"])
+    [w] = requeue.signal_delay_warnings(omni)
+    assert "cluster.signal_delay_s=120" in w and "30B parameters" in w and "raise it to at least 540" in w
+    short = load_recipe(ROOT / "recipes" / "tiny-clevr-cpu.yaml", ["cluster.time_limit=1", "cluster.signal_delay_s=60"])
+    assert any("not shorter than cluster.time_limit" in w for w in requeue.signal_delay_warnings(short))
