@@ -103,6 +103,10 @@ def test_sigkill_then_resume_matches_uninterrupted(tmp_path, sets, uninterrupted
     same_history(uninterrupted, run)
     job = json.loads((run / "job.json").read_text())
     assert [a["state"] for a in job["attempts"]] == ["KILLED", "COMPLETED"]
+    # no sample lost or seen twice: the epoch's trained ids are the uninterrupted run's, each once
+    ids = [i for r in history(run / "metrics.jsonl").values() for i in r["sample_ids"]]
+    ref = [i for r in history(uninterrupted / "metrics.jsonl").values() for i in r["sample_ids"]]
+    assert len(ids) == len(set(ids)) == 80 and set(ids) == set(ref)
     cmp = vlmrun("compare", str(uninterrupted), str(run), "--json", "--out", str(tmp_path / "cmp"))
     assert cmp.returncode == 0 and json.loads(cmp.stdout)["verdict"] == "match"
 

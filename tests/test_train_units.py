@@ -145,3 +145,15 @@ def test_metrics_log_drops_a_torn_row_and_readers_take_latest_attempt(tmp_path):
     assert len(rows) == 4
     h = history(path)
     assert sorted(h) == [1, 2, 3] and h[3]["attempt"] == 1 and h[1]["attempt"] == 0
+
+
+def test_token_logprobs_sum_to_minus_nll():
+    from vlmrun.policy.loss import IGNORE, nll_sum, token_logprobs
+
+    torch.manual_seed(0)
+    logits = torch.randn(2, 5, 11)
+    labels = torch.randint(0, 11, (2, 5))
+    labels[0, :3] = IGNORE
+    lp = token_logprobs(logits, labels)
+    assert lp.shape == (2, 4) and float(lp[0, :2].abs().sum()) == 0.0
+    assert torch.allclose(-lp.sum(), nll_sum(logits, labels))

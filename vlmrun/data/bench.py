@@ -48,6 +48,12 @@ def run_bench(recipe, *, workers: list[int] = (0, 1, 2), batches: int = 200, ima
     data_path, size = bench_dataset(recipe, image_size)
     recipe = recipe.model_copy(update={"data": recipe.data.model_copy(update={"path": str(data_path)})})
     processor_dir = processor_dir or _processor_dir(recipe)
+    import torch
+
+    threads = torch.get_num_threads()
+    # In-process rows would otherwise time torch's intra-op threads fighting the loader workers for
+    # the same cores (100 ms stalls on the 2-CPU dev box); DataLoader workers use one thread too.
+    torch.set_num_threads(1)
     runners = _open_runners(recipe, processor_dir, workers)
     try:
         for runner in runners:
@@ -62,6 +68,7 @@ def run_bench(recipe, *, workers: list[int] = (0, 1, 2), batches: int = 200, ima
     finally:
         for runner in runners:
             runner.close()
+        torch.set_num_threads(threads)
     return _summary(recipe, data_path, size, workers, batches, rounds, rows)
 
 
@@ -107,7 +114,7 @@ class _Runner:
         self.seconds = 0.0
         self.peak_rss_mb = 0.0
         self.worker_rss_mb: list[float] = []
-        self._before = _child_pids()
+        self._before: set[int] = set()
         self._limit = None
         self._shard = None
         r = recipe.model_copy(update={"data": recipe.data.model_copy(update={"num_workers": num_workers})})
@@ -127,12 +134,13 @@ class _Runner:
             self._limit = LimitRunner(r, processor_dir=processor_dir, processes=max(1, num_workers))
 
     def warm_up(self, n: int) -> None:
+        self._before = _child_pids()
         if self._limit is not None:
             self._limit.run(n)
         else:
             for _ in range(n):
                 self._next()
-        self._workers = sorted(_child_pids() - self._before)
+        self._workers = self._limit.pids() if self._limit is not None else sorted(_child_pids() - self._before)
 
     def measure(self, n: int) -> None:
         if self._limit is not None:

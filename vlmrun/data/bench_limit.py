@@ -69,6 +69,10 @@ class LimitRunner:
         n = max(1, self._stage_samples)
         return {"read": round(self._read_ms, 4), **{k: round(v * 1000 / n, 4) for k, v in self._stages.items()}}
 
+    def pids(self) -> list[int]:
+        """Process ids of the worker processes (empty when the work runs in the caller's process)."""
+        return [p.pid for p in self._pool._pool] if self._pool is not None else []
+
     def close(self) -> None:
         if self._pool is not None:
             self._pool.terminate()

@@ -40,6 +40,7 @@ def loader_fingerprint(recipe, *, processor_dir: str, chat_template: str | None,
     import megatron.energon
 
     from vlmrun.data.families import COOKERS, TASK_ENCODERS
+    from vlmrun.data.transport import transfer_group
 
     d, t = recipe.data, recipe.train
     return {
@@ -57,6 +58,7 @@ def loader_fingerprint(recipe, *, processor_dir: str, chat_template: str | None,
         "data.task_encoder": TASK_ENCODERS[d.task_encoder].tag,
         "train.seed": t.seed,
         "train.micro_batch_size": t.micro_batch_size,
+        "loader.transfer_group": transfer_group(t.micro_batch_size),
         "processor.config": processor_config_hash(processor_dir),
         "processor.chat_template": _sha(chat_template or ""),
         "versions.energon": megatron.energon.__version__,

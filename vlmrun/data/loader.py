@@ -7,7 +7,10 @@
    identity fingerprint (`vlmrun.data.fingerprint`); `load_state_dict()` refuses another identity,
    or any state once the first batch was taken (Energon restores only before iterating).
 3. The stream is infinite: Energon repeats the split; with `data.virtual_epoch_length` the shard
-   ends an epoch every that many samples (rounded down to micro-batches) and starts the next.
+   ends an epoch every that many samples (rounded down to whole transfer groups) and starts the next.
+   Energon batches `transfer_group` micro-batches at a time into one shared-memory block
+   (`vlmrun.data.transport`); the shard hands them out one by one. A state saved in the middle of
+   a group records the group's restore key and how many micro-batches were taken.
 4. Corrupt samples are skipped and counted per shard up to `data.error_tolerance`
    (`vlmrun.data.error_budget`); one more fails the shard with its key and tar file.
 """
@@ -19,11 +22,12 @@ import json
 import logging
 import os
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 
 from vlmrun.data.batch import Batch, PromptBatch
 from vlmrun.data.error_budget import CorruptDataError, ErrorBudget
-from vlmrun.data.transport import unpack
+from vlmrun.data.transport import transfer_group, unpack
 from vlmrun.data.fingerprint import LOADER_FORMAT, LoaderStateRefused, check_same_identity, loader_fingerprint
 from vlmrun.errors import InputError
 
@@ -76,6 +80,15 @@ def load_processor(processor_dir: str, family: str):
     return processor
 
 
+@dataclass
+class _HeldGroup:
+    """A group of micro-batches taken from Energon and not yet all handed out."""
+
+    key: tuple
+    size: int
+    batches: collections.deque
+
+
 class LoaderShard:
     """Shard `shard` of `num_shards` of the training stream; build it with `open_loader_shard`.
 
@@ -104,17 +117,17 @@ class LoaderShard:
         task_encoder = make_task_encoder(d.task_encoder, processor=processor, family=recipe.family,
                                          cookers=d.cookers, max_seq_len=d.max_seq_len,
                                          micro_batch_size=t.micro_batch_size)
-        self.group = int(os.environ.get("VLMRUN_GROUP", "1"))
-        epoch_batches = d.virtual_epoch_length // (t.micro_batch_size * self.group) if d.virtual_epoch_length else 0
+        group_samples = t.micro_batch_size * transfer_group(t.micro_batch_size)
+        epoch_groups = max(1, d.virtual_epoch_length // group_samples) if d.virtual_epoch_length else 0
         dataset = get_train_dataset(
-            d.path, split_part=split, worker_config=worker_config, batch_size=t.micro_batch_size * self.group,
+            d.path, split_part=split, worker_config=worker_config, batch_size=group_samples,
             shuffle_buffer_size=d.shuffle_buffer if d.shuffle_buffer > 1 else None,
-            max_samples_per_sequence=d.max_samples_per_sequence,
-            virtual_epoch_length=max(epoch_batches, 1) if d.virtual_epoch_length else 0,
+            max_samples_per_sequence=d.max_samples_per_sequence, virtual_epoch_length=epoch_groups,
             task_encoder=task_encoder)
         self._loader = get_savable_loader(dataset)
         self._iter = None
-        self._pending = collections.deque()
+        self._held: collections.deque[_HeldGroup] = collections.deque()
+        self._to_rebuild: list[dict] = []
         self._batches = 0
         self._closed = False
 
@@ -136,9 +149,34 @@ class LoaderShard:
         return batch
 
     def _next(self) -> Batch:
-        if not self._pending:
-            self._pending.extend(unpack(self._next_group()))
-        return self._pending.popleft()
+        if self._to_rebuild:
+            self._rebuild_held_groups()
+        while self._held and not self._held[0].batches:
+            self._held.popleft()
+        if not self._held:
+            self._held.append(self._fetch())
+        return self._held[0].batches.popleft()
+
+    def _fetch(self, taken: int = 0, packed=None) -> _HeldGroup:
+        packed = self._next_group() if packed is None else packed
+        return _HeldGroup(key=packed.__restore_key__, size=len(packed),
+                          batches=collections.deque(unpack(packed)[taken:]))
+
+    def _rebuild_held_groups(self) -> None:
+        """Rebuild the groups a loaded state was in the middle of (see `load_state_dict`).
+
+        The next group is fetched first: that starts the worker processes, so the tar files the
+        rebuild opens in this process are not inherited by them (forked workers sharing one file
+        offset read garbage).
+        """
+        following = self._fetch()
+        for entry in self._to_rebuild:
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message=".*pin_memory.*no accelerator", category=UserWarning)
+                packed = self._loader.restore_sample(entry["group_key"])
+            self._held.append(self._fetch(int(entry["taken"]), packed))
+        self._held.append(following)
+        self._to_rebuild = []
 
     def _next_group(self):
         if self._iter is None:
@@ -153,12 +191,14 @@ class LoaderShard:
         """Where this shard stands, with its fingerprint; plain data for `torch.save`/`torch.load`."""
         from vlmrun.data.loader_state import to_plain
 
+        pending = [{"group_key": g.key, "taken": g.size - len(g.batches)} for g in self._held if g.batches]
         return {
             "format": LOADER_FORMAT,
             "fingerprint": dict(self.fingerprint),
             "batches": self._batches,
             "corrupt_skipped": self._budget.count,
             "energon": to_plain(self._loader.save_state_rank()),
+            "pending_groups": self._to_rebuild + pending,
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -177,6 +217,9 @@ class LoaderShard:
         self._loader.restore_state_rank(from_plain(state["energon"]))
         self._batches = int(state.get("batches", 0))
         self._budget.reset(int(state.get("corrupt_skipped", 0)))
+        # Energon's state sits after the groups the saved shard was in the middle of; they are
+        # rebuilt from their restore keys (every stage is stateless) when iteration starts.
+        self._to_rebuild = [dict(entry) for entry in state.get("pending_groups") or ()]
 
     def close(self) -> None:
         """Stop the worker processes (idempotent)."""

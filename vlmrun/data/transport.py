@@ -21,6 +21,13 @@ from vlmrun.data.batch import Batch
 
 _ALIGN = 64
 _KEEP_AS_VIEW_BYTES = 64 * 1024
+#: Samples per trip from a loader worker: enough to spread the per-message cost of torch's queues.
+SAMPLES_PER_TRANSFER = 8
+
+
+def transfer_group(micro_batch_size: int) -> int:
+    """Micro-batches per trip (at least one)."""
+    return max(1, SAMPLES_PER_TRANSFER // micro_batch_size)
 
 
 @dataclass
@@ -38,6 +45,8 @@ class PackedBatches:
     block: torch.Tensor
     sample_ids: list[list[str]]
     layouts: list[list[Field]]
+    #: Set by Energon's batcher: how to rebuild this group with `SavableDataLoader.restore_sample`.
+    __restore_key__: tuple = ()
 
     def __len__(self) -> int:
         return len(self.layouts)

@@ -18,3 +18,11 @@ def nll_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     shifted = logits[:, :-1].float().reshape(-1, logits.shape[-1])
     target = labels[:, 1:].reshape(-1)
     return F.cross_entropy(shifted, target, ignore_index=IGNORE, reduction="sum")
+
+
+def token_logprobs(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """log p(label_t+1 | prefix) per position, [B, T-1], float32; 0 where the label is IGNORE."""
+    target = labels[:, 1:]
+    logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
+    picked = logp.gather(-1, target.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    return picked.masked_fill(target == IGNORE, 0.0)

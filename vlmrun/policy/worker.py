@@ -121,6 +121,18 @@ class PolicyWorker:
                 "sample_ids": [i for b in micro_batches for i in b.sample_ids], "loader_s": loader_s,
                 "compute_s": time.perf_counter() - t0, "peak_rss_mb": peak_rss_mb()}
 
+    @torch.no_grad()
+    def logprobs(self, batch: Batch) -> torch.Tensor:
+        """Log-probability of each next token under the current weights, [B, T-1]; 0 where labels are ignored."""
+        from vlmrun.policy.loss import token_logprobs
+
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            return token_logprobs(self.model(**batch.model_inputs(), use_cache=False).logits, batch.labels)
+        finally:
+            self.model.train(was_training)
+
     # ---- validation ----------------------------------------------------------------------------
     def validate(self, val_batches: list, answer_batches: list, max_new_tokens: int = 4) -> list[float]:
         """Summed (nll, tokens, correct, answered) over this rank's val batches; the caller all-reduces."""
