@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -130,6 +132,35 @@ def never_join_main(argv: list[str]) -> int:
     return 0
 
 
+def node_dies_main(argv: list[str]) -> int:
+    """Node 0 runs a long 'driver'; the test kills node 1's raylet while it runs."""
+    from vlmrun.launch.ray_slurm import RayNodeLost, run_on_allocation
+
+    rd = Path(argv[1])
+
+    def driver(info):
+        (rd / "driver.started").touch()
+        for _ in range(1200):  # a driver that polls, like run_sft's ray.wait loop
+            time.sleep(0.25)
+
+    try:
+        run_on_allocation(driver, rd / "ray", deadline_s=90)
+    except RayNodeLost as e:
+        (rd / "error.txt").write_text(str(e))
+        raise
+    return 0
+
+
+@pytest.fixture
+def ray_temp_dirs():
+    """Removes the Ray temp dirs that failed jobs keep for debugging (vlmrun-ray-<job>-<node>)."""
+    job_ids = []
+    yield job_ids
+    for job_id in job_ids:
+        for path in Path(tempfile.gettempdir()).glob(f"vlmrun-ray-{job_id}-*"):
+            shutil.rmtree(path, ignore_errors=True)
+
+
 def submit(rd: Path, r, main, *, wait: bool):
     return submit_slurm(RunDirectory(rd), r, dry_run=False, wait=wait, entrypoint=NodeEntrypoint(str(rd), main),
                         poll_s=0.5)
@@ -209,10 +240,11 @@ def test_ray_on_two_nodes(two_nodes, tmp_path):
     print(f"Ray ready on 2 nodes: {probe['ready_s']}s")
 
 
-def test_node_that_never_joins_fails_within_the_deadline_naming_it(two_nodes, tmp_path):
+def test_node_that_never_joins_fails_within_the_deadline_naming_it(two_nodes, tmp_path, ray_temp_dirs):
     rd = tmp_path / "run"
     r = recipe("cluster.nodes=2", "cluster.cpus_per_node=2", "cluster.mem_gb=3")
     result = submit(rd, r, never_join_main, wait=False)
+    ray_temp_dirs.append(result.job_id)
     wait_for(lambda: (rd / "hung.pid").exists(), 60, "the job to start")
     t0 = time.monotonic()
     wait_for(lambda: not jobs.is_live(result.job_id), 90, "the job to end")
@@ -225,6 +257,25 @@ def test_node_that_never_joins_fails_within_the_deadline_naming_it(two_nodes, tm
                                capture_output=True, text=True).stdout.split()
     assert leftovers == [], f"processes of job {result.job_id} left: {leftovers}"
     print(f"never-joining node: job ended {took:.1f}s after it started")
+
+
+def test_a_node_that_dies_fails_the_job_fast(two_nodes, tmp_path, ray_temp_dirs):
+    rd = tmp_path / "run"
+    r = recipe("cluster.nodes=2", "cluster.cpus_per_node=2", "cluster.mem_gb=3")
+    result = submit(rd, r, node_dies_main, wait=False)
+    ray_temp_dirs.append(result.job_id)
+    wait_for(lambda: (rd / "driver.started").exists(), 90, "the driver to start")
+    worker = [n["name"] for n in two_nodes][1]
+    pattern = f"raylet.*vlmrun-ray-{result.job_id}-{worker}/"
+    [pid] = subprocess.run(["pgrep", "-f", pattern], capture_output=True, text=True).stdout.split()
+    t0 = time.monotonic()
+    os.kill(int(pid), 9)  # the raylet this job started on the worker node
+    wait_for(lambda: not jobs.is_live(result.job_id), 60, "the job to end")
+    took = time.monotonic() - t0
+    error = (rd / "error.txt").read_text()
+    assert worker in error, error
+    assert took < 30, f"the job took {took:.0f}s to fail after the node died"
+    print(f"node died -> job ended in {took:.1f}s: {error}")
 
 
 @pytest.mark.slow

@@ -79,8 +79,9 @@ def test_taken_ports_are_found():
 
 def test_ray_env_is_private_and_keeps_loopback():
     assert ray_env("127.0.0.1") == {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0",
-                                    "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
-    assert "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER" not in ray_env("10.200.0.11")
+                                    "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "GLOO_SOCKET_IFNAME": "lo"}
+    env = ray_env("192.0.2.1")  # an address no interface here holds (TEST-NET-1)
+    assert env["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] == "1" and "GLOO_SOCKET_IFNAME" not in env
 
 
 def test_temp_dir_is_short_and_per_job_and_node(monkeypatch):
@@ -102,7 +103,7 @@ def test_several_nodes_on_loopback_are_refused():
     a = SlurmAllocation(job_id="9", node_rank=0, num_nodes=2, nodename="n1", nodelist="n[1-2]")
     with mock.patch.object(ray_slurm, "node_address", return_value="127.0.0.1"), \
             pytest.raises(ray_slurm.RayBringUpError) as e:
-        ray_slurm._checked_address(a, ["n1", "n2"])
+        ray_slurm._checked_address(a, 2)
     assert "SLURM_NETNS=1" in str(e.value)
 
 

@@ -86,13 +86,15 @@ def test_record_writes_state_and_cause(tmp_path):
     assert "requeue_cause" not in rd.read_job()["attempts"][-1]
 
 
-def test_requests_are_taken_once_and_only_for_their_job(tmp_path):
+def test_requests_are_taken_once_and_only_for_their_attempt(tmp_path):
     rd = RunDirectory(tmp_path)
     requeue.write_request(rd, requeue.REQUEUE_REQUEST, "7")
-    assert not requeue.take_request(rd, requeue.REQUEUE_REQUEST, "8")  # stale request of another job: dropped
+    assert not requeue.take_request(rd, requeue.REQUEUE_REQUEST, "8", 0)  # stale request of another job: dropped
     requeue.write_request(rd, requeue.REQUEUE_REQUEST, "7")
-    assert requeue.take_request(rd, requeue.REQUEUE_REQUEST, "7")
-    assert not requeue.take_request(rd, requeue.REQUEUE_REQUEST, "7")
+    assert requeue.take_request(rd, requeue.REQUEUE_REQUEST, "7", 0)
+    assert not requeue.take_request(rd, requeue.REQUEUE_REQUEST, "7", 0)
+    requeue.write_request(rd, requeue.REQUEUE_REQUEST, "7", restart=0)  # too late for attempt 0 ...
+    assert not requeue.take_request(rd, requeue.REQUEUE_REQUEST, "7", 1)  # ... so it does not steer attempt 1
 
 
 @pytest.mark.parametrize("path,params", [("/models/Qwen2.5-VL-3B-Instruct", 3e9), ("/m/Nemotron-3-Nano-Omni-30B-A3B", 30e9),

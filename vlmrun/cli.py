@@ -87,6 +87,70 @@ def resume(
     raise typer.Exit(result.exit_code)
 
 
+@app.command()
+def status(
+    target: Optional[str] = typer.Argument(None, help="job id or run directory; default: every job vlmrun knows"),
+    json_out: bool = JsonOpt,
+):
+    """State of a run: SLURM's view (squeue, sacct when it has accounting), lineage, restarts, last step and loss.
+
+    Example: vlmrun status 1234 --json
+    """
+    from vlmrun.launch import jobs
+
+    result = jobs.status(target)
+    if json_out:
+        _print_json(result)
+    else:
+        from vlmrun.observe.tables import print_status
+
+        print_status(result)
+
+
+@app.command(no_args_is_help=True)
+def logs(
+    target: str = typer.Argument(..., help="job id or run directory"),
+    attempt: Optional[int] = typer.Option(None, "--attempt", min=0, help="only this attempt (restart count)"),
+    follow: bool = typer.Option(False, "-f", "--follow", help="keep printing as the job writes"),
+):
+    """Print the driver log of a job (every attempt, or one with --attempt).
+
+    Example: vlmrun logs 1234 -f
+    """
+    from vlmrun.launch import jobs
+
+    for line in jobs.logs(target, attempt=attempt, follow=follow):
+        typer.echo(line.rstrip("\n"))
+
+
+@app.command(no_args_is_help=True)
+def cancel(target: str = typer.Argument(..., help="job id or run directory"), json_out: bool = JsonOpt):
+    """Cancel a job (no checkpoint; the run can still be resumed from its last one).
+
+    Example: vlmrun cancel 1234
+    """
+    from vlmrun.launch import jobs
+
+    result = jobs.cancel(target)
+    _print_json(result) if json_out else typer.echo(_one_line(result))
+
+
+@app.command(no_args_is_help=True)
+def requeue(target: str = typer.Argument(..., help="job id or run directory"), json_out: bool = JsonOpt):
+    """Ask a running job to checkpoint at the next step boundary and requeue itself now (sends USR2).
+
+    Example: vlmrun requeue 1234
+    """
+    from vlmrun.launch import jobs
+
+    result = jobs.requeue(target)
+    _print_json(result) if json_out else typer.echo(_one_line(result))
+
+
+def _one_line(result: dict) -> str:
+    return ", ".join(f"{k}: {v}" for k, v in result.items())
+
+
 @app.command(no_args_is_help=True)
 def compare(
     a: str = typer.Argument(..., help="v1 (with --recipe), or a run directory"),
@@ -117,6 +181,40 @@ def compare(
 
         print_comparison(result)
     raise typer.Exit(0 if result["verdict"] == "match" else 1)
+
+
+@app.command("bench-loader")
+def bench_loader(
+    recipe: Path = typer.Argument(Path("recipes/tiny-clevr-cpu.yaml"), help="recipe whose data path to measure"),
+    workers: str = typer.Option("0,1,2", "--workers", help="comma-separated loader worker counts to try"),
+    batches: int = typer.Option(300, "--batches", min=1, help="measured micro-batches per row"),
+    image_size: Optional[int] = typer.Option(None, "--image-size", min=32, max=1024,
+                                             help="image side of the (generated) data set; default 224"),
+    set_: Optional[list[str]] = SetOpt,
+    json_out: bool = JsonOpt,
+):
+    """Loader throughput: the Energon loader vs a plain WebDataset + DataLoader reference vs the
+    decode-and-encode limit, side by side on the same shards.
+
+    Example: vlmrun bench-loader recipes/tiny-clevr-cpu.yaml --workers 0,1,2 --json
+    """
+    from vlmrun.data.bench import run_bench
+    from vlmrun.observe.progress import progress_bar
+    from vlmrun.recipe.load import load_recipe
+
+    try:
+        counts = [int(w) for w in workers.split(",") if w.strip()]
+    except ValueError:
+        raise InputError("--workers", workers, "a comma-separated list of integers, e.g. 0,1,2") from None
+    loaded = load_recipe(recipe, set_ or [])
+    with progress_bar("measuring loaders", enabled=not json_out) as progress:
+        result = run_bench(loaded, workers=counts, batches=batches, image_size=image_size, progress=progress)
+    if json_out:
+        _print_json(result)
+    else:
+        from vlmrun.observe.tables import print_bench
+
+        print_bench(result)
 
 
 @data_app.command("clevr", no_args_is_help=True)

@@ -1,25 +1,28 @@
-"""The compute limit of bench-loader: cook + encode + collate with no loader, samples in memory.
+"""The `limit` rows of bench-loader: cook + encode + collate with no loader, samples in memory.
 
-The split's tar files are read once into memory (that read is timed as the `read` stage), then
-each process loops over its own stride of samples doing exactly the work of a loader worker:
-cook (JSON + image decode), encode (chat template, processor), collate. With several processes
-(forked, one torch thread each, like DataLoader workers) the wall time of all of them together is
-the measure, and nothing travels back but timings.
+The split's tar files are read once into memory (timed as the `read` stage). With 0 workers the
+work runs in a tight loop in the caller, each stage timed (decode = cooking with its image decode,
+processor = chat template + tokenizer + image processor, collate): the compute-only floor. With k
+workers, k forked processes do the same work on disjoint strides of the samples and hand the
+micro-batches to the caller the way the Energon shard receives them (torch DataLoader, groups
+collated into reused shared-memory blocks, `vlmrun.data.transport`): the ceiling any loader with k
+worker processes can reach here, since every such loader must get its batches to the consumer.
 """
 
 from __future__ import annotations
 
-import multiprocessing
 import tarfile
 import time
 from pathlib import Path
 
-# Set in the parent before the pool forks, read by the children: (samples, encoder, cook, batch size).
-_STATE: dict = {}
+import torch
+from torch.utils.data import DataLoader, IterableDataset
+
+from vlmrun.data.transport import SlotPool, collate_packed, transfer_group
 
 
 class LimitRunner:
-    def __init__(self, recipe, *, processor_dir: str, processes: int):
+    def __init__(self, recipe, *, processor_dir: str, num_workers: int):
         from vlmrun.data.chat_encoding import ConversationEncoder
         from vlmrun.data.cookers import COOK_FUNCTIONS
         from vlmrun.data.families import family_spec
@@ -27,94 +30,93 @@ class LimitRunner:
 
         d = recipe.data
         t0 = time.perf_counter()
-        samples = _read_samples([Path(d.path) / name for name, _ in split_shards(d.path, d.split)])
-        self._read_ms = (time.perf_counter() - t0) * 1000 / max(1, len(samples))
-        encoder = ConversationEncoder(load_processor(processor_dir, recipe.family), family_spec(recipe.family),
-                                      d.max_seq_len)
-        self._state = {"samples": samples, "encoder": encoder, "cook": COOK_FUNCTIONS[d.cookers[0]],
-                       "batch": recipe.train.micro_batch_size}
-        self.processes = processes
-        self._offset = 0
+        self.samples = read_samples([Path(d.path) / name for name, _ in split_shards(d.path, d.split)])
+        self._read_ms = (time.perf_counter() - t0) * 1000 / max(1, len(self.samples))
+        self.encoder = ConversationEncoder(load_processor(processor_dir, recipe.family),
+                                           family_spec(recipe.family), d.max_seq_len)
+        self.cook = COOK_FUNCTIONS[d.cookers[0]]
+        self.micro_batch_size = recipe.train.micro_batch_size
+        self.num_workers = num_workers
         self._stages = {"decode": 0.0, "processor": 0.0, "collate": 0.0}
-        self._stage_samples = 0
-        self._pool = None
-        if processes > 1:
-            _STATE.update(self._state)
-            self._pool = multiprocessing.get_context("fork").Pool(processes, initializer=_init_child)
+        self._timed_samples = 0
+        self._index = 0
+        self._iterator = None
+        self._pending: list = []
+        self._loader = None
+        self._pool = SlotPool(num_workers=num_workers)
+        if num_workers:
+            self._loader = DataLoader(_InMemoryGroups(self), batch_size=None, num_workers=num_workers,
+                                      prefetch_factor=2, persistent_workers=True, multiprocessing_context="fork")
 
-    def run(self, batches: int) -> tuple[float, list[float]]:
-        """Process `batches` micro-batches; returns (wall seconds, per-batch seconds)."""
-        shares = [batches // self.processes + (i < batches % self.processes) for i in range(self.processes)]
-        jobs, start = [], self._offset
-        for share in shares:
-            jobs.append((start, share))
-            start += share * self._state["batch"]
-        self._offset = start
-        t0 = time.perf_counter()
-        if self._pool is None:
-            results = [_work(job, self._state) for job in jobs]
-        else:
-            results = self._pool.map(_work, jobs)
-        seconds = time.perf_counter() - t0
-        latencies = []
-        for lat, stages in results:
-            latencies += lat
-            for k, v in stages.items():
-                self._stages[k] += v
-            self._stage_samples += len(lat) * self._state["batch"]
-        return seconds, latencies
+    def next_batch(self):
+        """The next micro-batch (timed by stage when there are no workers)."""
+        if self._loader is None:
+            return self._encode_timed()
+        if self._iterator is None:
+            self._iterator = iter(self._loader)  # forks the workers
+        if not self._pending:
+            self._pending = self._pool.unpack(next(self._iterator))
+        return self._pending.pop(0)
 
-    def stage_ms(self) -> dict[str, float]:
-        """Mean milliseconds per sample of each stage (process time inside the workers)."""
-        n = max(1, self._stage_samples)
+    def _encode_timed(self):
+        encoded = []
+        for _ in range(self.micro_batch_size):
+            raw = self.samples[self._index % len(self.samples)]
+            self._index += 1
+            t0 = time.perf_counter()
+            conv = self.cook(raw)
+            t1 = time.perf_counter()
+            encoded.append(self.encoder.encode(conv))
+            self._stages["decode"] += t1 - t0
+            self._stages["processor"] += time.perf_counter() - t1
+        t2 = time.perf_counter()
+        batch = self.encoder.collate(encoded)
+        self._stages["collate"] += time.perf_counter() - t2
+        self._timed_samples += len(encoded)
+        return batch
+
+    def stage_ms(self) -> dict[str, float] | None:
+        """Mean milliseconds per sample of each stage; None for the multi-process rows."""
+        if self._loader is not None:
+            return None
+        n = max(1, self._timed_samples)
         return {"read": round(self._read_ms, 4), **{k: round(v * 1000 / n, 4) for k, v in self._stages.items()}}
 
     def pids(self) -> list[int]:
         """Process ids of the worker processes (empty when the work runs in the caller's process)."""
-        return [p.pid for p in self._pool._pool] if self._pool is not None else []
+        workers = getattr(self._iterator, "_workers", None) or []
+        return [w.pid for w in workers]
 
     def close(self) -> None:
-        if self._pool is not None:
-            self._pool.terminate()
-            self._pool.join()
-            self._pool = None
-        _STATE.clear()
+        if self._iterator is not None and hasattr(self._iterator, "_shutdown_workers"):
+            self._iterator._shutdown_workers()
+        self._iterator = self._loader = None
 
 
-def _init_child() -> None:
-    import torch
+class _InMemoryGroups(IterableDataset):
+    """Endless groups of micro-batches, each worker on its own stride of the in-memory samples."""
 
-    torch.set_num_threads(1)
+    def __init__(self, runner: LimitRunner):
+        self.samples, self.encoder, self.cook = runner.samples, runner.encoder, runner.cook
+        self.micro_batch_size = runner.micro_batch_size
+        self.pool = runner._pool
 
-
-def _work(job: tuple[int, int], state: dict | None = None) -> tuple[list[float], dict[str, float]]:
-    state = state or _STATE
-    samples, encoder, cook, size = state["samples"], state["encoder"], state["cook"], state["batch"]
-    start, batches = job
-    stages = {"decode": 0.0, "processor": 0.0, "collate": 0.0}
-    latencies = []
-    index = start
-    for _ in range(batches):
-        t_batch = time.perf_counter()
-        encoded = []
-        for _ in range(size):
-            raw = samples[index % len(samples)]
-            index += 1
-            t0 = time.perf_counter()
-            conv = cook(raw)
-            t1 = time.perf_counter()
-            encoded.append(encoder.encode(conv))
-            t2 = time.perf_counter()
-            stages["decode"] += t1 - t0
-            stages["processor"] += t2 - t1
-        t3 = time.perf_counter()
-        encoder.collate(encoded)
-        stages["collate"] += time.perf_counter() - t3
-        latencies.append(time.perf_counter() - t_batch)
-    return latencies, stages
+    def __iter__(self):
+        info = torch.utils.data.get_worker_info()
+        index, step = info.id, info.num_workers
+        size, group = self.micro_batch_size, transfer_group(self.micro_batch_size)
+        while True:
+            groups = []
+            for _ in range(group):
+                encoded = []
+                for _ in range(size):
+                    encoded.append(self.encoder.encode(self.cook(self.samples[index % len(self.samples)])))
+                    index += step
+                groups.append(encoded)
+            yield collate_packed(self.encoder, groups, self.pool)
 
 
-def _read_samples(paths: list[Path]) -> list[dict]:
+def read_samples(paths: list[Path]) -> list[dict]:
     """Every sample of the tar files as Energon hands it to a cooker (raw bytes per extension)."""
     samples: dict[str, dict] = {}
     for path in paths:

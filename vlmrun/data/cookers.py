@@ -10,8 +10,9 @@ raw bytes per tar member extension (`json`, `jpg`, ...) plus `__key__`, `__resto
      "media": [{"ref": "jpg", "modality": "image", "width": 112, "height": 112}]}
 
 A media part of a message points at a tar member by its extension (`ref`); the cooker decodes
-each referenced image once, straight from bytes to a uint8 CHW tensor (no float conversion: the
-processor rescales and normalizes anyway), and rewrites the parts to `{"type": "image", "media": i}`.
+each referenced image once with Pillow, straight from bytes to a uint8 CHW tensor (no float
+conversion: the processor rescales and normalizes anyway; no draft/reduce mode, which would change
+the pixels the processor sees), and rewrites the parts to `{"type": "image", "media": i}`.
 A sample that cannot be cooked raises `MalformedSample` naming its key; Energon's error handler
 (see `vlmrun.data.errors`) counts and skips it.
 """
@@ -27,9 +28,6 @@ import torch
 from megatron.energon import Cooker, Sample, edataclass, stateless
 
 from vlmrun.data.families import COOKERS
-
-_TORCHVISION_FORMATS = {"jpg", "jpeg", "png", "webp"}
-
 
 class MalformedSample(ValueError):
     """A sample this cooker or task encoder cannot use; the message starts with its key."""
@@ -83,21 +81,18 @@ def energon_cookers(names: list[str]) -> list[Cooker]:
     return [Cooker(cook=COOK_FUNCTIONS[name], has_subflavors=dict(COOKERS[name].subflavors) or None) for name in names]
 
 
-def decode_image(data: bytes, ext: str) -> torch.Tensor:
-    """Decode image bytes to an RGB uint8 tensor (3, H, W); raises on truncated or unknown data.
+def decode_image(data: bytes) -> torch.Tensor:
+    """Decode image bytes to an RGB uint8 tensor (3, H, W), a view of Pillow's pixels (no float copy).
 
-    torchvision's decoder (libjpeg-turbo) gives the same pixels as Pillow for our JPEGs and skips
-    Pillow's extra copy; other formats go through Pillow.
+    Raises whatever Pillow raises for truncated or unknown data (`OSError`, `ValueError`, ...).
     """
-    if ext.lower() in _TORCHVISION_FORMATS:
-        from torchvision.io import ImageReadMode, decode_image as tv_decode
-
-        return tv_decode(torch.frombuffer(bytearray(data), dtype=torch.uint8), mode=ImageReadMode.RGB)
     from PIL import Image
 
     with Image.open(io.BytesIO(data)) as image:
-        array = np.asarray(image.convert("RGB"))
-    return torch.from_numpy(array).permute(2, 0, 1).contiguous()
+        image.load()
+        rgb = image if image.mode == "RGB" else image.convert("RGB")
+        array = np.array(rgb)  # writable (np.asarray would wrap read-only bytes)
+    return torch.from_numpy(array).permute(2, 0, 1)
 
 
 def _read_json(sample: dict, key: str) -> dict:
@@ -146,7 +141,7 @@ def _media_item(sample: dict, record: dict, ref: str, key: str) -> MediaItem:
     if not isinstance(data, (bytes, bytearray)):
         raise MalformedSample(f"{key}: media ref {ref!r} names no member (members: {_members(sample)})")
     try:
-        image = decode_image(data, ref.rsplit(".", 1)[-1])
+        image = decode_image(data)
     except Exception as e:  # every decoder error (OSError, RuntimeError, ...) means the same here
         raise MalformedSample(f"{key}: cannot decode {ref!r} ({type(e).__name__}: {e})") from None
     meta = next((m for m in record.get("media", []) if isinstance(m, dict) and m.get("ref") == ref), {})

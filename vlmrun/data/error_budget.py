@@ -2,14 +2,17 @@
 
 Energon calls `WorkerConfig.global_error_handler(exception, sample, sources)` for every sample that
 a cooker, the task encoder or the batcher rejects, and then skips that sample. `ErrorBudget` is that
-handler: it logs the sample's key and tar file, adds one to a counter shared by the shard's worker
-processes (a `multiprocessing.Value`, inherited through the fork Energon's loader always uses), and
-raises `CorruptDataError` once the count passes `data.error_tolerance`. The error travels from the
-worker to the main process like any loader error, so the run fails instead of hanging.
+handler. It counts distinct sample keys (a bad sample met again in the next epoch is not a new
+one), logs each new one with its tar file, and raises `CorruptDataError` once the count passes
+`data.error_tolerance`. The keys live in shared memory (`multiprocessing.Array`), inherited by the
+shard's worker processes through the fork Energon's loader always uses, so the budget is per shard,
+not per worker. The error travels from the worker to the main process like any loader error, so
+the run fails instead of hanging.
 
 Energon's own per-stage limit of consecutive failures is switched off by the task encoder
-(`__default_failure_tolerance__ = 0`), so this budget is the only one. Errors raised while reading a
-tar file itself (a header Energon's index does not match) are not sample errors: they fail at once.
+(`__default_failure_tolerance__ = 0`), so this budget is the only one. A tar file damaged after it
+was indexed (Energon's index points past its end) is not a sample error: Energon's reader raises
+outside its sample error handling, and the shard fails at once naming the tar file.
 """
 
 from __future__ import annotations
@@ -22,6 +25,9 @@ from vlmrun.errors import CheckFailed
 
 logger = logging.getLogger(__name__)
 
+_KEY_CHARS = 60  # a remembered key is cut to this many characters (still distinct in practice)
+_KEY_BYTES = 4 * _KEY_CHARS + 1
+
 
 class CorruptDataError(CheckFailed):
     """More corrupt samples than `data.error_tolerance` on one loader shard (the run fails, exit 1).
@@ -31,39 +37,56 @@ class CorruptDataError(CheckFailed):
 
 
 class ErrorBudget:
-    """The error handler of one loader shard; `count` is shared with the shard's worker processes."""
+    """The error handler of one loader shard; its keys are shared with the shard's worker processes."""
 
-    def __init__(self, *, shard: int, num_shards: int, split: str, tolerance: int, already_seen: int = 0):
+    def __init__(self, *, shard: int, num_shards: int, split: str, tolerance: int):
         self.shard, self.num_shards, self.split, self.tolerance = shard, num_shards, split, tolerance
-        self._count = multiprocessing.get_context("fork").Value("q", already_seen)
+        self._keys = multiprocessing.get_context("fork").Array("c", (tolerance + 1) * _KEY_BYTES)
 
     @property
-    def count(self) -> int:
-        """Corrupt samples skipped so far (may include samples prefetched but not yet consumed)."""
-        return int(self._count.value)
+    def label(self) -> str:
+        return f"loader shard {self.shard}/{self.num_shards} ({self.split})"
 
-    def reset(self, count: int) -> None:
-        """Set the count (used when a saved loader state is restored, before the workers start)."""
-        self._count.value = count
+    def keys(self) -> list[str]:
+        """Keys of the corrupt samples skipped so far (may include samples prefetched, not yet consumed)."""
+        with self._keys.get_lock():
+            return _decode(self._keys.raw)
+
+    def reset(self, keys: list[str]) -> None:
+        """Remember `keys` as already skipped (a restored loader state), before the workers start."""
+        with self._keys.get_lock():
+            self._keys.raw = _encode(keys[: self.tolerance + 1], len(self._keys))
 
     def __call__(self, error: Exception, sample: Any, sources: list | None = None) -> None:
-        where = _where(sample, sources)
-        with self._count.get_lock():
-            self._count.value += 1
-            count = self._count.value
-        label = f"loader shard {self.shard}/{self.num_shards} ({self.split})"
-        if count > self.tolerance:
+        key, where = _where(sample, sources)
+        with self._keys.get_lock():
+            keys = _decode(self._keys.raw)
+            if key is not None and key[:_KEY_CHARS] in keys:
+                return
+            keys.append((key or f"<no key #{len(keys)}>")[:_KEY_CHARS])
+            if len(keys) <= self.tolerance + 1:
+                self._keys.raw = _encode(keys, len(self._keys))
+        if len(keys) > self.tolerance:
             raise CorruptDataError(
-                f"{label}: {count} corrupt samples, more than data.error_tolerance={self.tolerance}; "
+                f"{self.label}: {len(keys)} corrupt samples, more than data.error_tolerance={self.tolerance}; "
                 f"last: {where}: {type(error).__name__}: {error}"
             )
-        logger.warning("%s: skipped corrupt sample %d/%d: %s: %s", label, count, self.tolerance, where, error)
+        logger.warning("%s: skipped corrupt sample %d/%d: %s: %s", self.label, len(keys), self.tolerance, where, error)
 
 
-def _where(sample: Any, sources: list | None) -> str:
-    """'key <key> in <tar file>' of a sample (or of the first sample of a failed batch)."""
+def _where(sample: Any, sources: list | None) -> tuple[str | None, str]:
+    """(key, 'key <key> in <tar file>') of a sample, or of the first sample of a failed batch."""
     first = sample[0] if isinstance(sample, list) and sample else sample
     key = first.get("__key__") if isinstance(first, dict) else getattr(first, "__key__", None)
     shards = sorted({s.shard_name for s in sources or () if getattr(s, "shard_name", None)})
     text = f"key {key}" if key else "a sample without key"
-    return f"{text} in {', '.join(shards)}" if shards else text
+    return key, (f"{text} in {', '.join(shards)}" if shards else text)
+
+
+def _encode(keys: list[str], size: int) -> bytes:
+    data = b"".join(k[:_KEY_CHARS].encode("utf-8", "replace") + b"\n" for k in keys)
+    return data[:size].ljust(size, b"\0")
+
+
+def _decode(raw: bytes) -> list[str]:
+    return [k.decode("utf-8", "replace") for k in raw.rstrip(b"\0").split(b"\n") if k]

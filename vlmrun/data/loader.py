@@ -18,6 +18,7 @@
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import logging
 import os
@@ -27,7 +28,7 @@ from pathlib import Path
 
 from vlmrun.data.batch import Batch, PromptBatch
 from vlmrun.data.error_budget import CorruptDataError, ErrorBudget
-from vlmrun.data.transport import transfer_group, unpack
+from vlmrun.data.transport import SlotPool, transfer_group
 from vlmrun.data.fingerprint import LOADER_FORMAT, LoaderStateRefused, check_same_identity, loader_fingerprint
 from vlmrun.errors import InputError
 
@@ -92,17 +93,22 @@ class _HeldGroup:
 class LoaderShard:
     """Shard `shard` of `num_shards` of the training stream; build it with `open_loader_shard`.
 
-    Not thread-safe. `close()` stops the worker processes; a closed shard cannot be reopened.
+    Not thread-safe; use it from the process that built it (its workers are forked from there on
+    the first batch). `close()` stops the worker processes; a closed shard cannot be reopened.
+    Raises `InputError` at construction for a recipe whose data components, family, dataset or
+    split do not fit.
     """
 
     def __init__(self, recipe, *, processor_dir: str, shard: int, num_shards: int, placement_hash: str,
                  split: str):
         from megatron.energon import WorkerConfig, get_savable_loader, get_train_dataset
 
+        from vlmrun.data.families import check_components
         from vlmrun.data.task_encoder import make_task_encoder
 
         if not 0 <= shard < num_shards:
             raise ValueError(f"shard {shard} does not exist: there are {num_shards} shards")
+        check_components(recipe)
         d, t = recipe.data, recipe.train
         self.shard, self.num_shards, self.split = shard, num_shards, split
         self.micro_batch_size = t.micro_batch_size
@@ -117,6 +123,7 @@ class LoaderShard:
         task_encoder = make_task_encoder(d.task_encoder, processor=processor, family=recipe.family,
                                          cookers=d.cookers, max_seq_len=d.max_seq_len,
                                          micro_batch_size=t.micro_batch_size)
+        self._pool = task_encoder.slot_pool = SlotPool(num_workers=d.num_workers)
         group_samples = t.micro_batch_size * transfer_group(t.micro_batch_size)
         epoch_groups = max(1, d.virtual_epoch_length // group_samples) if d.virtual_epoch_length else 0
         dataset = get_train_dataset(
@@ -124,7 +131,8 @@ class LoaderShard:
             shuffle_buffer_size=d.shuffle_buffer if d.shuffle_buffer > 1 else None,
             max_samples_per_sequence=d.max_samples_per_sequence, virtual_epoch_length=epoch_groups,
             task_encoder=task_encoder)
-        self._loader = get_savable_loader(dataset)
+        # Workers keep an internal checkpoint at least every 15 s: a restore replays at most that much.
+        self._loader = get_savable_loader(dataset, checkpoint_every_sec=15)
         self._iter = None
         self._held: collections.deque[_HeldGroup] = collections.deque()
         self._to_rebuild: list[dict] = []
@@ -139,9 +147,7 @@ class LoaderShard:
         if self._closed:
             raise RuntimeError(f"loader shard {self.shard} is closed")
         try:
-            with warnings.catch_warnings():
-                # Energon always asks for pinned memory; without a GPU torch warns (per epoch) and ignores it.
-                warnings.filterwarnings("ignore", message=".*pin_memory.*no accelerator", category=UserWarning)
+            with _quiet_pin_memory():
                 batch = self._next()
         except CorruptDataError as e:
             raise CorruptDataError(_last_line(str(e))) from None
@@ -160,7 +166,7 @@ class LoaderShard:
     def _fetch(self, taken: int = 0, packed=None) -> _HeldGroup:
         packed = self._next_group() if packed is None else packed
         return _HeldGroup(key=packed.__restore_key__, size=len(packed),
-                          batches=collections.deque(unpack(packed)[taken:]))
+                          batches=collections.deque(self._pool.unpack(packed)[taken:]))
 
     def _rebuild_held_groups(self) -> None:
         """Rebuild the groups a loaded state was in the middle of (see `load_state_dict`).
@@ -171,9 +177,7 @@ class LoaderShard:
         """
         following = self._fetch()
         for entry in self._to_rebuild:
-            with warnings.catch_warnings():
-                warnings.filterwarnings("ignore", message=".*pin_memory.*no accelerator", category=UserWarning)
-                packed = self._loader.restore_sample(entry["group_key"])
+            packed = self._loader.restore_sample(entry["group_key"])
             self._held.append(self._fetch(int(entry["taken"]), packed))
         self._held.append(following)
         self._to_rebuild = []
@@ -196,7 +200,7 @@ class LoaderShard:
             "format": LOADER_FORMAT,
             "fingerprint": dict(self.fingerprint),
             "batches": self._batches,
-            "corrupt_skipped": self._budget.count,
+            "corrupt_keys": self._budget.keys(),
             "energon": to_plain(self._loader.save_state_rank()),
             "pending_groups": self._to_rebuild + pending,
         }
@@ -206,6 +210,8 @@ class LoaderShard:
         identity change, before anything is restored."""
         from vlmrun.data.loader_state import from_plain
 
+        if self._closed:
+            raise RuntimeError(f"loader shard {self.shard} is closed")
         if self._iter is not None:
             raise LoaderStateRefused(
                 "loader state", message=f"loader shard {self.shard}: a state can only be loaded before the "
@@ -216,7 +222,7 @@ class LoaderShard:
         check_same_identity(state["fingerprint"], self.fingerprint, shard=self.shard)
         self._loader.restore_state_rank(from_plain(state["energon"]))
         self._batches = int(state.get("batches", 0))
-        self._budget.reset(int(state.get("corrupt_skipped", 0)))
+        self._budget.reset(list(state.get("corrupt_keys") or ()))
         # Energon's state sits after the groups the saved shard was in the middle of; they are
         # rebuilt from their restore keys (every stage is stateless) when iteration starts.
         self._to_rebuild = [dict(entry) for entry in state.get("pending_groups") or ()]
@@ -251,9 +257,12 @@ def val_batches(recipe, *, processor_dir: str, samples: int, batch_size: int
 
     from vlmrun.data.task_encoder import make_task_encoder
 
+    from vlmrun.data.families import check_components
+
     d = recipe.data
     if samples <= 0:
         return [], []
+    check_components(recipe)
     split_size(d.path, d.val_split)
     processor = load_processor(processor_dir, recipe.family)
     budget = ErrorBudget(shard=0, num_shards=1, split=d.val_split, tolerance=d.error_tolerance)
@@ -263,15 +272,24 @@ def val_batches(recipe, *, processor_dir: str, samples: int, batch_size: int
     dataset = get_val_dataset(d.path, split_part=d.val_split, worker_config=worker_config, batch_size=batch_size,
                               task_encoder=task_encoder)
     pairs = []
-    for group in get_loader(dataset):
-        pairs.extend(group)
-        if len(pairs) >= samples:
-            break
+    with _quiet_pin_memory():
+        for group in get_loader(dataset):
+            pairs.extend(group)
+            if len(pairs) >= samples:
+                break
     pairs = pairs[:samples]
     encoder = task_encoder.encoder
     chunks = [pairs[i:i + batch_size] for i in range(0, len(pairs), batch_size)]
     return ([encoder.collate([s.encoded for s in c]) for c in chunks],
             [encoder.collate_prompts([s.prompt for s in c]) for c in chunks])
+
+
+@contextlib.contextmanager
+def _quiet_pin_memory():
+    # Energon always asks for pinned memory; without a GPU torch warns (every epoch) and ignores it.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*pin_memory.*no accelerator", category=UserWarning)
+        yield
 
 
 def _last_line(text: str) -> str:

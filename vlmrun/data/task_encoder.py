@@ -10,13 +10,12 @@ rescales again; FACTS.md measured that at ~45% of the loader's time).
 
 from __future__ import annotations
 
-import torch
 from megatron.energon import DefaultTaskEncoder, Sample, edataclass, stateless
 
 from vlmrun.data.chat_encoding import ConversationEncoder, Encoded, EncodedPrompt
 from vlmrun.data.cookers import Conversation, energon_cookers
 from vlmrun.data.families import TASK_ENCODERS, family_spec
-from vlmrun.data.transport import PackedBatches, allocate
+from vlmrun.data.transport import PackedBatches, SlotPool, collate_packed
 
 
 @edataclass
@@ -42,6 +41,8 @@ class ChatSftTaskEncoder(DefaultTaskEncoder):
     def __init__(self, *, processor, family: str, cookers: list[str], max_seq_len: int, micro_batch_size: int = 1):
         super().__init__()
         self.micro_batch_size = micro_batch_size
+        #: Set by the loader before its workers fork (see `vlmrun.data.transport.SlotPool`).
+        self.slot_pool: SlotPool | None = None
         self.cookers = energon_cookers(cookers)
         self.encoder = ConversationEncoder(processor, family_spec(family), max_seq_len)
 
@@ -54,11 +55,7 @@ class ChatSftTaskEncoder(DefaultTaskEncoder):
         """`group` micro-batches of `micro_batch_size` samples, collated into one block (see transport)."""
         size = self.micro_batch_size
         groups = [[s.encoded for s in samples[i:i + size]] for i in range(0, len(samples), size)]
-        block, fields, views = allocate([self.encoder.batch_layout(g) for g in groups],
-                                        shared=torch.utils.data.get_worker_info() is not None)
-        for group, out in zip(groups, views):
-            self.encoder.collate(group, out=out)
-        return PackedBatches(block=block, sample_ids=[[e.key for e in g] for g in groups], layouts=fields)
+        return collate_packed(self.encoder, groups, self.slot_pool)
 
 
 class ChatSftValTaskEncoder(ChatSftTaskEncoder):

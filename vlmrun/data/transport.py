@@ -1,19 +1,27 @@
-"""Micro-batches packed into one shared-memory block for the trip from a loader worker to its shard.
+"""Micro-batches packed into reusable shared-memory blocks for the trip from a loader worker.
 
-torch's DataLoader moves each tensor of a batch through its own shared-memory segment and file
-descriptor; with ~7 tensors per micro-batch that costs the main process ~1.2 ms per batch here,
-about as much as a worker needs to encode it (measured on the 2-CPU dev box). The task encoder
-therefore collates a group of micro-batches straight into views of one block (`torch.
-UntypedStorage._new_shared`, as torch's default collate does inside workers: no extra copy), and
-the shard unpacks them into views again: one segment, one descriptor, one queue message per group.
+Measured on the 2-CPU dev VM (Firecracker), 224 px Qwen2.5-VL, 8 samples (~10 MB) per trip:
 
-Large tensors (the media) stay views of the block; small ones are cloned on unpacking, so a
-consumer that pickles a single label tensor does not drag the whole block along.
+1. torch's DataLoader moves every tensor of a batch through its own new shared-memory segment and
+   file descriptor. A new segment costs ~6 ms per 10 MB in page faults in the worker, and as much
+   again in the main process when it reads the pages: more CPU than encoding the samples.
+2. So the task encoder collates a group of `transfer_group` micro-batches straight into views of
+   one block, and the block comes from a `SlotPool`: a few blocks per worker, allocated once and
+   reused. The main process copies each micro-batch out into its own private memory (~1 ms per
+   10 MB) and hands the slot back; it keeps a reference to each slot's block, so torch maps it
+   only once. Together: ~2.5 ms instead of ~18 ms of CPU per 10 MB trip.
+3. A slot is reused only after the main process released it (flags in a `multiprocessing.Array`
+   created before the workers fork; its lock orders the copy before the release). When no slot is
+   free the worker takes a fresh block, so a slow consumer costs speed, never correctness.
+
+Every micro-batch ends up in memory of its own (Ray pickles a view with its whole storage);
+within it, large tensors (the media) are views, small ones are cloned.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import multiprocessing
+from dataclasses import dataclass, field
 
 import torch
 
@@ -21,6 +29,8 @@ from vlmrun.data.batch import Batch
 
 _ALIGN = 64
 _KEEP_AS_VIEW_BYTES = 64 * 1024
+_SLOTS_PER_WORKER = 4  # torch's prefetch (2 per worker) + one being filled + one in the main process
+_GROWTH = 1.25
 #: Samples per trip from a loader worker: enough to spread the per-message cost of torch's queues.
 SAMPLES_PER_TRANSFER = 8
 
@@ -39,45 +49,128 @@ class Field:
 
 
 @dataclass
-class PackedBatches:
-    """Several micro-batches in one uint8 `block`; `layouts[i]` places micro-batch i's tensors."""
+class Part:
+    """One micro-batch inside `PackedBatches.blocks[block]`, bytes [start, end); field offsets from start."""
 
-    block: torch.Tensor
-    sample_ids: list[list[str]]
-    layouts: list[list[Field]]
+    sample_ids: list[str]
+    fields: list[Field]
+    block: int
+    start: int
+    end: int
+
+
+@dataclass
+class PackedBatches:
+    """Several micro-batches in uint8 blocks: one shared block for a trip from a worker, or one
+    private block per micro-batch when built in the receiving process.
+
+    `slot` is the `SlotPool` slot of a pooled block (None otherwise).
+    """
+
+    blocks: list[torch.Tensor]
+    parts: list[Part]
+    slot: int | None = None
     #: Set by Energon's batcher: how to rebuild this group with `SavableDataLoader.restore_sample`.
     __restore_key__: tuple = ()
 
     def __len__(self) -> int:
-        return len(self.layouts)
+        return len(self.parts)
 
 
-def allocate(layouts: list[dict[str, tuple[tuple[int, ...], torch.dtype]]], *, shared: bool
-             ) -> tuple[torch.Tensor, list[list[Field]], list[dict[str, torch.Tensor]]]:
-    """One block for all `layouts` (name -> (shape, dtype)); returns it, the fields, and the views.
+@dataclass
+class SlotPool:
+    """Reusable shared-memory blocks for the workers of one loader (see module doc, 2-3).
 
-    `shared=True` puts the block in shared memory (inside a DataLoader worker, where it will be sent).
+    Create it in the main process before the workers fork. Workers call `block`, the main process
+    `unpack`; both work unchanged without workers.
     """
-    fields, offset = [], 0
-    for layout in layouts:
-        placed = []
-        for name, (shape, dtype) in layout.items():
-            placed.append(Field(name=name, dtype=str(dtype).removeprefix("torch."), shape=tuple(shape), offset=offset))
-            offset += _aligned(_nbytes(shape, dtype))
-        fields.append(placed)
-    if shared:
-        block = torch.empty(0, dtype=torch.uint8).set_(torch.UntypedStorage._new_shared(max(offset, 1)))
+
+    num_workers: int
+    _busy: object = field(init=False, repr=False)
+    _own: dict = field(default_factory=dict, repr=False)  # in a worker: slot -> its block
+    _mapped: dict = field(default_factory=dict, repr=False)  # in the main process: slot -> received block
+    _turn: int = 0
+
+    def __post_init__(self):
+        self._busy = multiprocessing.get_context("fork").Array("b", max(1, self.num_workers) * _SLOTS_PER_WORKER)
+
+    def block(self, nbytes: int) -> tuple[torch.Tensor, int | None]:
+        """Inside a worker: a shared block of at least `nbytes` to fill and send, and its slot
+        (None: a fresh block, because every slot of this worker is still in use)."""
+        info = torch.utils.data.get_worker_info()
+        for i in range(_SLOTS_PER_WORKER):
+            slot = info.id * _SLOTS_PER_WORKER + (self._turn + i) % _SLOTS_PER_WORKER
+            with self._busy.get_lock():
+                if self._busy[slot]:
+                    continue
+                self._busy[slot] = 1
+            self._turn += i + 1
+            block = self._own.get(slot)
+            if block is None or block.numel() < nbytes:
+                block = self._own[slot] = _shared(int(nbytes * _GROWTH))
+            return block, slot
+        return _shared(nbytes), None
+
+    def unpack(self, packed: PackedBatches) -> list[Batch]:
+        """In the main process: the micro-batches, each in its own private memory; the slot is free again."""
+        batches = unpack(packed)
+        if packed.slot is not None:
+            self._mapped[packed.slot] = packed.blocks[0]  # keeps torch's mapping of the slot alive for reuse
+            with self._busy.get_lock():
+                self._busy[packed.slot] = 0
+        return batches
+
+
+def collate_packed(encoder, groups: list[list], pool: SlotPool | None = None) -> PackedBatches:
+    """Collate each list of encoded samples into one micro-batch.
+
+    `encoder` is a `ConversationEncoder` (its `batch_layout` and `collate`). Inside a DataLoader
+    worker all micro-batches go into one shared block (from `pool` when given); elsewhere each gets
+    its own private block, ready to use without a copy.
+    """
+    placed = [_place(encoder.batch_layout(g)) for g in groups]
+    ids = [[e.key for e in g] for g in groups]
+    if torch.utils.data.get_worker_info() is None:
+        blocks = [torch.empty(max(n, 1), dtype=torch.uint8) for _, n in placed]
+        parts = [Part(sample_ids=i, fields=f, block=k, start=0, end=n) for k, (i, (f, n)) in enumerate(zip(ids, placed))]
+        slot = None
     else:
-        block = torch.empty(max(offset, 1), dtype=torch.uint8)
-    return block, fields, [{f.name: _view(block, f) for f in placed} for placed in fields]
+        parts, offset = [], 0
+        for i, (f, n) in zip(ids, placed):
+            parts.append(Part(sample_ids=i, fields=f, block=0, start=offset, end=offset + n))
+            offset += _aligned(n)
+        block, slot = pool.block(offset) if pool is not None else (_shared(offset), None)
+        blocks = [block]
+    for group, part in zip(groups, parts):
+        base = blocks[part.block][part.start: part.end]
+        encoder.collate(group, out={f.name: _view(base, f) for f in part.fields})
+    return PackedBatches(blocks=blocks, parts=parts, slot=slot)
 
 
 def unpack(packed: PackedBatches) -> list[Batch]:
-    """The micro-batches of `packed`, in order (media as views of the block, the rest cloned)."""
-    return [
-        _batch(ids, {f.name: _view(packed.block, f, clone_small=True) for f in placed})
-        for ids, placed in zip(packed.sample_ids, packed.layouts)
-    ]
+    """The micro-batches of `packed`, in order. Each gets its own memory: a part of a shared block
+    is copied out (the block goes back to its worker, and a consumer that pickles one micro-batch,
+    e.g. Ray, must not drag the others along); small tensors are cloned, media stay views."""
+    batches = []
+    for part in packed.parts:
+        base = packed.blocks[part.block][part.start: part.end]
+        if base.is_shared() or part.start or part.end != packed.blocks[part.block].numel():
+            base = base.clone()
+        batches.append(_batch(part.sample_ids, {f.name: _view(base, f, clone_small=True) for f in part.fields}))
+    return batches
+
+
+def _place(layout: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> tuple[list[Field], int]:
+    """Fields of one micro-batch laid out from offset 0, and the bytes they take."""
+    fields, offset = [], 0
+    for name, (shape, dtype) in layout.items():
+        fields.append(Field(name=name, dtype=str(dtype).removeprefix("torch."), shape=tuple(shape), offset=offset))
+        offset += _aligned(_nbytes(shape, dtype))
+    return fields, offset
+
+
+def _shared(nbytes: int) -> torch.Tensor:
+    return torch.empty(0, dtype=torch.uint8).set_(torch.UntypedStorage._new_shared(max(nbytes, 1)))
 
 
 def _batch(sample_ids: list[str], tensors: dict[str, torch.Tensor]) -> Batch:

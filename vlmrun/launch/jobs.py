@@ -1,8 +1,9 @@
 """`vlmrun status | logs | cancel | requeue`: find a run from a job id or a run dir, ask SLURM, act.
 
 1. Job id -> run dir: a registry file per submitted job, `$VLMRUN_JOBS_DIR/<jobid>` (default
-   `~/.cache/vlmrun/jobs/`), holding the run dir path; if it is missing, the job's `StdOut` from
-   `scontrol show job` (`<run dir>/submitit/<jobid>_0_log.out`) points at the run dir.
+   `~/.cache/vlmrun/jobs/`), holding the run dir path (each submit overwrites its id's entry; an
+   entry whose run dir is gone or does not list the id is ignored); failing that, the job's `StdOut`
+   from `scontrol show job` (`<run dir>/submitit/<jobid>_0_log.out`) points at the run dir.
 2. State: squeue for live jobs, then `scontrol show job` (finished jobs stay known for MinJobAge),
    then sacct (absent without accounting: `sacct` then says "accounting storage is disabled"),
    and job.json, which the job writes itself, for everything else (lineage, attempts, final state).
@@ -50,12 +51,15 @@ def find_run(target: str) -> tuple[RunDirectory, str | None]:
     if path.is_dir():
         rd = RunDirectory(path)
         if not rd.exists():
-            raise InputError("JOBID|RUN_DIR", target, message=f"{target} is not a vlmrun run directory (no recipe.yaml)")
+            raise InputError("JOBID|RUN_DIR", target,
+                             message=f"{target} is not a vlmrun run directory (no recipe.yaml)")
         ids = rd.read_job().get("job_ids") or [None]
         return rd, ids[-1]
     entry = jobs_dir() / target
     if entry.is_file():
-        return RunDirectory(entry.read_text().strip()), target
+        rd = RunDirectory(entry.read_text().strip())
+        if rd.exists() and target in rd.read_job().get("job_ids", []):  # else a stale entry (run dir gone)
+            return rd, target
     if _JOB_ID.match(target):
         found = _run_dir_from_scontrol(target)
         if found:
@@ -106,12 +110,16 @@ def parse_scontrol_job(text: str) -> dict[str, str]:
 
 
 def parse_sacct(text: str) -> dict[str, dict]:
-    """`sacct -n -P -X -o JobID,State,ExitCode,Elapsed` -> job id -> {state, exit_code, elapsed}; {} without accounting."""
+    """`sacct -n -P -X -o JobID,State,ExitCode,Elapsed` -> job id -> {state, exit_code, elapsed}.
+
+    Without accounting sacct prints "Slurm accounting storage is disabled" (exit 0): that parses to {}.
+    """
     out = {}
     for line in text.splitlines():
         parts = line.strip().split("|")
         if len(parts) == 4 and parts[0]:
-            out[parts[0]] = {"state": parts[1].split()[0] if parts[1] else "", "exit_code": parts[2], "elapsed": parts[3]}
+            state = parts[1].split()[0] if parts[1] else ""  # "CANCELLED by 0" -> CANCELLED
+            out[parts[0]] = {"state": state, "exit_code": parts[2], "elapsed": parts[3]}
     return out
 
 
@@ -213,7 +221,8 @@ def logs(target: str, attempt: int | None = None, follow: bool = False, *, poll_
     chosen = attempts[attempt if attempt is not None else -1] if attempts else {"job_id": job_id, "restart_count": 0}
     if job.get("cluster", "local") != "slurm":
         index = attempts.index(chosen) if attempts else 0
-        yield from _read_lines(rd.attempt_log(index), follow, lambda: job_record.running_pid(rd.read_job()) is not None, poll_s)
+        alive = lambda: job_record.running_pid(rd.read_job()) is not None  # noqa: E731
+        yield from _read_lines(rd.attempt_log(index), follow, alive, poll_s)
         return
     path = log_file(rd, chosen["job_id"])
     live = lambda: is_live(chosen["job_id"])  # noqa: E731
@@ -265,7 +274,7 @@ def cancel(target: str, *, wait_s: float = 30.0) -> dict:
     rd, job_id = find_run(target)
     job = rd.read_job()
     if job.get("cluster") == "slurm":
-        requeue_policy.write_request(rd, requeue_policy.CANCEL_REQUEST, job_id)
+        requeue_policy.write_request(rd, requeue_policy.CANCEL_REQUEST, job_id, _running_restart(job, job_id))
         rc, _, err = run_tool(["scancel", job_id])
         if rc != 0:
             raise InputError("JOBID", job_id, message=f"scancel {job_id} failed: {err.strip()}")
@@ -278,6 +287,14 @@ def cancel(target: str, *, wait_s: float = 30.0) -> dict:
             _end_local(pid, wait_s)
     _mark_cancelled(rd)
     return {"run_dir": str(rd.path), "job_id": job_id, "state": "CANCELLED"}
+
+
+def _running_restart(job: dict, job_id: str) -> int | None:
+    """The restart count of `job_id`'s running attempt, None before its attempt has begun."""
+    for a in reversed(job.get("attempts", [])):
+        if a.get("job_id") == job_id and a.get("state") == "RUNNING":
+            return int(a.get("restart_count", 0))
+    return None
 
 
 def _end_local(pid: int, wait_s: float) -> None:
@@ -314,7 +331,7 @@ def requeue(target: str) -> dict:
     if state != "RUNNING":
         raise InputError("JOBID", job_id, message=f"job {job_id} is {state or 'not known to SLURM'}; only a RUNNING "
                          "job can checkpoint and requeue")
-    requeue_policy.write_request(rd, requeue_policy.REQUEUE_REQUEST, job_id)
+    requeue_policy.write_request(rd, requeue_policy.REQUEUE_REQUEST, job_id, _running_restart(job, job_id))
     rc, _, err = run_tool(["scancel", "--signal=USR2", job_id])
     if rc != 0:
         (rd.path / requeue_policy.REQUEUE_REQUEST).unlink(missing_ok=True)

@@ -32,7 +32,7 @@ def start_local(rd: RunDirectory, recipe, *, wait: bool, echo: Callable[[str], N
             proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env,
                                     start_new_session=True)
         job_id = f"local-{proc.pid}"
-        job_record.add_job(rd, job_id, "local", recipe.name)
+        _record(rd, job_id, recipe)
         if echo:
             echo(f"started {job_id}; run dir {rd.path}\nfollow it with: tail -f {rd.attempt_log(attempt)}")
         return SubmitResult(rd.path, "local", False, job_id=job_id, state="RUNNING")
@@ -42,7 +42,7 @@ def start_local(rd: RunDirectory, recipe, *, wait: bool, echo: Callable[[str], N
     proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=sys.stderr.fileno(), stderr=sys.stderr.fileno(),
                             env=env | {"VLMRUN_TEE_LOG": str(rd.attempt_log(attempt))})
     job_id = f"local-{proc.pid}"
-    job_record.add_job(rd, job_id, "local", recipe.name)
+    _record(rd, job_id, recipe)
     code = _wait_forwarding_signals(proc)
     state = _OUTCOME.get(code, "FAILED")
     if echo and code == job_record.EXIT_STOPPED:
@@ -50,6 +50,13 @@ def start_local(rd: RunDirectory, recipe, *, wait: bool, echo: Callable[[str], N
     passed_on = (job_record.EXIT_COMPLETED, job_record.EXIT_STOPPED, EXIT_BAD_INPUT)
     return SubmitResult(rd.path, "local", False, job_id=job_id, state=state,
                         exit_code=code if code in passed_on else job_record.EXIT_FAILED)
+
+
+def _record(rd: RunDirectory, job_id: str, recipe) -> None:
+    from vlmrun.launch.jobs import register_job
+
+    job_record.add_job(rd, job_id, "local", recipe.name)
+    register_job(job_id, rd.path)  # so `vlmrun status|logs|requeue local-<pid>` find the run
 
 
 def _wait_forwarding_signals(proc: subprocess.Popen) -> int:

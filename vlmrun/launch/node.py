@@ -17,7 +17,10 @@ import traceback
 from vlmrun.errors import EXIT_BAD_INPUT, InputError, VlmrunError
 from vlmrun.launch import job_record
 from vlmrun.launch.rundir import RunDirectory
+from vlmrun.launch.slurm_env import SlurmAllocation
 from vlmrun.train.stop import StopFlag, ignore_stop_signals
+
+RAY_DEADLINE_S = 180.0  # every node must have joined Ray by then
 
 log = logging.getLogger("vlmrun")
 
@@ -29,11 +32,14 @@ def main(argv: list[str] | None = None) -> int:
     _setup_logging(os.environ.get("VLMRUN_TEE_LOG"))
     # Before any helper process starts: they inherit SIG_IGN for the stop signals (see stop.py).
     ignore_stop_signals()
-    job_id = os.environ.get("SLURM_JOB_ID") or f"local-{os.getpid()}"
-    restart = int(os.environ.get("SLURM_RESTART_COUNT", "0"))
+    alloc = SlurmAllocation.from_env()
+    if alloc is not None and alloc.node_rank != 0:
+        return _serve_ray_worker(rd, alloc)  # nodes 1..N-1 join Ray and wait; only node 0 writes job.json
+    job_id = alloc.job_id if alloc else f"local-{os.getpid()}"
+    restart = alloc.restart_count if alloc else 0
     attempt = job_record.begin_attempt(rd, job_id, restart)
     try:
-        outcome = _run(rd, attempt, job_id, started_at)
+        outcome = _run(rd, attempt, job_id, started_at, alloc)
     except VlmrunError as e:
         log.error("%s", e)
         job_record.end_attempt(rd, attempt, "FAILED", str(e))
@@ -54,8 +60,43 @@ def main(argv: list[str] | None = None) -> int:
     return job_record.EXIT_STOPPED if state == "STOPPED" else job_record.EXIT_COMPLETED
 
 
-def _run(rd: RunDirectory, attempt: int, job_id: str, started_at: float) -> dict:
-    from vlmrun.launch.ray_cluster import set_local_environment, start_local_ray
+def _serve_ray_worker(rd: RunDirectory, alloc) -> int:
+    from vlmrun.launch.ray_cluster import set_local_environment
+    from vlmrun.launch.ray_slurm import serve_worker
+
+    set_local_environment()
+    try:
+        return serve_worker(alloc, rd.path / "ray", deadline_s=RAY_DEADLINE_S)
+    except VlmrunError as e:
+        log.error("%s", e)
+        return e.exit_code
+
+
+def _ray(job_id: str, cpus: int, alloc, rd: RunDirectory):
+    """Ray for this attempt: a private local instance, or Ray across the SLURM allocation (node 0)."""
+    import contextlib
+
+    if alloc is not None:
+        from vlmrun.launch.ray_slurm import ray_head
+
+        return ray_head(alloc, rd.path / "ray", deadline_s=RAY_DEADLINE_S)
+
+    @contextlib.contextmanager
+    def local():
+        import ray
+        from vlmrun.launch.ray_cluster import start_local_ray
+
+        start_local_ray(job_id, cpus)
+        try:
+            yield
+        finally:
+            ray.shutdown()
+
+    return local()
+
+
+def _run(rd: RunDirectory, attempt: int, job_id: str, started_at: float, alloc=None) -> dict:
+    from vlmrun.launch.ray_cluster import set_local_environment
 
     set_local_environment()
     from vlmrun.data.prepare import ensure_dataset
@@ -69,18 +110,13 @@ def _run(rd: RunDirectory, attempt: int, job_id: str, started_at: float) -> dict
     from vlmrun.data.families import check_components
 
     check_components(recipe)
-    import ray
-
     stop = StopFlag()
     cpus = max(recipe.parallel.world_size, os.cpu_count() or 1)
-    start_local_ray(job_id, cpus)
-    stop.install()
-    try:
+    with _ray(job_id, cpus, alloc, rd):
+        stop.install()  # after Ray started: its processes keep SIG_IGN for the stop signals
         progress = ProgressLine(recipe.train.max_steps)
         return run_sft(rd, recipe, attempt=attempt, model_dir=model_dir, stop=stop, started_at=started_at,
                        on_row=lambda row: log.info("%s", progress(row)))
-    finally:
-        ray.shutdown()
 
 
 def _parse(argv):

@@ -29,7 +29,7 @@ import sys
 import threading
 import time
 import _thread
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator, TypeVar
 
@@ -41,7 +41,7 @@ from vlmrun.launch.slurm_env import SlurmAllocation, node_address
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-POLL_S = 0.5
+POLL_S = 0.2
 
 
 class RayBringUpError(CheckFailed):
@@ -50,6 +50,7 @@ class RayBringUpError(CheckFailed):
 
 class RayNodeLost(CheckFailed):
     """A node of the job left Ray while the driver ran; the job fails instead of hanging."""
+
 
 @dataclass
 class RayAllocationInfo:
@@ -61,7 +62,7 @@ class RayAllocationInfo:
     temp_dir: Path
     ready_s: float
     ports: PortBlock
-    lost: list[str] = field(default_factory=list)
+
 
 def _node_args(alloc: SlurmAllocation, ip: str, ports: PortBlock, temp: Path, *, head: bool,
                num_cpus: int | None, num_gpus: int | None) -> list[str]:
@@ -78,7 +79,7 @@ def _read_json(path: Path) -> dict | None:
         return None
 
 
-def _tail(path: Path, lines: int = 5) -> str:
+def _tail(path: Path, lines: int = 3) -> str:
     try:
         return " | ".join(path.read_text(errors="replace").strip().splitlines()[-lines:])
     except OSError:
@@ -97,24 +98,21 @@ def ray_head(alloc: SlurmAllocation, rendezvous_root: Path, *, deadline_s: float
     tells the workers `done` and ends every Ray process this call started.
     """
     t0 = time.monotonic()
-    nodes = alloc.hostnames()
-    ip = _checked_address(alloc, nodes)
-    ports = port_block(alloc.job_id)
-    busy = taken_ports(ip, ports.fixed_ports(head=True))
-    if busy:
-        raise RayBringUpError(f"job {alloc.job_id}: Ray ports {busy} (block {ports.base}-{ports.base + BLOCK_SIZE - 1}) "
-                              f"are taken on {alloc.nodename} ({ip}); another job uses this block")
     rdv = alloc.rendezvous(rendezvous_root)
     rdv.mkdir(parents=True, exist_ok=True)
-    os.environ.update(ray_env(ip))
-    become_subreaper()
     temp = job_temp_dir(alloc.job_id, alloc.nodename)
-    args = ["--head", *_node_args(alloc, ip, ports, temp, head=True, num_cpus=num_cpus, num_gpus=num_gpus)]
-    proc = start_ray_node(args, dict(os.environ), rdv / f"ray-{alloc.nodename}.log")
-    address = f"{ip}:{ports.port('gcs')}"
-    outcome = "failed"
+    log_path = rdv / f"ray-{alloc.nodename}.log"
+    proc, outcome = None, "failed"
     try:
-        _wait_for_head(proc, ip, ports.port("gcs"), rdv / f"ray-{alloc.nodename}.log", t0 + deadline_s)
+        nodes = alloc.hostnames()
+        ip = _checked_address(alloc, len(nodes))
+        ports = _free_block(port_block(alloc.job_id), alloc, ip, head=True)
+        os.environ.update(ray_env(ip))
+        become_subreaper()
+        args = ["--head", *_node_args(alloc, ip, ports, temp, head=True, num_cpus=num_cpus, num_gpus=num_gpus)]
+        proc = start_ray_node(args, dict(os.environ), log_path)
+        address = f"{ip}:{ports.port('gcs')}"
+        _wait_for_head(proc, ip, ports.port("gcs"), log_path, t0 + deadline_s)
         write_atomic(rdv / "head.json", json.dumps({"address": address, "port_base": ports.base,
                                                     "node": alloc.nodename, "time": time.time()}))
         import ray
@@ -134,14 +132,23 @@ def ray_head(alloc: SlurmAllocation, rendezvous_root: Path, *, deadline_s: float
         stop_ray_node(proc)
         if outcome == "ok":
             _remove_tree(temp)
-        else:
-            log.info("Ray logs of node %s kept in %s", alloc.nodename, temp)
+        elif proc is not None:
+            log.info("Ray logs of node %s kept in %s and %s", alloc.nodename, temp, log_path)
 
 
-def _checked_address(alloc: SlurmAllocation, nodes: list[str]) -> str:
+def _free_block(ports: PortBlock, alloc: SlurmAllocation, ip: str, *, head: bool) -> PortBlock:
+    busy = taken_ports(ip, ports.fixed_ports(head=head))
+    if busy:
+        last = ports.base + BLOCK_SIZE - 1
+        raise RayBringUpError(f"job {alloc.job_id}: Ray ports {busy} (block {ports.base}-{last}) are in use on "
+                              f"{alloc.nodename} ({ip}); another job uses this block")
+    return ports
+
+
+def _checked_address(alloc: SlurmAllocation, n_nodes: int) -> str:
     ip = node_address(alloc.nodename)
-    if len(nodes) > 1 and ip.startswith("127."):
-        raise RayBringUpError(f"node {alloc.nodename} has address {ip}: Ray across {len(nodes)} nodes needs each "
+    if n_nodes > 1 and ip.startswith("127."):
+        raise RayBringUpError(f"node {alloc.nodename} has address {ip}: Ray across {n_nodes} nodes needs each "
                               "node's own address (SLURM NodeAddr); on the local cluster start it with "
                               "SLURM_NNODES=2 SLURM_NETNS=1 tools/slurm/up.sh")
     return ip
@@ -175,10 +182,12 @@ def _registered(nodes: list[str]) -> dict[str, dict]:
 def _wait_for_nodes(nodes: list[str], rdv: Path, cpus: int, gpus: int, deadline: float, deadline_s: float) -> None:
     while True:
         found = _registered(nodes)
-        short = {n: e for n, e in found.items() if e["Resources"].get("CPU", 0) < cpus or e["Resources"].get("GPU", 0) < gpus}
+        short = {n: e for n, e in found.items()
+                 if e["Resources"].get("CPU", 0) < cpus or e["Resources"].get("GPU", 0) < gpus}
         failed = {n: s for n in nodes if (s := _read_json(rdv / f"worker-{n}.json")) and s.get("state") == "failed"}
         if failed:
-            raise RayBringUpError("Ray did not come up: " + "; ".join(f"{n}: {s.get('reason')}" for n, s in failed.items()))
+            said = "; ".join(f"{n}: {s.get('reason')}" for n, s in failed.items())
+            raise RayBringUpError(f"Ray did not come up: {said}")
         if len(found) == len(nodes) and not short:
             return
         if time.monotonic() >= deadline:
@@ -191,7 +200,8 @@ def _missing_message(nodes, found, short, rdv: Path, cpus: int, gpus: int, deadl
     for n in nodes:
         if n in short:
             r = short[n]["Resources"]
-            parts.append(f"{n} joined with CPU={r.get('CPU', 0):g} GPU={r.get('GPU', 0):g}, expected CPU={cpus} GPU={gpus}")
+            parts.append(f"{n} joined with CPU={r.get('CPU', 0):g} GPU={r.get('GPU', 0):g}, "
+                         f"expected CPU={cpus} GPU={gpus}")
         elif n not in found:
             status = _read_json(rdv / f"worker-{n}.json")
             said = f"last said: {status.get('state')}" if status else "its node entrypoint never reported"
@@ -251,7 +261,6 @@ class _Watchdog:
                 if self._stop.is_set():
                     return
                 self.failure = problem
-                self.info.lost.append(problem)
                 log.error("%s; failing the job", problem)
                 _thread.interrupt_main()
             if not self._stop.wait(self.hard_exit_s):
@@ -290,7 +299,10 @@ def serve_worker(alloc: SlurmAllocation, rendezvous_root: Path, *, deadline_s: f
     """
     rdv = alloc.rendezvous(rendezvous_root)
     status = rdv / f"worker-{alloc.nodename}.json"
-    report = lambda state, reason="": write_atomic(status, json.dumps({"state": state, "reason": reason, "time": time.time()}))  # noqa: E731
+
+    def report(state: str, reason: str = "") -> None:
+        write_atomic(status, json.dumps({"state": state, "reason": reason, "time": time.time()}))
+
     rdv.mkdir(parents=True, exist_ok=True)
     report("waiting for the head")
     proc = None
@@ -298,11 +310,8 @@ def serve_worker(alloc: SlurmAllocation, rendezvous_root: Path, *, deadline_s: f
         head = _wait_for_head_file(rdv, time.monotonic() + deadline_s, alloc)
         if head is None:
             return 0
-        ip = _checked_address(alloc, [alloc.nodename, "head"])
-        ports = PortBlock(int(head["port_base"]))
-        busy = taken_ports(ip, ports.fixed_ports(head=False))
-        if busy:
-            raise RayBringUpError(f"Ray ports {busy} are taken on {alloc.nodename} ({ip})")
+        ip = _checked_address(alloc, alloc.num_nodes)
+        ports = _free_block(PortBlock(int(head["port_base"])), alloc, ip, head=False)
         os.environ.update(ray_env(ip))
         become_subreaper()
         temp = job_temp_dir(alloc.job_id, alloc.nodename)
@@ -324,10 +333,17 @@ def serve_worker(alloc: SlurmAllocation, rendezvous_root: Path, *, deadline_s: f
         stop_ray_node(proc)
 
 
-def _linger_for_done(rdv: Path, linger_s: float) -> None:
+def _linger_for_done(rdv: Path, linger_s: float, after_done_s: float = 10.0) -> None:
+    """Let node 0 notice and record our failure before we exit non-zero (srun then ends every task).
+
+    Node 0 writes `done` before it records the failure in job.json and exits; when it exits with an
+    error first, srun's --kill-on-bad-exit ends this task during the wait, which is the intent.
+    """
     deadline = time.monotonic() + linger_s
     while time.monotonic() < deadline and not (rdv / "done").exists():
         time.sleep(POLL_S)
+    if (rdv / "done").exists():
+        time.sleep(after_done_s)
 
 
 def _wait_for_head_file(rdv: Path, deadline: float, alloc: SlurmAllocation) -> dict | None:
@@ -354,7 +370,8 @@ def _block_until_done(rdv: Path, proc: subprocess.Popen, address: str, log_path:
             if reachable(host, int(port)):
                 last_seen = now
             elif now - last_seen > head_lost_s:
-                raise RayNodeLost(f"the Ray head {address} stopped answering {head_lost_s:.0f}s ago without saying done")
+                raise RayNodeLost(f"the Ray head {address} stopped answering {head_lost_s:.0f}s ago "
+                                  "without saying done")
         time.sleep(POLL_S)
 
 

@@ -9,7 +9,8 @@
    becomes a child subreaper, so every Ray process the child spawns stays our descendant; teardown
    ends exactly those (TERM, then KILL). Never `ray stop`: it ends every user's Ray on the host.
 3. The environment of our Ray: `RAY_AUTH_MODE=disabled` (a private cluster inside the allocation), no
-   usage stats, and on 127.0.0.1 `RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0` so Ray stays on loopback.
+   usage stats, on 127.0.0.1 `RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0` so Ray stays on loopback, and
+   `GLOO_SOCKET_IFNAME` = the interface of the node's address (gloo's collectives between nodes).
 """
 
 from __future__ import annotations
@@ -77,10 +78,12 @@ def port_block(job_id: str) -> PortBlock:
 
 
 def taken_ports(ip: str, ports: list[int]) -> list[int]:
-    """The ports of `ports` that something already listens on (or binds) at `ip`."""
+    """The ports of `ports` that a socket at `ip` listens on (TIME_WAIT leftovers count as free)."""
     busy = []
     for p in ports:
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            # like Ray's gRPC servers: a port left in TIME_WAIT (our own previous attempt) is free
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             try:
                 s.bind((ip, p))
             except OSError:
@@ -147,11 +150,25 @@ def _is_ray_process(p) -> bool:
 
 
 def ray_env(ip: str) -> dict[str, str]:
-    """Environment for our Ray processes and the driver: private cluster, no telemetry, loopback kept."""
-    env = {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
-    if ip.startswith("127."):
-        env["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # FACTS: else Ray rewrites 127.0.0.1 to the outward address
+    """Environment for our Ray processes and the driver: private cluster, no telemetry, gloo on `ip`'s interface."""
+    # "0" keeps a one-node Ray on loopback (FACTS: else Ray rewrites 127.0.0.1 to the outward address);
+    # "1" (Linux's default) is required to join nodes, even where the local default said "0"
+    env = {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0",
+           "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0" if ip.startswith("127.") else "1"}
+    iface = interface_of(ip)
+    if iface:
+        env["GLOO_SOCKET_IFNAME"] = iface  # collectives between nodes go where the node address lives
     return env
+
+
+def interface_of(ip: str) -> str | None:
+    """The network interface that holds `ip` on this node (in this network namespace)."""
+    import psutil
+
+    for name, addrs in psutil.net_if_addrs().items():
+        if any(a.family == socket.AF_INET and a.address == ip for a in addrs):
+            return name
+    return None
 
 
 def job_temp_dir(job_id: str, nodename: str) -> Path:

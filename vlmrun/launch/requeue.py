@@ -101,23 +101,27 @@ def record(rd: RunDirectory, decision: RequeueDecision) -> None:
     rd.write_job(job)
 
 
-def take_request(rd: RunDirectory, name: str, job_id: str) -> bool:
-    """True when `name` (REQUEUE_REQUESTED, CANCEL_REQUESTED) exists for `job_id`; removes it."""
+def take_request(rd: RunDirectory, name: str, job_id: str, restart: int) -> bool:
+    """True when `name` (REQUEUE_REQUESTED, CANCEL_REQUESTED) was written for this attempt; removes it.
+
+    A request names the job id and, when the requester knew it, the restart count of the attempt it
+    was meant for: a request that arrived too late for one attempt cannot steer the next one.
+    """
     path = rd.path / name
     try:
         request = json.loads(path.read_text())
     except (OSError, ValueError):
         return False
     path.unlink(missing_ok=True)
-    return str(request.get("job_id")) == str(job_id)
+    return str(request.get("job_id")) == str(job_id) and request.get("restart") in (None, restart)
 
 
-def write_request(rd: RunDirectory, name: str, job_id: str) -> Path:
+def write_request(rd: RunDirectory, name: str, job_id: str, restart: int | None = None) -> Path:
     from vlmrun.launch.job_record import now
     from vlmrun.launch.rundir import write_atomic
 
     path = rd.path / name
-    write_atomic(path, json.dumps({"job_id": str(job_id), "time": now()}) + "\n")
+    write_atomic(path, json.dumps({"job_id": str(job_id), "restart": restart, "time": now()}) + "\n")
     return path
 
 

@@ -6,14 +6,13 @@ checkpoint's placement hash would refuse) are refused here, before anything star
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Callable
 
 import yaml
 
 from vlmrun.errors import InputError
 from vlmrun.launch import job_record
-from vlmrun.launch.rundir import RunDirectory, dump_recipe, write_atomic
+from vlmrun.launch.rundir import dump_recipe, write_atomic
 
 # Fields a resume may change: none of them changes which samples a step sees or where ranks sit.
 RESUMABLE = ("train.max_steps", "train.epochs", "train.val_period", "train.val_samples", "train.loop",
@@ -24,12 +23,16 @@ def resume_run(target: str, overrides: list[str], *, wait: bool, echo: Callable[
     from vlmrun.launch.local import start_local
     from vlmrun.recipe.load import parse_override, set_dotted, validate
 
-    rd = RunDirectory(Path(target))
-    if not rd.exists():
-        raise InputError("RUN_DIR", target, message=f"{target}: not a vlmrun run directory (no recipe.yaml)")
+    from vlmrun.launch import jobs
+    from vlmrun.launch.jobs import find_run
+
+    rd, last_job = find_run(target)
     job = rd.read_job()
-    pid = job_record.running_pid(job)
-    if pid is not None:
+    slurm = job.get("cluster") == "slurm"
+    if slurm and last_job and jobs.is_live(str(last_job)):
+        raise InputError("JOBID|RUN_DIR", target, message=f"job {last_job} of {rd.path} is still in the queue; "
+                         f"wait for it or `vlmrun cancel {last_job}` before resuming")
+    if not slurm and (pid := job_record.running_pid(job)) is not None:
         raise InputError("RUN_DIR", target, message=f"{target} is still running (pid {pid}); stop it before resuming")
     raw = yaml.safe_load(rd.recipe_file.read_text())
     for item in overrides:
@@ -41,4 +44,8 @@ def resume_run(target: str, overrides: list[str], *, wait: bool, echo: Callable[
     recipe = validate(raw)
     if overrides:
         write_atomic(rd.recipe_file, dump_recipe(recipe))
+    if slurm:
+        from vlmrun.launch.slurm import resume_slurm
+
+        return resume_slurm(rd, recipe, wait=wait, echo=echo)
     return start_local(rd, recipe, wait=wait, echo=echo)

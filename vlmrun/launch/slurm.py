@@ -7,7 +7,8 @@
 2. `--dry-run` returns the exact sbatch script (SubmitResult.rendered), creates and submits nothing.
 3. The submitted function is `NodeEntrypoint(run_dir)` (slurm_entry.py): every node runs the node
    entrypoint in-process; node 0 decides about requeues after the driver stopped.
-4. The job is recorded in job.json (`add_job`) and in the job registry (jobs.register_job);
+4. The job is submitted held (`sbatch --hold`), recorded in job.json (`add_job`) and in the job
+   registry (jobs.register_job), then released: the job never races the submitter on job.json.
    `wait` polls squeue and job.json until the job has left the queue (requeues included).
 """
 
@@ -55,13 +56,30 @@ def submit_slurm(rd: RunDirectory, recipe, *, dry_run: bool, wait: bool, echo: C
     if not rd.exists():
         rd.create(recipe)
     executor = make_executor(rd.path, recipe)
-    job = executor.submit(entrypoint or NodeEntrypoint(str(rd.path)))
-    job_record.add_job(rd, job.job_id, "slurm", recipe.name)
-    jobs.register_job(job.job_id, rd.path)
+    job = executor.submit(entrypoint or NodeEntrypoint(str(rd.path)))  # held until recorded
+    try:
+        job_record.add_job(rd, job.job_id, "slurm", recipe.name)
+        jobs.register_job(job.job_id, rd.path)
+        subprocess.run(["scontrol", "release", job.job_id], check=True, capture_output=True, text=True, timeout=60)
+    except BaseException:
+        jobs.run_tool(["scancel", job.job_id])
+        raise
     say(f"submitted job {job.job_id}; run dir {rd.path}\nfollow it with: vlmrun logs {job.job_id} -f")
     if not wait:
         return SubmitResult(rd.path, "slurm", False, job_id=job.job_id, state="PENDING")
     return wait_for_job(rd, job.job_id, echo=echo, poll_s=poll_s)
+
+
+def resume_slurm(rd: RunDirectory, recipe, *, wait: bool, echo: Callable[[str], None] | None = None):
+    """A new SLURM job that continues the ended run in `rd` (its job id joins the run's lineage).
+
+    Raises InputError while the run's last job is still in the queue.
+    """
+    last = (rd.read_job().get("job_ids") or [None])[-1]
+    if last and not str(last).startswith("local-") and jobs.is_live(str(last)):
+        raise InputError("RUN_DIR", str(rd.path), message=f"job {last} of {rd.path} is still in the queue; "
+                         f"wait for it or `vlmrun cancel {last}` before resuming")
+    return submit_slurm(rd, recipe, dry_run=False, wait=wait, echo=echo)
 
 
 def wait_for_job(rd: RunDirectory, job_id: str, *, echo: Callable[[str], None] | None = None, poll_s: float = 2.0):
@@ -113,7 +131,8 @@ def preflight(run_dir: Path, recipe) -> list[str]:
     c = recipe.cluster
     for tool in ("sbatch", "srun", "scontrol", "squeue"):
         if not shutil.which(tool):
-            raise InputError("--cluster", "slurm", f"`{tool}` is not on PATH: run on a SLURM login node or use --cluster local")
+            raise InputError("--cluster", "slurm",
+                             f"`{tool}` is not on PATH: run on a SLURM login node or use --cluster local")
     nodes = partition_nodes(c.partition)
     if nodes is None:
         return ["sinfo did not answer: the recipe was not checked against the partition"]
@@ -134,7 +153,8 @@ def partition_nodes(partition: str | None) -> list[dict] | None:
                          if partition else "no default partition here: set cluster.partition")
     picked = [r for r in rows if r["partition"] == chosen]
     rc, out, _ = jobs.run_tool(["scontrol", "show", "node", "-o"])
-    details = {d.get("NodeName"): d for d in (jobs.parse_scontrol_job(line) for line in out.splitlines())} if rc == 0 else {}
+    parsed = (jobs.parse_scontrol_job(line) for line in out.splitlines()) if rc == 0 else ()
+    details = {d.get("NodeName"): d for d in parsed}
     for r in picked:
         d = details.get(r["node"], {})
         r["addr"], r["host"] = d.get("NodeAddr"), d.get("NodeHostName")
@@ -195,8 +215,8 @@ def check_nodes_see_run_dir(run_dir: Path, n_nodes: int, nodes: list[dict]) -> l
         return []
     addrs = [n.get("addr") for n in nodes if n.get("addr")]
     if addrs and len(set(addrs)) < min(n_nodes, len(addrs)):
-        raise InputError("cluster.nodes", n_nodes, f"the nodes share address(es) {sorted(set(addrs))}: Ray across nodes "
-                         "needs one address per node (local cluster: SLURM_NETNS=1 tools/slurm/up-2node.sh)")
+        raise InputError("cluster.nodes", n_nodes, f"the nodes share address(es) {sorted(set(addrs))}: Ray across "
+                         "nodes needs one address per node (local cluster: SLURM_NETNS=1 tools/slurm/up-2node.sh)")
     if not any(str(run_dir) == p or str(run_dir).startswith(p + "/") for p in NODE_LOCAL):
         return []
     here = _short_hostname()

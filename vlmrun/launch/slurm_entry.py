@@ -64,6 +64,9 @@ class NodeEntrypoint:
         code = (self.main or _node_main)(["--run-dir", self.run_dir])
         if alloc.node_rank == 0 and code == EXIT_STOPPED:
             self._after_stop(rd, alloc, time.monotonic() - started)
+        elif alloc.node_rank == 0:  # a request that came too late for this attempt must not steer a later one
+            for name in (requeue.REQUEUE_REQUEST, requeue.CANCEL_REQUEST):
+                requeue.take_request(rd, name, alloc.job_id, alloc.restart_count)
         if code not in (EXIT_COMPLETED, EXIT_STOPPED):
             raise NodeFailed(f"node {alloc.nodename} (rank {alloc.node_rank}): the node entrypoint exited with code "
                              f"{code}; see {rd.job_file} and `vlmrun logs {alloc.job_id}`")
@@ -78,8 +81,8 @@ class NodeEntrypoint:
     def _after_stop(self, rd: RunDirectory, alloc: SlurmAllocation, elapsed_s: float) -> None:
         recipe = rd.load_recipe()
         c = recipe.cluster
-        requested = requeue.take_request(rd, requeue.REQUEUE_REQUEST, alloc.job_id)
-        cancelled = requeue.take_request(rd, requeue.CANCEL_REQUEST, alloc.job_id)
+        requested = requeue.take_request(rd, requeue.REQUEUE_REQUEST, alloc.job_id, alloc.restart_count)
+        cancelled = requeue.take_request(rd, requeue.CANCEL_REQUEST, alloc.job_id, alloc.restart_count)
         cause = requeue.classify_stop(elapsed_s, c.time_limit, c.signal_delay_s, requested=requested)
         decision = requeue.decide(rd.read_job(), job_id=alloc.job_id, cause=cause, budget=recipe.checkpoint.requeue,
                                   cancelled=cancelled)

@@ -148,11 +148,22 @@ def _shell_quote(value: Any) -> str:
 
 def make_executor(run_dir: Path, recipe, *, render_only: bool = False):
     """A submitit SlurmExecutor for the run (`render_only`: usable where `srun` is missing)."""
-    cls = _RenderOnlyExecutor if render_only else SlurmExecutor
+    cls = _RenderOnlyExecutor if render_only else HeldSlurmExecutor
     python = CONTAINER_PYTHON if recipe.cluster.container_image else None
     executor = cls(folder=submitit_folder(run_dir), max_num_timeout=recipe.checkpoint.requeue.timeouts, python=python)
     executor.update_parameters(**executor_parameters(run_dir, recipe))
     return executor
+
+
+class HeldSlurmExecutor(SlurmExecutor):
+    """Submits with `sbatch --hold`: the caller records the job id in job.json, then releases it.
+
+    Without the hold a fast job could write job.json (its attempt) at the same moment as the
+    submitter (the job id), and one of the two writes would be lost. A requeue does not hold again.
+    """
+
+    def _make_submission_command(self, submission_file_path: Path) -> list[str]:
+        return ["sbatch", "--hold", str(submission_file_path)]
 
 
 class _RenderOnlyExecutor(SlurmExecutor):

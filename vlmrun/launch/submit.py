@@ -55,8 +55,9 @@ def submit_run(recipe_path: Path, overrides: list[str], *, cluster: str = "auto"
         raise InputError("--run-dir", str(rd.path),
                          f"already holds a run; continue it with `vlmrun resume {rd.path}` or choose another --run-dir")
     if chosen == "slurm":
-        raise InputError("--cluster", "slurm",
-                         "this version runs on the embedded local executor only: use --cluster local")
+        from vlmrun.launch.slurm import submit_slurm
+
+        return submit_slurm(rd, recipe, dry_run=dry_run, wait=wait, echo=echo)
     if dry_run:
         return SubmitResult(rd.path, chosen, True, rendered=dump_recipe(recipe))
     from vlmrun.launch.local import start_local

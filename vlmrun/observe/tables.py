@@ -55,3 +55,42 @@ def print_comparison(result: dict) -> None:
         console.print(f"plot: {result['plot']}")
     verdict = result["verdict"]
     console.print(f"verdict: [bold {'green' if verdict == 'match' else 'red'}]{verdict}[/] (rtol {result['rtol']})")
+
+
+def print_bench(result: dict) -> None:
+    from rich.table import Table
+
+    console = _console()
+    table = Table(title=f"bench-loader: {result['dataset']} ({result['image_size']} px, "
+                        f"micro-batch {result['micro_batch_size']}, {result['batches']} batches per row)")
+    for col in ("loader", "workers", "samples/s", "MB/s", "p50 ms", "p95 ms", "peak RSS MB"):
+        table.add_column(col, justify="left" if col == "loader" else "right")
+    for r in result["results"]:
+        table.add_row(r["loader"], str(r["num_workers"]), f"{r['samples_per_s']:.1f}", _fmt(r.get("mb_per_s")),
+                      _fmt(r.get("p50_batch_ms")), _fmt(r.get("p95_batch_ms")), _fmt(r.get("peak_rss_mb")))
+    console.print(table)
+    target = result.get("target", {})
+    console.print(f"energon / reference: {result['ratio_energon_vs_reference']:.2f}x "
+                  f"(target >= {target.get('energon_vs_reference', '-')}), energon / limit: "
+                  f"{result['ratio_energon_vs_limit']:.2f}x (target >= {target.get('energon_vs_limit', '-')})")
+
+
+def _fmt(value) -> str:
+    return "-" if value is None else f"{value:.1f}" if isinstance(value, float) else str(value)
+
+
+def print_status(result: dict) -> None:
+    from rich.table import Table
+
+    rows = result.get("jobs", [result])
+    table = Table()
+    for col in ("job", "state", "restarts", "last step", "loss", "run dir"):
+        table.add_column(col)
+    for r in rows:
+        loss = r.get("loss")
+        table.add_row(str(r.get("job_id") or "-"), str(r.get("state") or "-"), str(r.get("restarts", "-")),
+                      str(r.get("last_step") if r.get("last_step") is not None else "-"),
+                      f"{loss:.4f}" if isinstance(loss, float) else "-", str(r.get("run_dir", "-")))
+    _console().print(table)
+    if len(rows) == 1 and rows[0].get("reason"):
+        _console().print(f"reason: {rows[0]['reason']}")

@@ -1,0 +1,127 @@
+"""Cooking and encoding: the processor's own tokenization, labels on assistant tokens only, over-length
+rows kept as zero-weight text-only rows, prompts for generation, malformed samples named by key."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_data_fixtures import FAMILIES, clevr_set, read_raw_samples, tiny_dirs  # noqa: F401  (fixtures)
+
+from vlmrun.data.chat_encoding import IGNORE_INDEX, ConversationEncoder
+from vlmrun.data.cookers import MalformedSample, cook_conversation
+from vlmrun.data.families import family_spec
+from vlmrun.data.loader import load_processor
+
+END_OF_TURN = "<|im_end|>"
+
+
+@pytest.fixture(scope="module")
+def raw(clevr_set):
+    return read_raw_samples(clevr_set, "train")
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def encoder(request, tiny_dirs):
+    family = request.param
+    return ConversationEncoder(load_processor(tiny_dirs[family], family), family_spec(family), max_seq_len=256)
+
+
+def test_tokens_and_pixels_equal_the_processor_on_the_whole_text(encoder, raw):
+    for key in ("train-0000000", "train-0000001", "train-0000042"):
+        conv = cook_conversation(raw[key])
+        encoded = encoder.encode(conv)
+        text = encoder.processor.apply_chat_template(conv.messages, tokenize=False)
+        whole = encoder.processor(text=[text], images=[m.data for m in conv.media], return_tensors="pt")
+        assert torch.equal(encoded.input_ids, whole["input_ids"][0])
+        for k in encoder.family.media_keys:
+            assert torch.equal(encoded.media[k], whole[k])
+        for k in encoder.family.token_keys:
+            assert torch.equal(encoded.token_inputs[k], whole[k][0])
+
+
+def test_labels_cover_the_answer_and_its_end_of_turn_token_only(encoder, raw):
+    conv = cook_conversation(raw["train-0000003"])
+    encoded = encoder.encode(conv)
+    trained = encoded.labels != IGNORE_INDEX
+    assert torch.equal(encoded.labels[trained], encoded.input_ids[trained])
+    assert encoder.tokenizer.decode(encoded.input_ids[trained]) == conv.answer + END_OF_TURN
+    # the labelled tokens are one contiguous run: the assistant turn, not its header or the newline after
+    positions = trained.nonzero().flatten()
+    assert positions[-1] - positions[0] + 1 == len(positions)
+    assert encoder.tokenizer.decode(encoded.input_ids[positions[-1] + 1:]).strip() == ""
+
+
+def test_over_length_sample_becomes_a_zero_weight_text_only_row(encoder, raw):
+    full = encoder.encode(cook_conversation(raw["train-0000004"]))
+    short = ConversationEncoder(encoder.processor, encoder.family, max_seq_len=full.input_ids.numel() - 1)
+    conv = cook_conversation(raw["train-0000004"])
+    row = short.encode(conv)
+    assert row.over_length and row.media == {}
+    assert (row.labels == IGNORE_INDEX).all() and row.input_ids.numel() <= short.max_seq_len
+    assert short.image_token not in short.tokenizer.decode(row.input_ids)
+    assert "How many" in short.tokenizer.decode(row.input_ids) or "Is there" in short.tokenizer.decode(row.input_ids)
+    # a batch of a normal and an over-length row keeps two rows; the media are the normal row's
+    batch = encoder.collate([full, row])
+    assert len(batch) == 2 and (batch.labels[1] == IGNORE_INDEX).all()
+    for k in encoder.family.media_keys:
+        assert torch.equal(batch.media[k], full.media[k])
+
+
+def test_batch_is_right_padded_and_the_model_accepts_it(encoder, raw, tiny_dirs):
+    from transformers import AutoModelForImageTextToText
+
+    encoded = [encoder.encode(cook_conversation(raw[f"train-000000{i}"])) for i in range(3)]
+    batch = encoder.collate(encoded)
+    for row, e in enumerate(encoded):
+        n = e.input_ids.numel()
+        assert torch.equal(batch.input_ids[row, :n], e.input_ids) and batch.attention_mask[row, n:].sum() == 0
+        assert (batch.input_ids[row, n:] == encoder.pad_token_id).all()
+    family = encoder.family.name
+    model = AutoModelForImageTextToText.from_pretrained(tiny_dirs[family])
+    with torch.no_grad():
+        out = model(**batch.model_inputs(), use_cache=False)
+    assert out.logits.shape[:2] == batch.input_ids.shape
+
+
+def test_prompt_is_the_text_before_the_answer_left_padded(encoder, raw):
+    convs = [cook_conversation(raw[k]) for k in ("train-0000005", "train-0000006")]
+    prompts = [encoder.encode_prompt(c) for c in convs]
+    for conv, prompt in zip(convs, prompts):
+        encoded = encoder.encode(conv)
+        first_label = int((encoded.labels != IGNORE_INDEX).nonzero()[0])
+        assert torch.equal(prompt.input_ids, encoded.input_ids[:first_label])
+        assert prompt.answer == conv.answer
+    batch = encoder.collate_prompts(prompts)
+    width = batch.input_ids.shape[1]
+    for row, p in enumerate(prompts):
+        n = p.input_ids.numel()
+        assert torch.equal(batch.input_ids[row, width - n:], p.input_ids)
+        assert batch.attention_mask[row, : width - n].sum() == 0
+    assert batch.answers == [c.answer for c in convs]
+
+
+@pytest.mark.parametrize(
+    ("damage", "message"),
+    [
+        (lambda s: {**s, "jpg": s["jpg"][: len(s["jpg"]) // 2]}, "cannot decode 'jpg'"),
+        (lambda s: {**s, "jpg": b"definitely not an image" * 4}, "cannot decode 'jpg'"),
+        (lambda s: {**s, "json": b'{"media": []}'}, "no 'messages' list"),
+        (lambda s: {k: v for k, v in s.items() if k != "jpg"}, "media ref 'jpg' names no member"),
+        (lambda s: {k: v for k, v in s.items() if k != "json"}, "no .json member"),
+        (lambda s: {**s, "json": b"{not json"}, "not valid JSON"),
+    ],
+    ids=["truncated-image", "undecodable-image", "no-messages", "missing-member", "no-json", "bad-json"],
+)
+def test_malformed_sample_is_named_by_key(raw, damage, message):
+    with pytest.raises(MalformedSample, match=message) as err:
+        cook_conversation(damage(raw["train-0000007"]))
+    assert str(err.value).startswith("train-0000007:")
+
+
+def test_cooked_conversation_is_model_neutral(raw):
+    conv = cook_conversation(raw["train-0000008"])
+    assert [m["role"] for m in conv.messages] == ["user", "assistant"]
+    assert conv.messages[0]["content"][0] == {"type": "image", "media": 0}
+    (item,) = conv.media
+    assert item.modality == "image" and item.data.dtype == torch.uint8 and item.data.shape == (3, 64, 64)
+    assert item.metadata == {"modality": "image", "width": 64, "height": 64, "ref": "jpg"}

@@ -1,0 +1,100 @@
+"""Corrupt samples (truncated member, undecodable image, JSON without messages, media pointing at a
+missing member) are counted and skipped up to data.error_tolerance, then the shard fails naming
+itself and the sample's key and tar file: quickly, never a hang."""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+
+import pytest
+from test_data_fixtures import (  # noqa: F401  (clevr_set, tiny_dirs: fixtures)
+    clevr_set,
+    make_recipe,
+    tiny_dirs,
+    without_messages,
+    write_corrupt_copy,
+)
+
+from vlmrun.data.error_budget import CorruptDataError
+from vlmrun.data.loader import open_loader_shard
+
+BAD = {
+    "train-0000005": lambda m: {**m, "jpg": m["jpg"][: len(m["jpg"]) // 2]},  # truncated member
+    "train-0000017": lambda m: {**m, "jpg": b"\x00garbage" * 20},  # undecodable image
+    "train-0000040": without_messages,  # json without messages
+    "train-0000070": lambda m: {k: v for k, v in m.items() if k != "jpg"},  # media ref to a missing member
+}
+TAR_OF = {"train-0000005": "train-000000.tar", "train-0000017": "train-000000.tar",
+          "train-0000040": "train-000001.tar", "train-0000070": "train-000002.tar"}
+
+
+@pytest.fixture(scope="module")
+def corrupt_set(clevr_set, tmp_path_factory):
+    return write_corrupt_copy(clevr_set, tmp_path_factory.mktemp("corrupt") / "set", BAD)
+
+
+@contextlib.contextmanager
+def deadline(seconds: int):
+    """Fail the test instead of hanging: SIGALRM raises in the main thread."""
+
+    def expire(*_):
+        raise TimeoutError(f"no result within {seconds} s")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def open_corrupt(corrupt_set, tiny_dirs, **data):
+    recipe = make_recipe(corrupt_set, **data)
+    return open_loader_shard(recipe, processor_dir=tiny_dirs["qwen2_5_vl"], shard=0, num_shards=1,
+                             placement_hash="p", split="train")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("workers", [0, 2])
+def test_corrupt_samples_are_skipped_within_the_tolerance(corrupt_set, tiny_dirs, workers):
+    shard = open_corrupt(corrupt_set, tiny_dirs, num_workers=workers, error_tolerance=len(BAD))
+    with deadline(120):
+        # two epochs: a bad sample met again is not counted again
+        keys = [k for _ in range(96) for k in shard.next_batch().sample_ids]
+        skipped = shard.state_dict()["corrupt_keys"]
+    shard.close()
+    assert set(skipped) == set(BAD)
+    assert not set(keys) & set(BAD) and len(set(keys)) == 96 - len(BAD)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("workers", [0, 2])
+def test_one_more_corrupt_sample_fails_naming_shard_and_key(corrupt_set, tiny_dirs, workers):
+    shard = open_corrupt(corrupt_set, tiny_dirs, num_workers=workers, error_tolerance=len(BAD) - 1)
+    with deadline(120), pytest.raises(CorruptDataError) as err:
+        for _ in range(96):
+            shard.next_batch()
+    shard.close()
+    message = str(err.value)
+    assert message.startswith(f"loader shard 0/1 (train): {len(BAD)} corrupt samples, more than "
+                              f"data.error_tolerance={len(BAD) - 1}")
+    key = next(k for k in BAD if f"key {k} in {TAR_OF[k]}" in message)
+    assert "Traceback" not in message and key
+
+
+def test_restored_shard_remembers_what_it_skipped(corrupt_set, tiny_dirs):
+    shard = open_corrupt(corrupt_set, tiny_dirs, error_tolerance=len(BAD))
+    with deadline(120):
+        for _ in range(48):
+            shard.next_batch()
+        state = shard.state_dict()
+    shard.close()
+    assert set(state["corrupt_keys"]) == set(BAD)
+    again = open_corrupt(corrupt_set, tiny_dirs, error_tolerance=len(BAD))
+    again.load_state_dict(state)
+    with deadline(120):
+        for _ in range(48):  # the next epoch meets the same bad samples: still within the budget
+            again.next_batch()
+    again.close()

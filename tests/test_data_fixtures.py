@@ -1,0 +1,114 @@
+"""Shared fixtures and helpers of the data-path tests (imported by tests/test_data_*.py).
+
+A small CLEVR set (64 px, 3 train shards of 32) and the two tiny processors are built once per
+session under pytest's base temp dir; fixtures imported into several modules find them there.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import tarfile
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import pytest
+
+TRAIN, VAL, SIZE, PER_SHARD = 96, 24, 64, 32
+FAMILIES = ("qwen2_5_vl", "nemotron_omni")
+
+
+@pytest.fixture(scope="session")
+def clevr_set(tmp_path_factory) -> Path:
+    from vlmrun.data.clevr import generate_clevr, read_complete
+
+    path = tmp_path_factory.getbasetemp() / "vlmrun-data-clevr64"
+    if read_complete(path) is None:
+        generate_clevr(path, train=TRAIN, val=VAL, image_size=SIZE, seed=0, samples_per_shard=PER_SHARD)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_dirs(tmp_path_factory) -> dict[str, str]:
+    from vlmrun.policy.tiny import ensure_tiny_model
+
+    cache = tmp_path_factory.getbasetemp() / "vlmrun-data-models"
+    return {family: str(ensure_tiny_model(family, cache, seed=0)) for family in FAMILIES}
+
+
+def make_recipe(data_path: Path | str, *, family: str = "qwen2_5_vl", train: dict | None = None, **data):
+    """A validated tiny recipe over `data_path`; keyword arguments override `data.*`."""
+    from vlmrun.recipe.load import validate
+
+    raw = {
+        "name": "data-test",
+        "model": {"family": family, "tiny": True},
+        "data": {"path": str(data_path), "num_workers": 0, "shuffle_buffer": 16, "max_samples_per_sequence": 8,
+                 "max_seq_len": 256, **data},
+        "train": {"micro_batch_size": 2, "global_batch_size": 2, "seed": 1234, **(train or {})},
+        "parallel": {"dp": 1},
+        "cluster": {"nodes": 1, "gpus_per_node": 0, "cpus_per_node": 2},
+    }
+    return validate(raw)
+
+
+def flat(batch) -> dict:
+    """A batch as plain data for equality checks and torch.save."""
+    return {"ids": list(batch.sample_ids), "input_ids": batch.input_ids, "attention_mask": batch.attention_mask,
+            "labels": batch.labels, **{f"t.{k}": v for k, v in batch.token_inputs.items()},
+            **{f"m.{k}": v for k, v in batch.media.items()}}
+
+
+def same_batches(got: list[dict], want: list[dict]) -> bool:
+    import torch
+
+    if len(got) != len(want):
+        return False
+    for g, w in zip(got, want):
+        if g.keys() != w.keys() or g["ids"] != w["ids"]:
+            return False
+        if not all(torch.equal(g[k], w[k]) for k in w if k != "ids"):
+            return False
+    return True
+
+
+def read_raw_samples(folder: Path, split: str) -> dict[str, dict]:
+    """key -> crude sample (raw bytes per extension), as Energon hands it to a cooker."""
+    samples: dict[str, dict] = {}
+    for shard in sorted(Path(folder).glob(f"{split}-*.tar")):
+        with tarfile.open(shard) as tar:
+            for member in tar:
+                key, _, ext = member.name.partition(".")
+                samples.setdefault(key, {"__key__": key, "__restore_key__": ()})[ext] = tar.extractfile(member).read()
+    return samples
+
+
+def write_corrupt_copy(src: Path, out: Path, damage: dict[str, callable]) -> Path:
+    """Copy a CLEVR set sample by sample, applying `damage[key](members)`, then prepare it for Energon."""
+    from vlmrun.data.clevr import SPLITS, SUBFLAVORS
+    from vlmrun.data.energon_prepare import prepare_crude_webdataset
+
+    out.mkdir(parents=True)
+    for shard in sorted(Path(src).glob("*.tar")):
+        with tarfile.open(shard) as tar_in, tarfile.open(out / shard.name, "w", format=tarfile.USTAR_FORMAT) as tar_out:
+            samples: dict[str, dict[str, bytes]] = {}
+            for member in tar_in:
+                key, _, ext = member.name.partition(".")
+                samples.setdefault(key, {})[ext] = tar_in.extractfile(member).read()
+            for key, members in samples.items():
+                members = damage.get(key, lambda m: m)(dict(members))
+                for ext, data in sorted(members.items()):
+                    info = tarfile.TarInfo(f"{key}.{ext}")
+                    info.size = len(data)
+                    tar_out.addfile(info, io.BytesIO(data))
+    patterns = {split: rf"{split}-[0-9]+\.tar$" for split in SPLITS}
+    prepare_crude_webdataset(out, split_patterns=patterns, subflavors=SUBFLAVORS)
+    return out
+
+
+def without_messages(members: dict) -> dict:
+    record = json.loads(members["json"])
+    del record["messages"]
+    return {**members, "json": json.dumps(record).encode()}
