@@ -14,7 +14,7 @@ each referenced image once with Pillow, straight from bytes to a uint8 CHW tenso
 conversion: the processor rescales and normalizes anyway; no draft/reduce mode, which would change
 the pixels the processor sees), and rewrites the parts to `{"type": "image", "media": i}`.
 A sample that cannot be cooked raises `MalformedSample` naming its key; Energon's error handler
-(see `vlmrun.data.errors`) counts and skips it.
+(see `vlmrun.data.error_budget`) counts and skips it.
 """
 
 from __future__ import annotations
@@ -62,7 +62,11 @@ def cook_conversation(sample: dict) -> Conversation:
     key = sample.get("__key__", "?")
     record = _read_json(sample, key)
     messages, refs = _messages(record, key)
-    media = [_media_item(sample, record, ref, key) for ref in refs]
+    decoded: dict[str, MediaItem] = {}
+    for ref in refs:
+        if ref not in decoded:
+            decoded[ref] = _media_item(sample, record, ref, key)
+    media = [decoded[ref] for ref in refs]
     return Conversation(
         __key__=key,
         __restore_key__=sample["__restore_key__"],
@@ -82,7 +86,7 @@ def energon_cookers(names: list[str]) -> list[Cooker]:
 
 
 def decode_image(data: bytes) -> torch.Tensor:
-    """Decode image bytes to an RGB uint8 tensor (3, H, W), a view of Pillow's pixels (no float copy).
+    """Decode image bytes to an RGB uint8 tensor (3, H, W): a channels-first view of one HWC array.
 
     Raises whatever Pillow raises for truncated or unknown data (`OSError`, `ValueError`, ...).
     """

@@ -1,11 +1,13 @@
 """Energon task encoders: cook -> encode with the family's processor -> batch, on Energon's hooks.
 
-`ChatSftTaskEncoder` (recipe name `chat_sft`) yields `vlmrun.data.batch.Batch`; its validation twin
-`ChatSftValTaskEncoder` yields `(Batch, PromptBatch)` pairs built from the same samples. Every hook is
-`@stateless` (a pure function of its input), which is what lets Energon restore a shuffle buffer by
-re-reading samples. `decoder = None`: samples reach the cooker as raw bytes, and the cooker decodes
-images straight to uint8 (Energon's default decoder would make float tensors the processor then
-rescales again; FACTS.md measured that at ~45% of the loader's time).
+`ChatSftTaskEncoder` (recipe name `chat_sft`) yields groups of micro-batches packed for the trip to
+the loader shard (`vlmrun.data.transport.PackedBatches`; the shard unpacks them into
+`vlmrun.data.batch.Batch`es). Its validation twin `ChatSftValTaskEncoder` yields the encoded
+samples (full conversation and prompt) for `vlmrun.data.loader.val_batches` to collate. Every hook
+is `@stateless` (a pure function of its input), which is what lets Energon restore a shuffle buffer
+or a group by re-reading samples. `decoder = None`: samples reach the cooker as raw bytes, and the
+cooker decodes images straight to uint8 (Energon's default decoder would make float tensors the
+processor then rescales again; FACTS.md measured that at ~45% of the loader's time).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from megatron.energon import DefaultTaskEncoder, Sample, edataclass, stateless
 
 from vlmrun.data.chat_encoding import ConversationEncoder, Encoded, EncodedPrompt
 from vlmrun.data.cookers import Conversation, energon_cookers
-from vlmrun.data.families import TASK_ENCODERS, family_spec
+from vlmrun.data.families import family_spec
 from vlmrun.data.transport import PackedBatches, SlotPool, collate_packed
 
 
@@ -52,7 +54,7 @@ class ChatSftTaskEncoder(DefaultTaskEncoder):
 
     @stateless
     def batch(self, samples: list[EncodedSample]) -> PackedBatches:
-        """`group` micro-batches of `micro_batch_size` samples, collated into one block (see transport)."""
+        """The samples of one transfer group as micro-batches of `micro_batch_size`, packed (see transport)."""
         size = self.micro_batch_size
         groups = [[s.encoded for s in samples[i:i + size]] for i in range(0, len(samples), size)]
         return collate_packed(self.encoder, groups, self.slot_pool)
@@ -73,8 +75,8 @@ class ChatSftValTaskEncoder(ChatSftTaskEncoder):
         return list(samples)
 
 
+# Names as declared in `vlmrun.data.families.TASK_ENCODERS` (tests/test_data_families.py checks).
 _ENCODERS = {"chat_sft": (ChatSftTaskEncoder, ChatSftValTaskEncoder)}
-assert set(_ENCODERS) == set(TASK_ENCODERS), "task encoders and their registry entries disagree"
 
 
 def make_task_encoder(name: str, *, processor, family: str, cookers: list[str], max_seq_len: int,

@@ -96,20 +96,34 @@ class SftController:
         for loader in self.loaders.values():
             loader.close()
         return {"state": state, "last_step": step, "reason": reason, "max_steps": self.steps.max_steps,
-                "checkpoint_save_s": self.save_times, **notes}
+                "checkpoint_save_s": self.save_times, "worker_nodes": self.worker_nodes,
+                "ray_alive_nodes": sum(1 for n in ray.nodes() if n["Alive"]), **notes}
 
     # ---- set-up ----------------------------------------------------------------------------------
     def _start_workers(self) -> None:
+        """One actor per rank, placed by a placement group: rank i in bundle i, spread over the nodes."""
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
         world = self.plan.layout.world_size
+        gpus = 1 if self.recipe.cluster.gpus_per_node else 0
+        bundle = {"CPU": 1, "GPU": gpus} if gpus else {"CPU": 1}
+        nodes = self.recipe.cluster.nodes
+        # One rank per node when ranks and nodes match (the 2-node dp=2 layout); else spread, packing allowed.
+        strategy = "STRICT_SPREAD" if nodes > 1 and world == nodes else ("SPREAD" if nodes > 1 else "PACK")
+        self.pg = placement_group([dict(bundle) for _ in range(world)], strategy=strategy)
+        ray.get(self.pg.ready(), timeout=300)
         actor = ray.remote(PolicyWorker)
         self.workers = [
-            actor.options(num_cpus=1, name=None).remote(rank=rank, world_size=world, recipe_json=self.recipe_json,
-                                                       model_dir=self.model_dir, threads=self.worker_threads)
+            actor.options(num_cpus=1, num_gpus=gpus, scheduling_strategy=PlacementGroupSchedulingStrategy(
+                placement_group=self.pg, placement_group_bundle_index=rank)).remote(
+                rank=rank, world_size=world, recipe_json=self.recipe_json, model_dir=self.model_dir,
+                threads=self.worker_threads)
             for rank in range(world)
         ]
-        addr = ray.get(self.workers[0].node_address.remote())
+        self.worker_nodes = ray.get([w.node_address.remote() for w in self.workers])
         port = ray.get(self.workers[0].free_port.remote())
-        ray.get([w.setup.remote(addr, port, self.steps.max_steps) for w in self.workers])
+        ray.get([w.setup.remote(self.worker_nodes[0], port, self.steps.max_steps) for w in self.workers])
 
     def _open_loaders(self) -> None:
         self.loaders = {}
