@@ -89,7 +89,8 @@ def test_component_and_energon_versions_are_refused(clevr_set, tiny_dirs, monkey
     spec = families.COOKERS["conversation"]
     bumped = type(spec)(name=spec.name, version=spec.version + 1, families=spec.families, subflavors=spec.subflavors)
     monkeypatch.setattr(families, "COOKERS", MappingProxyType({"conversation": bumped}))
-    assert 'data.cookers: ["conversation@1"] -> ["conversation@2"]' in refused_fields(base, fingerprint(recipe, tiny_dirs))
+    message = refused_fields(base, fingerprint(recipe, tiny_dirs))
+    assert 'data.cookers: ["conversation@1"] -> ["conversation@2"]' in message
     monkeypatch.undo()
     monkeypatch.setattr(megatron.energon, "__version__", "99.0")
     assert "versions.energon: 7" in refused_fields(base, fingerprint(recipe, tiny_dirs))

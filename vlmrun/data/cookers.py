@@ -149,7 +149,8 @@ def _media_item(sample: dict, record: dict, ref: str, key: str) -> MediaItem:
     except Exception as e:  # every decoder error (OSError, RuntimeError, ...) means the same here
         raise MalformedSample(f"{key}: cannot decode {ref!r} ({type(e).__name__}: {e})") from None
     meta = next((m for m in record.get("media", []) if isinstance(m, dict) and m.get("ref") == ref), {})
-    return MediaItem(modality="image", data=image, metadata={k: v for k, v in meta.items() if k != "ref"} | {"ref": ref})
+    metadata = {k: v for k, v in meta.items() if k != "ref"} | {"ref": ref}
+    return MediaItem(modality="image", data=image, metadata=metadata)
 
 
 def _text_of(message: dict) -> str:

@@ -132,7 +132,8 @@ def collate_packed(encoder, groups: list[list], pool: SlotPool | None = None) ->
     ids = [[e.key for e in g] for g in groups]
     if torch.utils.data.get_worker_info() is None:
         blocks = [torch.empty(max(n, 1), dtype=torch.uint8) for _, n in placed]
-        parts = [Part(sample_ids=i, fields=f, block=k, start=0, end=n) for k, (i, (f, n)) in enumerate(zip(ids, placed))]
+        parts = [Part(sample_ids=i, fields=f, block=k, start=0, end=n)
+                 for k, (i, (f, n)) in enumerate(zip(ids, placed))]
         slot = None
     else:
         parts, offset = [], 0
