@@ -121,3 +121,16 @@ def test_exit_codes_of_a_failed_check_reach_the_shell(tmp_path):
     assert d["verdict"] == "diverged" and d["max_abs_diff"]["loss"] == 0.5
     out = vlmrun("compare", str(tmp_path / "a"), str(tmp_path / "a"), "--json", "--out", str(tmp_path / "o"))
     assert out.returncode == 0 and json.loads(out.stdout)["verdict"] == "match"
+
+
+def test_slurm_dry_run_prints_recipe_and_inert_sbatch_script(tmp_path):
+    hostile = "x$(touch {p})`touch {p}`;touch {p}".format(p=tmp_path / "pwned")
+    out = vlmrun("submit", TINY, "--dry-run", "--cluster", "slurm", "--run-dir", str(tmp_path / "r"), "--json",
+                 "--set", f"cluster.job_name={hostile}", "--set", f"cluster.env={{V: '{hostile}'}}")
+    assert out.returncode == 0, out.stderr
+    d = json.loads(out.stdout)
+    assert "name: tiny-clevr-cpu" in d["recipe"] and d["sbatch_script"].startswith("#!/bin/bash")
+    script = tmp_path / "s.sh"
+    script.write_text(d["sbatch_script"])
+    assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
+    assert not (tmp_path / "r").exists() and not (tmp_path / "pwned").exists()

@@ -61,7 +61,9 @@ def submit(
         _print_json(result.summary())
     elif dry_run:
         typer.echo(result.rendered)
-        typer.echo(f"# dry run: nothing started; run dir would be {result.run_dir}", err=True)
+        if result.script:
+            typer.echo(f"# --- sbatch script ---\n{result.script}")
+        typer.echo(f"# dry run: nothing started or submitted; run dir would be {result.run_dir}", err=True)
     raise typer.Exit(result.exit_code)
 
 

@@ -53,7 +53,6 @@ class RunDirectory:
     job_file = property(lambda self: self.path / "job.json")
     logs = property(lambda self: self.path / "logs")
     cache = property(lambda self: self.path / "cache")
-    stop_file = property(lambda self: self.path / "STOP")
 
     def metrics_file(self, recipe=None) -> Path:
         return self.path / (recipe.logger.metrics_file if recipe is not None else "metrics.jsonl")

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import shutil
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -18,11 +18,11 @@ class SubmitResult:
     run_dir: Path
     cluster: str
     dry_run: bool
-    rendered: str = ""
+    rendered: str = ""  # the resolved recipe (YAML) of a dry run
+    script: str = ""  # and, for SLURM, the exact sbatch script it would submit
     job_id: str | None = None
     state: str | None = None
     exit_code: int = 0
-    extra: dict = field(default_factory=dict)
 
     def summary(self) -> dict:
         out = {"run_dir": str(self.run_dir), "cluster": self.cluster, "dry_run": self.dry_run}
@@ -32,7 +32,9 @@ class SubmitResult:
             out["state"] = self.state
         if self.dry_run:
             out["recipe"] = self.rendered
-        return out | self.extra
+            if self.script:
+                out["sbatch_script"] = self.script
+        return out
 
 
 def resolve_cluster(cluster: str) -> str:
@@ -57,7 +59,10 @@ def submit_run(recipe_path: Path, overrides: list[str], *, cluster: str = "auto"
     if chosen == "slurm":
         from vlmrun.launch.slurm import submit_slurm
 
-        return submit_slurm(rd, recipe, dry_run=dry_run, wait=wait, echo=echo)
+        result = submit_slurm(rd, recipe, dry_run=dry_run, wait=wait, echo=echo)
+        if dry_run:
+            result.script, result.rendered = result.rendered, dump_recipe(recipe)
+        return result
     if dry_run:
         return SubmitResult(rd.path, chosen, True, rendered=dump_recipe(recipe))
     from vlmrun.launch.local import start_local

@@ -218,8 +218,8 @@ class SftController:
         t0 = time.perf_counter()
         tmp = self.store.begin(step)
         files = []
-        for rank, part in enumerate(ray.get([w.save.remote(str(tmp), with_model=(i == 0))
-                                             for i, w in enumerate(self.workers)])):
+        # Replicas hold identical weights and optimizer state: rank 0 writes them, every rank its RNG.
+        for part in ray.get([w.save.remote(str(tmp), with_model=(i == 0)) for i, w in enumerate(self.workers)]):
             files += part
         for shard, loader in self.loaders.items():
             (tmp / "loader").mkdir(exist_ok=True)
