@@ -111,11 +111,12 @@ def test_sigkill_then_resume_matches_uninterrupted(tmp_path, sets, uninterrupted
     assert cmp.returncode == 0 and json.loads(cmp.stdout)["verdict"] == "match"
 
 
-def test_sigusr2_checkpoints_at_step_boundary_and_resumes_without_recompute(tmp_path, sets, uninterrupted):
+@pytest.mark.parametrize("stop_at", [2, 5])
+def test_sigusr2_checkpoints_at_step_boundary_and_resumes_without_recompute(tmp_path, sets, uninterrupted, stop_at):
     run = tmp_path / "c"
     proc = start("submit", TINY, "--cluster", "local", "--run-dir", str(run), *sets, "--wait")
     deadline = time.time() + 300
-    while last_step(run) < 2 and time.time() < deadline and proc.poll() is None:
+    while last_step(run) < stop_at and time.time() < deadline and proc.poll() is None:
         time.sleep(0.02)
     os.killpg(proc.pid, signal.SIGUSR2)
     assert proc.wait(timeout=300) == 3  # stopped at a checkpoint, resumable
