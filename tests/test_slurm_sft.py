@@ -45,7 +45,7 @@ def cluster() -> list[str]:
 def sets(tmp_path_factory) -> list[str]:
     data = tmp_path_factory.mktemp("slurm-data") / "clevr"
     return ["--set", f"data.path={data}", "--set", "data.synthetic={train: 256, val: 32, image_size: 112, seed: 0}",
-            "--set", "train.max_steps=16", "--set", "checkpoint.save_period=2", "--set", "train.val_samples=0",
+            "--set", "train.max_steps=24", "--set", "checkpoint.save_period=2", "--set", "train.val_samples=0",
             "--set", "logger.wandb_mode=disabled", "--set", "cluster.time_limit=10"]
 
 
@@ -67,9 +67,9 @@ def test_submit_wait_completes_and_status_and_logs_say_so(one_node_run):
     st = vlmrun("status", job_id, "--json")
     assert st.returncode == 0, st.stderr
     d = json.loads(st.stdout)
-    assert d["state"] == "COMPLETED" and d["last_step"] == 16 and d["run_dir"] == str(one_node_run)
+    assert d["state"] == "COMPLETED" and d["last_step"] == 24 and d["run_dir"] == str(one_node_run)
     logs = vlmrun("logs", job_id)
-    assert logs.returncode == 0 and "COMPLETED: finished 16 steps" in logs.stdout
+    assert logs.returncode == 0 and "COMPLETED: finished 24 steps" in logs.stdout
 
 
 def test_requeue_at_a_random_step_resumes_to_the_same_history(one_node_run, sets, tmp_path):
@@ -92,7 +92,7 @@ def test_requeue_at_a_random_step_resumes_to_the_same_history(one_node_run, sets
     assert job["state"] == "COMPLETED" and job["job_ids"] == [job_id]
     assert [a["restart_count"] for a in job["attempts"]] == [0, 1]
     ha, hb = history(one_node_run / "metrics.jsonl"), history(run / "metrics.jsonl")
-    assert sorted(ha) == sorted(hb) == list(range(1, 17))
+    assert sorted(ha) == sorted(hb) == list(range(1, 25))
     for s in ha:
         assert (ha[s]["loss"], ha[s]["grad_norm"], ha[s]["sample_ids"]) == \
                (hb[s]["loss"], hb[s]["grad_norm"], hb[s]["sample_ids"]), s
