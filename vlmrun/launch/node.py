@@ -114,7 +114,11 @@ def _run(rd: RunDirectory, attempt: int, job_id: str, started_at: float, alloc=N
     cpus = max(recipe.parallel.world_size, os.cpu_count() or 1)
     with _ray(job_id, cpus, alloc, rd):
         stop.install()  # after Ray started: its processes keep SIG_IGN for the stop signals
-        progress = ProgressLine(recipe.train.max_steps)
+        from vlmrun.data.loader import split_size
+        from vlmrun.train.steps import plan_steps
+
+        # The same step count the controller uses (train.max_steps capped by epochs), so the ETA is right.
+        progress = ProgressLine(plan_steps(recipe, split_size(recipe.data.path, recipe.data.split)).max_steps)
         return run_sft(rd, recipe, attempt=attempt, model_dir=model_dir, stop=stop, started_at=started_at,
                        on_row=lambda row: log.info("%s", progress(row)))
 
