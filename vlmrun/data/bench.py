@@ -60,6 +60,12 @@ def run_bench(recipe, *, workers: list[int] = (0, 1, 2), batches: int = 300, ima
     # In-process rows would otherwise time torch's intra-op threads fighting the loader workers for
     # the same cores (100 ms stalls on the 2-CPU dev box); DataLoader workers use one thread too.
     torch.set_num_threads(1)
+    from vlmrun.data.malloc import retain_freed_memory
+
+    # Every row runs in this process or in workers forked from it, under the malloc settings the
+    # Energon loader applies where it runs in training: set once, before any row, so no row's
+    # speed depends on what the rows before it allocated (see vlmrun.data.malloc).
+    retain_freed_memory()
     runners = _open_runners(recipe, processor_dir, workers)
     try:
         for runner in runners:

@@ -11,7 +11,9 @@
    Energon batches `transfer_group` micro-batches at a time into one shared-memory block
    (`vlmrun.data.transport`); the shard hands them out one by one. A state saved in the middle of
    a group records the group's restore key and how many micro-batches were taken.
-4. Corrupt samples are skipped and counted per shard up to `data.error_tolerance`
+4. The process that opens a shard keeps its freed heap memory (`vlmrun.data.malloc`), and so do
+   the workers it forks: returned memory page-faulted back in cost ~20-50% of the loader's CPU.
+5. Corrupt samples are skipped and counted per shard up to `data.error_tolerance`
    (`vlmrun.data.error_budget`); one more fails the shard with its key and tar file.
 """
 
@@ -28,6 +30,7 @@ from pathlib import Path
 
 from vlmrun.data.batch import Batch, PromptBatch
 from vlmrun.data.error_budget import CorruptDataError, ErrorBudget
+from vlmrun.data.malloc import retain_freed_memory
 from vlmrun.data.transport import SlotPool, transfer_group
 from vlmrun.data.fingerprint import LOADER_FORMAT, LoaderStateRefused, check_same_identity, loader_fingerprint
 from vlmrun.errors import InputError
@@ -124,6 +127,7 @@ class LoaderShard:
                                          cookers=d.cookers, max_seq_len=d.max_seq_len,
                                          micro_batch_size=t.micro_batch_size)
         self._pool = task_encoder.slot_pool = SlotPool(num_workers=d.num_workers)
+        retain_freed_memory()  # in this process and the workers it forks (see vlmrun.data.malloc)
         group_samples = t.micro_batch_size * transfer_group(t.micro_batch_size)
         epoch_groups = max(1, d.virtual_epoch_length // group_samples) if d.virtual_epoch_length else 0
         dataset = get_train_dataset(
@@ -148,8 +152,7 @@ class LoaderShard:
         if self._closed:
             raise RuntimeError(f"loader shard {self.shard} is closed")
         try:
-            with _quiet_pin_memory():
-                batch = self._next()
+            batch = self._next()
         except CorruptDataError as e:
             raise CorruptDataError(_last_line(str(e))) from None
         self._batches += 1
@@ -184,11 +187,13 @@ class LoaderShard:
         self._to_rebuild = []
 
     def _next_group(self):
-        if self._iter is None:
-            self._iter = iter(self._loader)
-        try:
-            return next(self._iter)
-        except StopIteration:  # the end of a virtual epoch: the next one starts where it stopped
+        if self._iter is not None:
+            try:
+                return next(self._iter)
+            except StopIteration:  # the end of a virtual epoch: the next one starts where it stopped
+                pass
+        # The first group of an epoch: that is when torch warns (once per epoch) about pin_memory
+        with _quiet_pin_memory():
             self._iter = iter(self._loader)
             return next(self._iter)
 
