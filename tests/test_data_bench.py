@@ -23,7 +23,7 @@ from vlmrun.data.families import family_spec
 from vlmrun.data.loader import load_processor
 from vlmrun.data.reference import reference_loader
 
-ROW_KEYS = {"loader", "num_workers", "samples_per_s", "mb_per_s", "p50_batch_ms", "p95_batch_ms",
+ROW_KEYS = {"loader", "num_workers", "samples_per_s", "samples_per_s_iqr", "mb_per_s", "p50_batch_ms", "p95_batch_ms",
             "stage_ms_per_sample", "peak_rss_mb", "rss_per_worker_mb", "measured_batches"}
 
 
@@ -55,6 +55,8 @@ def test_bench_reports_every_loader_kind(clevr_set, tiny_dirs):
     for row in rows.values():
         assert ROW_KEYS <= set(row) and row["samples_per_s"] > 0 and row["measured_batches"] == 8
         assert row["p50_batch_ms"] <= row["p95_batch_ms"]
+        low, high = row["samples_per_s_iqr"]
+        assert low <= row["samples_per_s"] <= high  # the median of the chunks, inside their quartiles
     assert len(rows[("energon", 1)]["rss_per_worker_mb"]) == 1 and rows[("energon", 0)]["rss_per_worker_mb"] == []
     assert set(rows[("limit", 0)]["stage_ms_per_sample"]) == {"read", "decode", "processor", "collate"}
     for key in ("ratio_energon_vs_reference", "ratio_energon_vs_limit", "best", "target", "target_met"):

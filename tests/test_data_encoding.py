@@ -8,7 +8,7 @@ import torch
 from test_data_fixtures import FAMILIES, clevr_set, read_raw_samples, tiny_dirs  # noqa: F401  (fixtures)
 
 from vlmrun.data.chat_encoding import IGNORE_INDEX, ConversationEncoder
-from vlmrun.data.cookers import MalformedSample, cook_conversation
+from vlmrun.data.cookers import MalformedSample, cook_conversation, decode_media, media_pixels
 from vlmrun.data.families import family_spec
 from vlmrun.data.loader import load_processor
 
@@ -31,7 +31,8 @@ def test_tokens_and_pixels_equal_the_processor_on_the_whole_text(encoder, raw):
         conv = cook_conversation(raw[key])
         encoded = encoder.encode(conv)
         text = encoder.processor.apply_chat_template(conv.messages, tokenize=False)
-        whole = encoder.processor(text=[text], images=[m.data for m in conv.media], return_tensors="pt")
+        images = [media_pixels(conv, i) for i in range(len(conv.media))]
+        whole = encoder.processor(text=[text], images=images, return_tensors="pt")
         assert torch.equal(encoded.input_ids, whole["input_ids"][0])
         for k in encoder.family.media_keys:
             assert torch.equal(encoded.media[k], whole[k])
@@ -112,9 +113,10 @@ def test_prompt_is_the_text_before_the_answer_left_padded(encoder, raw):
     ],
     ids=["truncated-image", "undecodable-image", "no-messages", "missing-member", "no-json", "bad-json"],
 )
-def test_malformed_sample_is_named_by_key(raw, damage, message):
+def test_malformed_sample_is_named_by_key(encoder, raw, damage, message):
+    # Structure fails when cooking, media bytes when the encoder decodes them: both name the key.
     with pytest.raises(MalformedSample, match=message) as err:
-        cook_conversation(damage(raw["train-0000007"]))
+        encoder.encode(cook_conversation(damage(raw["train-0000007"])))
     assert str(err.value).startswith("train-0000007:")
 
 
@@ -123,5 +125,8 @@ def test_cooked_conversation_is_model_neutral(raw):
     assert [m["role"] for m in conv.messages] == ["user", "assistant"]
     assert conv.messages[0]["content"][0] == {"type": "image", "media": 0}
     (item,) = conv.media
-    assert item.modality == "image" and item.data.dtype == torch.uint8 and item.data.shape == (3, 64, 64)
+    assert item.modality == "image" and item.data == raw["train-0000008"]["jpg"]  # still encoded
     assert item.metadata == {"modality": "image", "width": 64, "height": 64, "ref": "jpg"}
+    pixels = media_pixels(conv, 0)
+    assert pixels.dtype == torch.uint8 and pixels.shape == (3, 64, 64)
+    assert torch.equal(decode_media(conv).media[0].data, pixels)  # decoded in place, same pixels

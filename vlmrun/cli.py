@@ -189,7 +189,8 @@ def compare(
 def bench_loader(
     recipe: Path = typer.Argument(Path("recipes/tiny-clevr-cpu.yaml"), help="recipe whose data path to measure"),
     workers: str = typer.Option("0,1,2", "--workers", help="comma-separated loader worker counts to try"),
-    batches: int = typer.Option(300, "--batches", min=1, help="measured micro-batches per row"),
+    batches: int = typer.Option(600, "--batches", min=1, help="measured micro-batches per row (in chunks of 60, "
+                                "interleaved with the other rows)"),
     image_size: Optional[int] = typer.Option(None, "--image-size", min=32, max=1024,
                                              help="image side of the (generated) data set; default 224"),
     set_: Optional[list[str]] = SetOpt,

@@ -9,10 +9,12 @@ Three kinds of rows, each for every requested worker count:
    stages (read, decode, processor, collate); in k processes delivering to the caller otherwise.
 
 Measurements interleave: every row runs one chunk per round, in an order that rotates, so a noisy
-neighbour on a shared machine hits all of them alike. Rates are samples over the summed time of the
-timed chunks; batch latency percentiles are over all timed micro-batches (a row with workers hands
-out a transfer group at once, so its p50 is ~0). The ratios compare the best worker count of each
-kind. Results are plain JSON (the CLI prints a table or `--json`).
+neighbour on a shared machine hits all of them alike. A row's rate is the median of its chunks'
+rates (samples over seconds), so a burst of load from elsewhere that lands on one chunk does not
+decide a ratio; `samples_per_s_iqr` gives the quartiles of the chunk rates, the spread the noise
+left. Batch latency percentiles are over all timed micro-batches (a row with workers hands out a
+transfer group at once, so its p50 is ~0). The ratios compare the best worker count of each kind.
+Results are plain JSON (the CLI prints a table or `--json`).
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ _CHUNK_BATCHES = 60
 _SETTLE_S = 0.2
 
 
-def run_bench(recipe, *, workers: list[int] = (0, 1, 2), batches: int = 300, image_size: int | None = None,
+def run_bench(recipe, *, workers: list[int] = (0, 1, 2), batches: int = 600, image_size: int | None = None,
               rounds: int | None = None, processor_dir: str | None = None, progress=None) -> dict:
     """Measure the three loaders on `recipe` (see module doc); returns the JSON-ready result dict.
 
@@ -134,6 +136,7 @@ class _Runner:
         self.bytes_per_sample = _bytes_per_sample(recipe.data.path, recipe.data.split)
         self.latencies: list[float] = []
         self.seconds = 0.0
+        self.chunk_rates: list[float] = []
         self.peak_rss_mb = 0.0
         self.worker_rss_mb: dict[int, float] = {}
         self.worker_uss_mb: dict[int, float] = {}
@@ -165,8 +168,11 @@ class _Runner:
             self._next = self._limit.next_batch
 
     def drain(self) -> None:
-        """Take, untimed, what the workers prefetched since this row was last measured."""
-        for _ in range(self.prefetch_depth):
+        """Take, untimed, what the workers prefetched since this row was last measured, then as
+        much again while they work: the chunk starts in the steady state (every worker busy, the
+        queue as full as it runs), not from an idle pipeline whose first groups are still being
+        made, which would charge each chunk the pipeline's fill time."""
+        for _ in range(2 * self.prefetch_depth):
             self._next()
 
     def warm_up(self, n: int) -> None:
@@ -184,6 +190,7 @@ class _Runner:
             latencies.append(time.perf_counter() - t)
         seconds = time.perf_counter() - start
         self.seconds += seconds
+        self.chunk_rates.append(n * self.micro_batch_size / seconds)
         self.latencies += latencies
         self._sample_rss()
 
@@ -203,13 +210,14 @@ class _Runner:
             self.peak_rss_mb = max(self.peak_rss_mb, round(rss, 1))
 
     def row(self) -> dict:
-        samples = len(self.latencies) * self.micro_batch_size
-        sps = samples / self.seconds if self.seconds else 0.0
+        sps = statistics.median(self.chunk_rates) if self.chunk_rates else 0.0
+        quartiles = statistics.quantiles(self.chunk_rates, n=4) if len(self.chunk_rates) > 1 else [sps] * 3
         ms = sorted(x * 1000 for x in self.latencies)
         row = {
             "loader": self.kind,
             "num_workers": self.num_workers,
             "samples_per_s": round(sps, 1),
+            "samples_per_s_iqr": [round(quartiles[0], 1), round(quartiles[2], 1)],
             "mb_per_s": round(sps * self.bytes_per_sample / 1e6, 2),
             "p50_batch_ms": round(statistics.median(ms), 3) if ms else None,
             "p95_batch_ms": round(ms[min(len(ms) - 1, int(0.95 * len(ms)))], 3) if ms else None,

@@ -1,7 +1,7 @@
 """The `limit` rows of bench-loader: cook + encode + collate with no loader, samples in memory.
 
 The split's tar files are read once into memory (timed as the `read` stage). With 0 workers the
-work runs in a tight loop in the caller, each stage timed (decode = cooking with its image decode,
+work runs in a tight loop in the caller, each stage timed (decode = cooking and the image decode,
 processor = chat template + tokenizer + image processor, collate): the compute-only floor. With k
 workers, k forked processes do the same work on disjoint strides of the samples and hand the
 micro-batches to the caller the way the Energon shard receives them (torch DataLoader, groups
@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
+from vlmrun.data.cookers import decode_media
 from vlmrun.data.transport import SlotPool, collate_packed, transfer_group
 
 
@@ -64,7 +65,7 @@ class LimitRunner:
             raw = self.samples[self._index % len(self.samples)]
             self._index += 1
             t0 = time.perf_counter()
-            conv = self.cook(raw)
+            conv = decode_media(self.cook(raw))
             t1 = time.perf_counter()
             encoded.append(self.encoder.encode(conv))
             self._stages["decode"] += t1 - t0

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from vlmrun.data.batch import Batch, PromptBatch
-from vlmrun.data.cookers import Conversation, MalformedSample
+from vlmrun.data.cookers import Conversation, MalformedSample, media_pixels
 from vlmrun.data.families import FamilySpec
 
 IGNORE_INDEX = -100
@@ -159,7 +159,7 @@ class ConversationEncoder:
     @staticmethod
     def _images_of(conv: Conversation, messages: list[dict]) -> list[torch.Tensor]:
         return [
-            conv.media[part["media"]].data
+            media_pixels(conv, part["media"])
             for message in messages
             for part in message["content"]
             if part["type"] == "image"
