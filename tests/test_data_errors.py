@@ -98,3 +98,23 @@ def test_restored_shard_remembers_what_it_skipped(corrupt_set, tiny_dirs):
         for _ in range(48):  # the next epoch meets the same bad samples: still within the budget
             again.next_batch()
     again.close()
+
+
+@pytest.mark.slow
+def test_bench_json_stays_clean_when_samples_are_skipped(corrupt_set, tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    import yaml
+
+    recipe = make_recipe(corrupt_set, error_tolerance=len(BAD)).model_dump(mode="json", exclude_none=True)
+    path = tmp_path / "corrupt.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    # 40 micro-batches of 2 per row after 8 of warm-up: every row reads the whole split once
+    out = subprocess.run([sys.executable, "-m", "vlmrun.cli", "bench-loader", str(path), "--workers", "0,1",
+                          "--batches", "40", "--json"], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    result = json.loads(out.stdout)  # one JSON object, nothing else on stdout
+    assert {r["loader"] for r in result["results"]} == {"energon", "reference", "limit"}
+    assert "skipped corrupt sample" in out.stderr and "Except" in out.stderr  # Energon's own lines too

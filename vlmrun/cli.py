@@ -5,6 +5,7 @@ Imports of heavy libraries happen inside the commands, so `vlmrun --help` stays 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 from pathlib import Path
@@ -210,7 +211,10 @@ def bench_loader(
     except ValueError:
         raise InputError("--workers", workers, "a comma-separated list of integers, e.g. 0,1,2") from None
     loaded = load_recipe(recipe, set_ or [])
-    with progress_bar("measuring loaders", enabled=not json_out) as progress:
+    # Energon prints a line to stdout for every sample it skips; during the run (and in the workers
+    # forked during it) stdout goes to stderr, so stdout carries only the table or the JSON.
+    with progress_bar("measuring loaders", enabled=not json_out) as progress, \
+            contextlib.redirect_stdout(sys.stderr):
         result = run_bench(loaded, workers=counts, batches=batches, image_size=image_size, progress=progress)
     if json_out:
         _print_json(result)

@@ -11,6 +11,7 @@ worker processes can reach here, since every such loader must get its batches to
 
 from __future__ import annotations
 
+import logging
 import tarfile
 import time
 from pathlib import Path
@@ -18,8 +19,10 @@ from pathlib import Path
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
-from vlmrun.data.cookers import decode_media
+from vlmrun.data.cookers import MalformedSample, decode_media
 from vlmrun.data.transport import SlotPool, collate_packed, transfer_group
+
+logger = logging.getLogger(__name__)
 
 
 class LimitRunner:
@@ -60,14 +63,18 @@ class LimitRunner:
         return self._pending.pop(0)
 
     def _encode_timed(self):
-        encoded = []
-        for _ in range(self.micro_batch_size):
+        encoded, start = [], self._index
+        while len(encoded) < self.micro_batch_size:
             raw = self.samples[self._index % len(self.samples)]
             self._index += 1
             t0 = time.perf_counter()
-            conv = decode_media(self.cook(raw))
-            t1 = time.perf_counter()
-            encoded.append(self.encoder.encode(conv))
+            try:
+                conv = decode_media(self.cook(raw))
+                t1 = time.perf_counter()
+                encoded.append(self.encoder.encode(conv))
+            except MalformedSample as e:  # the loaders skip it: so does the limit
+                _skipped(e, len(encoded), self._index - start, len(self.samples))
+                continue
             self._stages["decode"] += t1 - t0
             self._stages["processor"] += time.perf_counter() - t1
         t2 = time.perf_counter()
@@ -109,12 +116,23 @@ class _InMemoryGroups(IterableDataset):
         while True:
             groups = []
             for _ in range(group):
-                encoded = []
-                for _ in range(size):
-                    encoded.append(self.encoder.encode(self.cook(self.samples[index % len(self.samples)])))
-                    index += step
+                encoded, tried = [], 0
+                while len(encoded) < size:
+                    raw = self.samples[index % len(self.samples)]
+                    index, tried = index + step, tried + 1
+                    try:
+                        encoded.append(self.encoder.encode(self.cook(raw)))
+                    except MalformedSample as e:
+                        _skipped(e, len(encoded), tried, len(self.samples))
                 groups.append(encoded)
             yield collate_packed(self.encoder, groups, self.pool)
+
+
+def _skipped(error: Exception, encoded: int, tried: int, total: int) -> None:
+    """Log a skipped sample; fail once a whole pass over the samples left a micro-batch unfilled."""
+    if tried > total and encoded == 0:
+        raise ValueError(f"limit: none of the {total} samples can be encoded (last: {error})")
+    logger.warning("limit: skipped corrupt sample %s", error)
 
 
 def read_samples(paths: list[Path]) -> list[dict]:

@@ -9,11 +9,14 @@ runs it side by side with the Energon loader.
 
 from __future__ import annotations
 
+import logging
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
 from vlmrun.data.batch import Batch
+
+logger = logging.getLogger(__name__)
 
 
 def reference_loader(recipe, *, processor_dir: str, split: str, num_workers: int) -> Iterator[Batch]:
@@ -37,9 +40,20 @@ def reference_loader(recipe, *, processor_dir: str, split: str, num_workers: int
                                   workersplitter=wds.split_by_worker, empty_check=False)
     if d.shuffle_buffer > 1:
         pipeline = pipeline.shuffle(d.shuffle_buffer, seed=t.seed)
-    pipeline = pipeline.map(lambda raw: encoder.encode(cook({**raw, "__restore_key__": ()})))
+    pipeline = pipeline.map(lambda raw: _encode_or_skip(encoder, cook, raw)).select(lambda e: e is not None)
     pipeline = pipeline.batched(t.micro_batch_size, collation_fn=encoder.collate, partial=False)
     loader = DataLoader(pipeline, batch_size=None, num_workers=num_workers,
                         persistent_workers=num_workers > 0, prefetch_factor=2 if num_workers else None)
     while True:
         yield from loader
+
+
+def _encode_or_skip(encoder, cook, raw: dict):
+    """The encoded sample, or None (skipped, like the Energon loader skips it) when it is malformed."""
+    from vlmrun.data.cookers import MalformedSample
+
+    try:
+        return encoder.encode(cook({**raw, "__restore_key__": ()}))
+    except MalformedSample as e:
+        logger.warning("reference loader: skipped corrupt sample %s", e)
+        return None
