@@ -41,6 +41,7 @@ def refused_fields(old: dict, new: dict) -> str:
         ({"data": {"max_samples_per_sequence": 4}}, "data.max_samples_per_sequence: 8 -> 4"),
         ({"data": {"virtual_epoch_length": 40}}, "data.virtual_epoch_length: 0 -> 40"),
         ({"data": {"max_seq_len": 512}}, "data.max_seq_len: 256 -> 512"),
+        ({"data": {"transfer_samples": 16}}, "loader.transfer_group: 4 -> 8"),
         ({"train": {"seed": 7}}, "train.seed: 1234 -> 7"),
         ({"train": {"micro_batch_size": 4, "global_batch_size": 4}}, "train.micro_batch_size: 2 -> 4"),
         ({"family": "nemotron_omni"}, "data.family: qwen2_5_vl -> nemotron_omni"),

@@ -143,7 +143,7 @@ class _Runner:
         from vlmrun.data.transport import transfer_group
 
         self._before: set[int] = set()
-        group = 1 if kind == "reference" else transfer_group(self.micro_batch_size)
+        group = 1 if kind == "reference" else transfer_group(self.micro_batch_size, recipe.data.transfer_samples)
         # torch's DataLoader keeps prefetch_factor (2) items per worker; an item is `group` micro-batches
         self.prefetch_depth = 2 * num_workers * group
         self._limit = None

@@ -40,6 +40,7 @@ class LimitRunner:
                                            family_spec(recipe.family), d.max_seq_len)
         self.cook = COOK_FUNCTIONS[d.cookers[0]]
         self.micro_batch_size = recipe.train.micro_batch_size
+        self.transfer_samples = d.transfer_samples
         self.num_workers = num_workers
         self._stages = {"decode": 0.0, "processor": 0.0, "collate": 0.0}
         self._timed_samples = 0
@@ -107,12 +108,13 @@ class _InMemoryGroups(IterableDataset):
     def __init__(self, runner: LimitRunner):
         self.samples, self.encoder, self.cook = runner.samples, runner.encoder, runner.cook
         self.micro_batch_size = runner.micro_batch_size
+        self.transfer_samples = runner.transfer_samples
         self.pool = runner._pool
 
     def __iter__(self):
         info = torch.utils.data.get_worker_info()
         index, step = info.id, info.num_workers
-        size, group = self.micro_batch_size, transfer_group(self.micro_batch_size)
+        size, group = self.micro_batch_size, transfer_group(self.micro_batch_size, self.transfer_samples)
         while True:
             groups = []
             for _ in range(group):

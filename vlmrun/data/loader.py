@@ -128,7 +128,7 @@ class LoaderShard:
                                          micro_batch_size=t.micro_batch_size)
         self._pool = task_encoder.slot_pool = SlotPool(num_workers=d.num_workers)
         retain_freed_memory()  # in this process and the workers it forks (see vlmrun.data.malloc)
-        group_samples = t.micro_batch_size * transfer_group(t.micro_batch_size)
+        group_samples = t.micro_batch_size * transfer_group(t.micro_batch_size, d.transfer_samples)
         epoch_groups = max(1, d.virtual_epoch_length // group_samples) if d.virtual_epoch_length else 0
         dataset = get_train_dataset(
             d.path, split_part=split, worker_config=worker_config, batch_size=group_samples,

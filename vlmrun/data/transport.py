@@ -31,13 +31,14 @@ _ALIGN = 64
 _KEEP_AS_VIEW_BYTES = 64 * 1024
 _SLOTS_PER_WORKER = 4  # torch's prefetch (2 per worker) + one being filled + one in the main process
 _GROWTH = 1.25
-#: Samples per trip from a loader worker: enough to spread the per-message cost of torch's queues.
+#: Default samples per trip from a loader worker (`data.transfer_samples`): enough to spread the
+#: per-trip cost of torch's queues and of Energon's per-batch stages.
 SAMPLES_PER_TRANSFER = 8
 
 
-def transfer_group(micro_batch_size: int) -> int:
-    """Micro-batches per trip (at least one)."""
-    return max(1, SAMPLES_PER_TRANSFER // micro_batch_size)
+def transfer_group(micro_batch_size: int, samples: int = SAMPLES_PER_TRANSFER) -> int:
+    """Micro-batches per trip: `samples` rounded down to whole micro-batches, at least one."""
+    return max(1, samples // micro_batch_size)
 
 
 @dataclass
