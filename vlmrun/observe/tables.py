@@ -63,11 +63,16 @@ def print_bench(result: dict) -> None:
     console = _console()
     table = Table(title=f"bench-loader: {result['dataset']} ({result['image_size']} px, "
                         f"micro-batch {result['micro_batch_size']}, {result['batches']} batches per row)")
-    for col in ("loader", "workers", "samples/s", "MB/s", "p50 ms", "p95 ms", "peak RSS MB"):
+    for col in ("loader", "workers", "samples/s", "chunks IQR", "MB/s", "p50 ms", "p95 ms", "peak RSS MB",
+                "USS/worker MB"):
         table.add_column(col, justify="left" if col == "loader" else "right")
     for r in result["results"]:
-        table.add_row(r["loader"], str(r["num_workers"]), f"{r['samples_per_s']:.1f}", _fmt(r.get("mb_per_s")),
-                      _fmt(r.get("p50_batch_ms")), _fmt(r.get("p95_batch_ms")), _fmt(r.get("peak_rss_mb")))
+        iqr = r.get("samples_per_s_iqr")
+        uss = r.get("uss_per_worker_mb") or []
+        table.add_row(r["loader"], str(r["num_workers"]), f"{r['samples_per_s']:.1f}",
+                      f"{iqr[0]:.0f}-{iqr[1]:.0f}" if iqr else "-", _fmt(r.get("mb_per_s")),
+                      _fmt(r.get("p50_batch_ms")), _fmt(r.get("p95_batch_ms")), _fmt(r.get("peak_rss_mb")),
+                      _fmt(max(uss)) if uss else "-")
     console.print(table)
     target = result.get("target", {})
     console.print(f"energon / reference: {result['ratio_energon_vs_reference']:.2f}x "
