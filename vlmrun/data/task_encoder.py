@@ -15,7 +15,7 @@ from __future__ import annotations
 from megatron.energon import DefaultTaskEncoder, Sample, edataclass, stateless
 
 from vlmrun.data.chat_encoding import ConversationEncoder, Encoded, EncodedPrompt
-from vlmrun.data.cookers import Conversation, energon_cookers
+from vlmrun.data.cookers import Conversation, decode_media, energon_cookers
 from vlmrun.data.families import family_spec
 from vlmrun.data.transport import PackedBatches, SlotPool, collate_packed
 
@@ -66,6 +66,7 @@ class ChatSftValTaskEncoder(ChatSftTaskEncoder):
 
     @stateless
     def encode_sample(self, sample: Conversation) -> EncodedValSample:
+        decode_media(sample)  # the full conversation and the prompt use the same pixels: decode them once
         return EncodedValSample.derive_from(
             sample, encoded=self.encoder.encode(sample), prompt=self.encoder.encode_prompt(sample)
         )
