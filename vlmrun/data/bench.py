@@ -135,7 +135,6 @@ class _Runner:
         self.micro_batch_size = recipe.train.micro_batch_size
         self.bytes_per_sample = _bytes_per_sample(recipe.data.path, recipe.data.split)
         self.latencies: list[float] = []
-        self.seconds = 0.0
         self.chunk_rates: list[float] = []
         self.peak_rss_mb = 0.0
         self.worker_rss_mb: dict[int, float] = {}
@@ -189,7 +188,6 @@ class _Runner:
             self._next()
             latencies.append(time.perf_counter() - t)
         seconds = time.perf_counter() - start
-        self.seconds += seconds
         self.chunk_rates.append(n * self.micro_batch_size / seconds)
         self.latencies += latencies
         self._sample_rss()

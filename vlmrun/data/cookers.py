@@ -45,7 +45,7 @@ class MediaItem:
     (a uint8 tensor (C, H, W) for an image); `media_pixels` gives the pixels either way."""
 
     modality: str
-    data: torch.Tensor
+    data: bytes | torch.Tensor
     metadata: dict[str, Any]
 
 
