@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from vlmrun.data import clevr
-from vlmrun.data.clevr import ensure_clevr, generate_clevr, read_complete
-from vlmrun.data.clevr_scene import BACKGROUND, COLORS, SHAPES, placement_margin
+from vlmrun.datasets import clevr
+from vlmrun.datasets.clevr import ensure_clevr, generate_clevr, read_complete
+from vlmrun.datasets.clevr_scene import BACKGROUND, COLORS, SHAPES, placement_margin
 from vlmrun.errors import InputError
 
 TRAIN, VAL, SIZE = 160, 32, 112

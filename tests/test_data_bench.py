@@ -21,7 +21,7 @@ from vlmrun.data.chat_encoding import ConversationEncoder
 from vlmrun.data.cookers import cook_conversation
 from vlmrun.data.families import family_spec
 from vlmrun.data.loader import load_processor
-from vlmrun.data.reference import reference_loader
+from vlmrun.bench.reference import reference_loader
 
 ROW_KEYS = {"loader", "num_workers", "samples_per_s", "samples_per_s_iqr", "mb_per_s", "p50_batch_ms", "p95_batch_ms",
             "stage_ms_per_sample", "peak_rss_mb", "rss_per_worker_mb", "measured_batches"}
@@ -43,7 +43,7 @@ def test_reference_loader_decodes_and_encodes_like_the_task_encoder(clevr_set, t
 
 @pytest.mark.slow
 def test_bench_reports_every_loader_kind(clevr_set, tiny_dirs):
-    from vlmrun.data.bench import run_bench
+    from vlmrun.bench.loader import run_bench
 
     recipe = make_recipe(clevr_set, synthetic={"train": TRAIN, "val": VAL, "image_size": SIZE, "seed": 0})
     result = run_bench(recipe, workers=[0, 1], batches=8, rounds=2, image_size=SIZE,

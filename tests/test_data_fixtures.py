@@ -22,7 +22,7 @@ FAMILIES = ("qwen2_5_vl", "nemotron_omni")
 
 @pytest.fixture(scope="session")
 def clevr_set(tmp_path_factory) -> Path:
-    from vlmrun.data.clevr import generate_clevr, read_complete
+    from vlmrun.datasets.clevr import generate_clevr, read_complete
 
     path = tmp_path_factory.getbasetemp() / "vlmrun-data-clevr64"
     if read_complete(path) is None:
@@ -32,7 +32,7 @@ def clevr_set(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_dirs(tmp_path_factory) -> dict[str, str]:
-    from vlmrun.policy.tiny import ensure_tiny_model
+    from vlmrun.models.tiny import ensure_tiny_model
 
     cache = tmp_path_factory.getbasetemp() / "vlmrun-data-models"
     return {family: str(ensure_tiny_model(family, cache, seed=0)) for family in FAMILIES}
@@ -40,7 +40,7 @@ def tiny_dirs(tmp_path_factory) -> dict[str, str]:
 
 def make_recipe(data_path: Path | str, *, family: str = "qwen2_5_vl", train: dict | None = None, **data):
     """A validated tiny recipe over `data_path`; keyword arguments override `data.*`."""
-    from vlmrun.recipe.load import validate
+    from vlmrun.config.load import validate
 
     raw = {
         "name": "data-test",
@@ -87,8 +87,8 @@ def read_raw_samples(folder: Path, split: str) -> dict[str, dict]:
 
 def write_corrupt_copy(src: Path, out: Path, damage: dict[str, callable]) -> Path:
     """Copy a CLEVR set sample by sample, applying `damage[key](members)`, then prepare it for Energon."""
-    from vlmrun.data.clevr import SPLITS, SUBFLAVORS
-    from vlmrun.data.energon_prepare import prepare_crude_webdataset
+    from vlmrun.datasets.clevr import SPLITS, SUBFLAVORS
+    from vlmrun.datasets.energon_prepare import prepare_crude_webdataset
 
     out.mkdir(parents=True)
     for shard in sorted(Path(src).glob("*.tar")):

@@ -22,7 +22,8 @@ from test_data_fixtures import (  # noqa: F401  (clevr_set, tiny_dirs: fixtures)
 )
 
 from vlmrun.data.fingerprint import LoaderStateRefused
-from vlmrun.data.loader import open_loader_shard, split_size, val_batches
+from vlmrun.data.loader import open_loader_shard, val_batches
+from vlmrun.data.splits import split_size
 from vlmrun.errors import InputError
 
 CONTINUE = 20
@@ -30,7 +31,7 @@ CONTINUE = 20
 RESTORE_SCRIPT = textwrap.dedent(
     """
     import json, sys, torch
-    from vlmrun.recipe.model import Recipe
+    from vlmrun.config.recipe import Recipe
     from vlmrun.data.loader import open_loader_shard
     from test_data_fixtures import flat
     for job in json.load(open(sys.argv[1])):

@@ -8,8 +8,8 @@ import pytest
 import yaml
 
 from vlmrun.errors import InputError
-from vlmrun.launch.config import parse_time_limit
-from vlmrun.recipe.load import load_recipe, parse_override
+from vlmrun.config.cluster import parse_time_limit
+from vlmrun.config.load import load_recipe, parse_override
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "recipes" / "tiny-clevr-cpu.yaml"
@@ -98,8 +98,9 @@ def test_relative_paths_resolve_against_base(tmp_path):
     assert r.checkpoint.dir == str(tmp_path / "ck")
 
 
-@pytest.mark.parametrize("text, minutes", [(30, 30), ("45", 45), ("01:30:00", 90), ("1-00:00:00", 1440), ("0:10", 10),
-                                           ("00:00:30", 1)])
+# SLURM's forms, read as sbatch reads them: M:S is minutes and seconds (seconds round up to a minute).
+@pytest.mark.parametrize("text, minutes", [(30, 30), ("45", 45), ("01:30:00", 90), ("1-00:00:00", 1440), ("0:10", 1),
+                                           ("90:00", 90), ("2-12", 3600), ("00:00:30", 1)])
 def test_time_limit(text, minutes):
     assert parse_time_limit(text) == minutes
 

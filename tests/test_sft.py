@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from vlmrun.observe.metrics import history
+from vlmrun.run.metrics import history
 
 pytestmark = pytest.mark.slow
 

@@ -18,11 +18,15 @@ from pathlib import Path
 import cloudpickle
 import pytest
 
-from vlmrun.launch import jobs
-from vlmrun.launch.slurm import submit_slurm, wait_for_job
-from vlmrun.launch.slurm_entry import NodeEntrypoint
-from vlmrun.launch.rundir import RunDirectory
-from vlmrun.recipe.load import load_recipe
+from vlmrun.launch import control
+from vlmrun.launch import logs as launch_logs
+from vlmrun.launch import status as launch_status
+from vlmrun.launch.slurm import queries
+from vlmrun.run import logs as run_logs
+from vlmrun.launch.slurm.submit import submit_slurm, wait_for_job
+from vlmrun.cluster.slurm_entry import NodeEntrypoint
+from vlmrun.run.directory import RunDirectory
+from vlmrun.config.load import load_recipe
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slurm
@@ -73,7 +77,7 @@ def recipe(*sets: str):
 # ---------------------------------------------------------------- payloads (run inside the job)
 
 def complete_main(argv: list[str]) -> int:
-    from vlmrun.launch import job_record
+    from vlmrun.run import job as job_record
 
     rd = RunDirectory(argv[1])
     attempt = job_record.begin_attempt(rd, os.environ["SLURM_JOB_ID"], int(os.environ.get("SLURM_RESTART_COUNT", 0)))
@@ -84,8 +88,8 @@ def complete_main(argv: list[str]) -> int:
 
 def stop_then_complete_main(argv: list[str]) -> int:
     """Attempt 0 trains until the stop flag is set (USR2), 'checkpoints', returns 3; a restart completes."""
-    from vlmrun.launch import job_record
-    from vlmrun.train.stop import StopFlag, ignore_stop_signals
+    from vlmrun.run import job as job_record
+    from vlmrun.algorithms.common.stop import StopFlag, ignore_stop_signals
 
     rd = RunDirectory(argv[1])
     restart = int(os.environ.get("SLURM_RESTART_COUNT", 0))
@@ -105,8 +109,8 @@ def stop_then_complete_main(argv: list[str]) -> int:
 
 
 def ray_probe_main(argv: list[str]) -> int:
-    from vlmrun.launch.ray_slurm import probe_nodes, run_on_allocation
-    from vlmrun.train.stop import ignore_stop_signals
+    from vlmrun.cluster.ray.allocation import probe_nodes, run_on_allocation
+    from vlmrun.algorithms.common.stop import ignore_stop_signals
 
     ignore_stop_signals()
     rd = Path(argv[1])
@@ -118,7 +122,7 @@ def ray_probe_main(argv: list[str]) -> int:
 
 def never_join_main(argv: list[str]) -> int:
     """Node 0 brings Ray up; node 1 never joins (its entrypoint hangs)."""
-    from vlmrun.launch.ray_slurm import RayBringUpError, probe_nodes, run_on_allocation
+    from vlmrun.cluster.ray.allocation import RayBringUpError, probe_nodes, run_on_allocation
 
     rd = Path(argv[1])
     if os.environ["SLURM_NODEID"] != "0":
@@ -134,7 +138,7 @@ def never_join_main(argv: list[str]) -> int:
 
 def node_dies_main(argv: list[str]) -> int:
     """Node 0 runs a long 'driver'; the test kills node 1's raylet while it runs."""
-    from vlmrun.launch.ray_slurm import RayNodeLost, run_on_allocation
+    from vlmrun.cluster.ray.allocation import RayNodeLost, run_on_allocation
 
     rd = Path(argv[1])
 
@@ -180,13 +184,13 @@ def wait_for(predicate, timeout: float, what: str):
 def test_submit_runs_the_payload_and_records_the_job(cluster, tmp_path):
     t0 = time.monotonic()
     result = submit(tmp_path / "run", recipe(), complete_main, wait=True)
-    assert (result.state, result.exit_code) == ("COMPLETED", 0), jobs.log_file(RunDirectory(tmp_path / "run"), result.job_id).read_text()
+    assert (result.state, result.exit_code) == ("COMPLETED", 0), RunDirectory(tmp_path / "run").task_log(result.job_id).read_text()
     job = RunDirectory(tmp_path / "run").read_job()
     assert job["cluster"] == "slurm" and job["job_ids"] == [result.job_id] and job["submits"][0]["job_id"] == result.job_id
-    st = jobs.status(result.job_id)
+    st = launch_status.status(result.job_id)
     assert st["state"] == "COMPLETED" and st["run_dir"] == str(tmp_path / "run")
-    lines = list(jobs.logs(result.job_id))
-    assert lines[0].startswith(jobs.ATTEMPT_MARKER) and any("payload ran on" in line for line in lines)
+    lines = list(launch_logs.logs(result.job_id))
+    assert lines[0].startswith(run_logs.ATTEMPT_MARKER) and any("payload ran on" in line for line in lines)
     print(f"submit -> completed: {time.monotonic() - t0:.1f}s")
 
 
@@ -195,7 +199,7 @@ def test_requeue_gives_same_job_id_and_restart_count_1(cluster, tmp_path):
     result = submit(rd.path, recipe(), stop_then_complete_main, wait=False)
     wait_for(lambda: (rd.path / "ready").exists(), 60, "the payload to start")
     t0 = time.monotonic()
-    assert jobs.requeue(result.job_id)["signalled"] == "SIGUSR2"
+    assert control.requeue(result.job_id)["signalled"] == "SIGUSR2"
     final = wait_for_job(rd, result.job_id, poll_s=0.5)
     turnaround = time.monotonic() - t0
     assert (final.state, final.exit_code) == ("COMPLETED", 0)
@@ -204,7 +208,7 @@ def test_requeue_gives_same_job_id_and_restart_count_1(cluster, tmp_path):
     assert [(a["job_id"], a["restart_count"], a["state"]) for a in job["attempts"]] == [
         (result.job_id, 0, "STOPPED"), (result.job_id, 1, "COMPLETED")]
     assert job["attempts"][0]["requeue_cause"] == "requested" and job["job_ids"] == [result.job_id]
-    first, second = list(jobs.logs(str(rd.path), attempt=0)), list(jobs.logs(str(rd.path), attempt=1))
+    first, second = list(launch_logs.logs(str(rd.path), attempt=0)), list(launch_logs.logs(str(rd.path), attempt=1))
     assert "restart=0" in first[0] and "restart=1" in second[0]  # both attempts kept in submitit's appended log
     print(f"requeue -> restarted and completed: {turnaround:.1f}s")
 
@@ -247,7 +251,7 @@ def test_node_that_never_joins_fails_within_the_deadline_naming_it(two_nodes, tm
     ray_temp_dirs.append(result.job_id)
     wait_for(lambda: (rd / "hung.pid").exists(), 60, "the job to start")
     t0 = time.monotonic()
-    wait_for(lambda: not jobs.is_live(result.job_id), 90, "the job to end")
+    wait_for(lambda: not queries.is_live(result.job_id), 90, "the job to end")
     took = time.monotonic() - t0
     error = (rd / "error.txt").read_text()
     missing = [n["name"] for n in two_nodes][1]
@@ -270,7 +274,7 @@ def test_a_node_that_dies_fails_the_job_fast(two_nodes, tmp_path, ray_temp_dirs)
     [pid] = subprocess.run(["pgrep", "-f", pattern], capture_output=True, text=True).stdout.split()
     t0 = time.monotonic()
     os.kill(int(pid), 9)  # the raylet this job started on the worker node
-    wait_for(lambda: not jobs.is_live(result.job_id), 60, "the job to end")
+    wait_for(lambda: not queries.is_live(result.job_id), 60, "the job to end")
     took = time.monotonic() - t0
     error = (rd / "error.txt").read_text()
     assert worker in error, error

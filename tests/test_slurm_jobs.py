@@ -13,10 +13,17 @@ from unittest import mock
 import pytest
 
 from vlmrun.errors import InputError
-from vlmrun.launch import jobs, slurm
-from vlmrun.launch.job_record import add_job, begin_attempt
-from vlmrun.launch.rundir import RunDirectory
-from vlmrun.recipe.load import load_recipe
+from vlmrun.launch import control
+from vlmrun.launch import registry as job_registry
+from vlmrun.launch import targets
+from vlmrun.launch import logs as launch_logs
+from vlmrun.launch import status as launch_status
+from vlmrun.launch.slurm import preflight, queries
+from vlmrun.launch.slurm import submit as slurm_submit
+from vlmrun.run import logs as run_logs
+from vlmrun.run.job import add_job, begin_attempt
+from vlmrun.run.directory import RunDirectory
+from vlmrun.config.load import load_recipe
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -30,40 +37,40 @@ SINFO = ("n1|debug*|2|21695|(null)|infinite\nn2|debug*|2|21695|(null)|infinite\n
 
 
 def test_parse_squeue():
-    rows = jobs.parse_squeue(SQUEUE)
+    rows = queries.parse_squeue(SQUEUE)
     assert rows["41"] == {"state": "RUNNING", "reason": "None", "elapsed": "1:02", "time_limit": "30:00", "nodes": "vm"}
     assert rows["42"]["state"] == "PENDING" and rows["42"]["reason"] == "BeginTime"
 
 
 def test_parse_scontrol_job_keeps_values_with_spaces():
-    info = jobs.parse_scontrol_job(SCONTROL_JOB)
+    info = queries.parse_scontrol_job(SCONTROL_JOB)
     assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1" and info["ExitCode"] == "0:0"
     assert info["StdOut"] == "/runs/a b/submitit/43_0_log.out"
 
 
 def test_parse_sacct_and_no_accounting():
-    rows = jobs.parse_sacct(SACCT)
+    rows = queries.parse_sacct(SACCT)
     assert rows["44"]["state"] == "CANCELLED" and rows["45"]["state"] == "TIMEOUT"
-    assert jobs.parse_sacct("Slurm accounting storage is disabled\n") == {}
+    assert queries.parse_sacct("Slurm accounting storage is disabled\n") == {}
 
 
 def fake_tools(outputs: dict[str, tuple[int, str, str]]):
     """Patch run_tool: the first word after the command name picks the canned answer."""
     def run(cmd, timeout=30):
         return outputs.get(cmd[0], (127, "", f"{cmd[0]}: not found"))
-    return mock.patch.object(jobs, "run_tool", side_effect=run)
+    return mock.patch.object(queries, "run_tool", side_effect=run)
 
 
 def test_slurm_state_falls_back_from_squeue_to_scontrol_to_sacct():
     with fake_tools({"squeue": (0, SQUEUE, "")}):
-        assert jobs.slurm_state("41")["source"] == "squeue"
+        assert queries.slurm_state("41")["source"] == "squeue"
     with fake_tools({"squeue": (0, "", ""), "scontrol": (0, SCONTROL_JOB, "")}):
-        s = jobs.slurm_state("43")
+        s = queries.slurm_state("43")
         assert s["state"] == "COMPLETED" and s["restarts"] == 1 and s["source"] == "scontrol"
     with fake_tools({"squeue": (1, "", "Invalid job id"), "scontrol": (1, "", "Invalid job id"), "sacct": (0, SACCT, "")}):
-        assert jobs.slurm_state("45") == {"state": "TIMEOUT", "exit_code": "0:0", "elapsed": "00:30:00", "source": "sacct"}
+        assert queries.slurm_state("45") == {"state": "TIMEOUT", "exit_code": "0:0", "elapsed": "00:30:00", "source": "sacct"}
     with fake_tools({"sacct": (0, "Slurm accounting storage is disabled\n", "")}):
-        assert jobs.slurm_state("46") is None
+        assert queries.slurm_state("46") is None
 
 
 @pytest.mark.parametrize("recorded,slurm_state,expected", [
@@ -77,7 +84,7 @@ def test_slurm_state_falls_back_from_squeue_to_scontrol_to_sacct():
     ("RUNNING", None, "FAILED"),
 ])
 def test_combined_state(recorded, slurm_state, expected):
-    assert jobs._combined_state(recorded, slurm_state) == expected
+    assert launch_status._combined_state(recorded, slurm_state) == expected
 
 
 @pytest.fixture
@@ -95,53 +102,53 @@ def make_run(tmp_path: Path, cluster="slurm", job_id="41") -> RunDirectory:
 
 def test_find_run_by_dir_registry_and_scontrol(tmp_path, registry):
     rd = make_run(tmp_path)
-    found, job_id = jobs.find_run(str(rd.path))
+    found, job_id = targets.find_run(str(rd.path))
     assert found.path == rd.path and job_id == "41"
-    jobs.register_job("41", rd.path)
-    found, job_id = jobs.find_run("41")
+    job_registry.register_job("41", rd.path)
+    found, job_id = targets.find_run("41")
     assert found.path == rd.path and job_id == "41"
     out = SCONTROL_JOB.replace("/runs/a b", str(rd.path))
     with fake_tools({"scontrol": (0, out, "")}):
-        found, job_id = jobs.find_run("43")
+        found, job_id = targets.find_run("43")
     assert found.path == rd.path and job_id == "43"
     with fake_tools({}), pytest.raises(InputError) as e:
-        jobs.find_run("99")
+        targets.find_run("99")
     assert "99" in str(e.value) and "registry" in str(e.value)
 
 
 def test_status_reads_lineage_and_metrics(tmp_path, registry):
     rd = make_run(tmp_path)
-    jobs.register_job("41", rd.path)
+    job_registry.register_job("41", rd.path)
     with mock.patch.dict(os.environ, {"SLURM_JOB_ID": "41"}):
         begin_attempt(rd, "41", 0)
         begin_attempt(rd, "41", 1)
     rd.metrics_file().write_text("".join(json.dumps({"step": s, "loss": 1.0 / s, "attempt": 0}) + "\n" for s in (1, 2, 3)))
     with fake_tools({"squeue": (0, SQUEUE, "")}):
-        st = jobs.status("41")
+        st = launch_status.status("41")
     assert st["state"] == "RUNNING" and st["restarts"] == 1 and st["attempts"] == 2
     assert st["last_step"] == 3 and st["loss"] == pytest.approx(1 / 3)
     with fake_tools({"squeue": (0, SQUEUE, "")}):
-        assert [j["job_id"] for j in jobs.status(None)["jobs"]] == ["41"]
+        assert [j["job_id"] for j in launch_status.status(None)["jobs"]] == ["41"]
 
 
 def test_status_of_a_local_run_checks_the_pid(tmp_path, registry):
     rd = make_run(tmp_path, cluster="local", job_id="local-1")
     begin_attempt(rd, "local-1", 0, pid=os.getpid())
-    st = jobs.status(str(rd.path))
+    st = launch_status.status(str(rd.path))
     assert st["state"] == "RUNNING" and st["pid"] == os.getpid()
     job = rd.read_job()
     job["attempts"][0]["pid"] = 2 ** 22 + 12345  # no such process
     rd.write_job(job)
-    st = jobs.status(str(rd.path))
+    st = launch_status.status(str(rd.path))
     assert st["state"] == "FAILED" and "without recording an outcome" in st["reason"]
 
 
 def test_attempt_slices_by_restart_marker():
-    lines = ["submitit INFO starting", f"{jobs.ATTEMPT_MARKER} job=41 restart=0 node=vm rank=0/1 time=t <==", "a0",
-             "a1", f"{jobs.ATTEMPT_MARKER} job=41 restart=1 node=vm rank=0/1 time=t <==", "b0"]
-    assert list(jobs.attempt_slice(lines, "41", 0))[1:] == ["a0", "a1"]
-    assert list(jobs.attempt_slice(lines, "41", 1))[1:] == ["b0"]
-    assert list(jobs.attempt_slice(lines, "41", 2)) == []
+    lines = ["submitit INFO starting", f"{run_logs.ATTEMPT_MARKER} job=41 restart=0 node=vm rank=0/1 time=t <==", "a0",
+             "a1", f"{run_logs.ATTEMPT_MARKER} job=41 restart=1 node=vm rank=0/1 time=t <==", "b0"]
+    assert list(run_logs.attempt_slice(lines, "41", 0))[1:] == ["a0", "a1"]
+    assert list(run_logs.attempt_slice(lines, "41", 1))[1:] == ["b0"]
+    assert list(run_logs.attempt_slice(lines, "41", 2)) == []
 
 
 def test_logs_picks_the_attempt(tmp_path, registry):
@@ -149,13 +156,13 @@ def test_logs_picks_the_attempt(tmp_path, registry):
     with mock.patch.dict(os.environ, {"SLURM_JOB_ID": "41"}):
         begin_attempt(rd, "41", 0)
         begin_attempt(rd, "41", 1)
-    log = jobs.log_file(rd, "41")
+    log = rd.task_log("41")
     log.parent.mkdir(parents=True)
-    log.write_text(f"{jobs.ATTEMPT_MARKER} job=41 restart=0 x <==\nfirst\n{jobs.ATTEMPT_MARKER} job=41 restart=1 x <==\nsecond\n")
-    assert list(jobs.logs(str(rd.path), attempt=0))[1:] == ["first"]
-    assert list(jobs.logs(str(rd.path)))[1:] == ["second"]
+    log.write_text(f"{run_logs.ATTEMPT_MARKER} job=41 restart=0 x <==\nfirst\n{run_logs.ATTEMPT_MARKER} job=41 restart=1 x <==\nsecond\n")
+    assert list(launch_logs.logs(str(rd.path), attempt=0))[1:] == ["first"]
+    assert list(launch_logs.logs(str(rd.path)))[1:] == ["second"]
     with pytest.raises(InputError) as e:
-        list(jobs.logs(str(rd.path), attempt=5))
+        list(launch_logs.logs(str(rd.path), attempt=5))
     assert "--attempt" in str(e.value) and "0..1" in str(e.value)
 
 
@@ -167,9 +174,9 @@ def test_requeue_and_cancel_of_a_local_run_signal_the_pid(tmp_path, registry):
         assert proc.stdout.readline().strip() == "ready"
         rd = make_run(tmp_path, cluster="local", job_id=f"local-{proc.pid}")
         begin_attempt(rd, f"local-{proc.pid}", 0, pid=proc.pid)
-        assert jobs.requeue(str(rd.path))["signalled"] == "SIGUSR2"
+        assert control.requeue(str(rd.path))["signalled"] == "SIGUSR2"
         assert proc.stdout.readline().strip() == "usr2"
-        assert jobs.cancel(str(rd.path), wait_s=10)["state"] == "CANCELLED"
+        assert control.cancel(str(rd.path), wait_s=10)["state"] == "CANCELLED"
         assert proc.wait(timeout=10) == -signal.SIGTERM
         assert rd.read_job()["state"] == "CANCELLED"
     finally:
@@ -179,7 +186,7 @@ def test_requeue_and_cancel_of_a_local_run_signal_the_pid(tmp_path, registry):
 def test_requeue_refuses_a_job_that_is_not_running(tmp_path, registry):
     rd = make_run(tmp_path)
     with fake_tools({"squeue": (0, SQUEUE.replace("41|RUNNING", "41|PENDING"), "")}), pytest.raises(InputError) as e:
-        jobs.requeue(str(rd.path))
+        control.requeue(str(rd.path))
     assert "PENDING" in str(e.value)
     assert not (rd.path / "REQUEUE_REQUESTED").exists()
 
@@ -187,10 +194,10 @@ def test_requeue_refuses_a_job_that_is_not_running(tmp_path, registry):
 # ---------------------------------------------------------------- fits the partition (sinfo fixtures)
 
 def test_parse_sinfo_gres_and_limits():
-    rows = {r["node"]: r for r in slurm.parse_sinfo(SINFO)}
+    rows = {r["node"]: r for r in queries.parse_sinfo(SINFO)}
     assert rows["n1"]["default"] and rows["n1"]["partition"] == "debug" and rows["n1"]["max_minutes"] is None
     assert rows["g1"]["gpus"] == 8 and rows["g2"]["gpus"] == 8 and rows["g1"]["max_minutes"] == 2880
-    assert slurm.parse_limit("4:00:00") == 240 and slurm.parse_limit("30:00") == 30
+    assert queries.parse_limit("4:00:00") == 240 and queries.parse_limit("30:00") == 30
 
 
 @pytest.mark.parametrize("sets,field", [
@@ -201,53 +208,53 @@ def test_parse_sinfo_gres_and_limits():
 ])
 def test_misfits_name_the_field(sets, field):
     recipe = load_recipe(ROOT / "recipes" / "tiny-clevr-cpu.yaml", sets)
-    rows = slurm.parse_sinfo(SINFO)
+    rows = queries.parse_sinfo(SINFO)
     part = recipe.cluster.partition or "debug"
     with pytest.raises(InputError) as e:
-        slurm.check_fits(recipe, [r for r in rows if r["partition"] == part])
+        preflight.check_fits(recipe, [r for r in rows if r["partition"] == part])
     assert field in str(e.value)
 
 
 def test_gpus_per_node_must_fit():
     recipe = load_recipe(ROOT / "recipes" / "omni-clevr-1n8g.yaml", ["cluster.partition=gpu", "cluster.nodes=2",
                                                                      "parallel.dp=16", "cluster.mem_gb=400"])
-    rows = [r for r in slurm.parse_sinfo(SINFO) if r["partition"] == "gpu"]
-    slurm.check_fits(recipe, rows)
+    rows = [r for r in queries.parse_sinfo(SINFO) if r["partition"] == "gpu"]
+    preflight.check_fits(recipe, rows)
     rows[1]["gpus"] = 4
     with pytest.raises(InputError) as e:
-        slurm.check_fits(recipe, rows)
+        preflight.check_fits(recipe, rows)
     assert "cluster.gpus_per_node" in str(e.value)
 
 
 def test_multi_node_needs_own_addresses_and_a_shared_run_dir():
     nodes = [{"node": "n1", "addr": "127.0.0.1", "host": "vm"}, {"node": "n2", "addr": "127.0.0.1", "host": "vm"}]
     with pytest.raises(InputError) as e:
-        slurm.check_nodes_see_run_dir(Path("/shared/run"), 2, nodes)
+        preflight.check_nodes_see_run_dir(Path("/shared/run"), 2, nodes)
     assert "SLURM_NETNS=1" in str(e.value)
     nodes = [{"node": "n1", "addr": "10.0.0.1", "host": "a"}, {"node": "n2", "addr": "10.0.0.2", "host": "b"}]
-    assert slurm.check_nodes_see_run_dir(Path("/shared/run"), 2, nodes) == []
+    assert preflight.check_nodes_see_run_dir(Path("/shared/run"), 2, nodes) == []
     with pytest.raises(InputError) as e:
-        slurm.check_nodes_see_run_dir(Path("/tmp/run"), 2, nodes)
+        preflight.check_nodes_see_run_dir(Path("/tmp/run"), 2, nodes)
     assert "--run-dir" in str(e.value)
-    with mock.patch.object(slurm, "_short_hostname", return_value="a"):
+    with mock.patch.object(preflight, "_short_hostname", return_value="a"):
         local = [dict(n, host="a") for n in nodes]
-        [warning] = slurm.check_nodes_see_run_dir(Path("/tmp/run"), 2, local)
+        [warning] = preflight.check_nodes_see_run_dir(Path("/tmp/run"), 2, local)
     assert "every node of this cluster runs on this machine" in warning
-    assert slurm.check_nodes_see_run_dir(Path("/tmp/run"), 1, nodes) == []
+    assert preflight.check_nodes_see_run_dir(Path("/tmp/run"), 1, nodes) == []
 
 
 def test_missing_sbatch_is_bad_input(tmp_path):
     recipe = load_recipe(ROOT / "recipes" / "tiny-clevr-cpu.yaml")
-    with mock.patch.object(slurm.shutil, "which", return_value=None), pytest.raises(InputError) as e:
-        slurm.preflight(tmp_path, recipe)
+    with mock.patch.object(preflight.shutil, "which", return_value=None), pytest.raises(InputError) as e:
+        preflight.preflight(tmp_path, recipe)
     assert "sbatch" in str(e.value) and e.value.exit_code == 2
 
 
 def test_dry_run_submits_nothing(tmp_path):
-    from vlmrun.launch.slurm import submit_slurm
+    from vlmrun.launch.slurm.submit import submit_slurm
 
     recipe = load_recipe(ROOT / "recipes" / "tiny-clevr-cpu.yaml")
     rd = RunDirectory(tmp_path / "never")
-    with mock.patch.object(slurm, "make_executor", side_effect=AssertionError("submitted")):
+    with mock.patch.object(slurm_submit, "make_executor", side_effect=AssertionError("submitted")):
         result = submit_slurm(rd, recipe, dry_run=True, wait=False)
     assert result.dry_run and result.rendered.startswith("#!/bin/bash") and not rd.path.exists()

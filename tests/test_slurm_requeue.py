@@ -6,10 +6,12 @@ from pathlib import Path
 
 import pytest
 
-from vlmrun.launch import requeue
-from vlmrun.launch.rundir import RunDirectory
-from vlmrun.recipe.load import load_recipe
-from vlmrun.train.config import RequeueBudget
+from vlmrun.cluster import requeue
+from vlmrun.launch.slurm import preflight
+from vlmrun.run import requests
+from vlmrun.run.directory import RunDirectory
+from vlmrun.config.load import load_recipe
+from vlmrun.config.train import RequeueBudget
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -88,27 +90,27 @@ def test_record_writes_state_and_cause(tmp_path):
 
 def test_requests_are_taken_once_and_only_for_their_attempt(tmp_path):
     rd = RunDirectory(tmp_path)
-    requeue.write_request(rd, requeue.REQUEUE_REQUEST, "7")
-    assert not requeue.take_request(rd, requeue.REQUEUE_REQUEST, "8", 0)  # stale request of another job: dropped
-    requeue.write_request(rd, requeue.REQUEUE_REQUEST, "7")
-    assert requeue.take_request(rd, requeue.REQUEUE_REQUEST, "7", 0)
-    assert not requeue.take_request(rd, requeue.REQUEUE_REQUEST, "7", 0)
-    requeue.write_request(rd, requeue.REQUEUE_REQUEST, "7", restart=0)  # too late for attempt 0 ...
-    assert not requeue.take_request(rd, requeue.REQUEUE_REQUEST, "7", 1)  # ... so it does not steer attempt 1
+    requests.write_request(rd, requests.REQUEUE_REQUEST, "7")
+    assert not requests.take_request(rd, requests.REQUEUE_REQUEST, "8", 0)  # stale request of another job: dropped
+    requests.write_request(rd, requests.REQUEUE_REQUEST, "7")
+    assert requests.take_request(rd, requests.REQUEUE_REQUEST, "7", 0)
+    assert not requests.take_request(rd, requests.REQUEUE_REQUEST, "7", 0)
+    requests.write_request(rd, requests.REQUEUE_REQUEST, "7", restart=0)  # too late for attempt 0 ...
+    assert not requests.take_request(rd, requests.REQUEUE_REQUEST, "7", 1)  # ... so it does not steer attempt 1
 
 
 @pytest.mark.parametrize("path,params", [("/models/Qwen2.5-VL-3B-Instruct", 3e9), ("/m/Nemotron-3-Nano-Omni-30B-A3B", 30e9),
                                          ("/m/my-model", None)])
 def test_parameter_count_from_the_model_name(path, params):
     r = load_recipe(ROOT / "recipes" / "qwen2.5-vl-3b-clevr-1n2g.yaml", [f"model.path={path}"])
-    assert requeue.estimate_params(r.model) == params
+    assert preflight.estimate_params(r.model) == params
 
 
 def test_signal_delay_warnings():
     tiny = load_recipe(ROOT / "recipes" / "tiny-clevr-cpu.yaml")
-    assert requeue.signal_delay_warnings(tiny) == []
+    assert preflight.signal_delay_warnings(tiny) == []
     omni = load_recipe(ROOT / "recipes" / "omni-clevr-1n8g.yaml", ["cluster.signal_delay_s=120"])
-    [w] = requeue.signal_delay_warnings(omni)
+    [w] = preflight.signal_delay_warnings(omni)
     assert "cluster.signal_delay_s=120" in w and "30B parameters" in w and "raise it to at least 540" in w
     short = load_recipe(ROOT / "recipes" / "tiny-clevr-cpu.yaml", ["cluster.time_limit=1", "cluster.signal_delay_s=60"])
-    assert any("not shorter than cluster.time_limit" in w for w in requeue.signal_delay_warnings(short))
+    assert any("not shorter than cluster.time_limit" in w for w in preflight.signal_delay_warnings(short))

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from vlmrun.observe.metrics import history
+from vlmrun.run.metrics import history
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 

@@ -15,7 +15,7 @@ import numpy as np  # noqa: E402
 from PIL import Image  # noqa: E402
 
 from vlmrun.errors import InputError  # noqa: E402
-from vlmrun.policy.tiny import (  # noqa: E402
+from vlmrun.models.tiny import (  # noqa: E402
     BUILD_FORMAT,
     FAMILIES,
     MARKER_FILE,
@@ -23,7 +23,7 @@ from vlmrun.policy.tiny import (  # noqa: E402
     ensure_tiny_model,
     family_module,
 )
-from vlmrun.policy.tiny.tokenizer import COLORS, SHAPES  # noqa: E402
+from vlmrun.models.tiny.tokenizer import COLORS, SHAPES  # noqa: E402
 
 # image tokens per (square) image side, after the 2x2 merge / pixel shuffle
 IMAGE_TOKENS = {

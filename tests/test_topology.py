@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from vlmrun.data.topology import LayoutError, ParallelLayout, plan_placement
+from vlmrun.distributed.topology import LayoutError, ParallelLayout, plan_placement
 from vlmrun.errors import InputError
 
 
@@ -77,7 +77,7 @@ def test_hash_is_pinned():
 
 def test_hash_is_the_same_in_another_process():
     code = (
-        "from vlmrun.data.topology import ParallelLayout, plan_placement;"
+        "from vlmrun.distributed.topology import ParallelLayout, plan_placement;"
         "print(plan_placement(ParallelLayout(dp=4, tp=2, pp=3)).placement_hash)"
     )
     env = {**os.environ, "PYTHONHASHSEED": "12345"}

@@ -13,10 +13,10 @@ import torch
 from vlmrun.plane.local import DataPlaneError, LocalDataPlane
 from vlmrun.policy.lr_schedule import lr_factor
 from vlmrun.policy.rng import rng_state, seed_all, set_rng_state
-from vlmrun.recipe.load import load_recipe
-from vlmrun.train.checkpoint import CheckpointStore, verify
-from vlmrun.train.steps import plan_steps
-from vlmrun.train.stop import StopFlag
+from vlmrun.config.load import load_recipe
+from vlmrun.algorithms.common.checkpoint import CheckpointStore, verify
+from vlmrun.algorithms.common.steps import plan_steps
+from vlmrun.algorithms.common.stop import StopFlag
 
 TINY = Path(__file__).resolve().parents[1] / "recipes" / "tiny-clevr-cpu.yaml"
 
@@ -130,7 +130,7 @@ def test_stop_flag_set_by_signal_only():
 
 
 def test_metrics_log_drops_a_torn_row_and_readers_take_latest_attempt(tmp_path):
-    from vlmrun.observe.metrics import MetricsLog, history
+    from vlmrun.run.metrics import MetricsLog, history
 
     path = tmp_path / "metrics.jsonl"
     log = MetricsLog(path)

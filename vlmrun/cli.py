@@ -99,9 +99,9 @@ def status(
 
     Example: vlmrun status 1234 --json
     """
-    from vlmrun.launch import jobs
+    from vlmrun.launch.status import status
 
-    result = jobs.status(target)
+    result = status(target)
     if json_out:
         _print_json(result)
     else:
@@ -120,9 +120,9 @@ def logs(
 
     Example: vlmrun logs 1234 -f
     """
-    from vlmrun.launch import jobs
+    from vlmrun.launch.logs import logs
 
-    for line in jobs.logs(target, attempt=attempt, follow=follow):
+    for line in logs(target, attempt=attempt, follow=follow):
         typer.echo(line.rstrip("\n"))
 
 
@@ -132,9 +132,9 @@ def cancel(target: str = typer.Argument(..., help="job id or run directory"), js
 
     Example: vlmrun cancel 1234
     """
-    from vlmrun.launch import jobs
+    from vlmrun.launch.control import cancel
 
-    result = jobs.cancel(target)
+    result = cancel(target)
     _print_json(result) if json_out else typer.echo(_one_line(result))
 
 
@@ -144,9 +144,9 @@ def requeue(target: str = typer.Argument(..., help="job id or run directory"), j
 
     Example: vlmrun requeue 1234
     """
-    from vlmrun.launch import jobs
+    from vlmrun.launch.control import requeue
 
-    result = jobs.requeue(target)
+    result = requeue(target)
     _print_json(result) if json_out else typer.echo(_one_line(result))
 
 
@@ -173,7 +173,7 @@ def compare(
       vlmrun compare v1 v2 --recipe recipes/tiny-clevr-cpu.yaml --steps 30
       vlmrun compare runs/a runs/b --rtol 1e-6 --json
     """
-    from vlmrun.launch.compare_loops import compare_targets
+    from vlmrun.launch.compare import compare_targets
 
     result = compare_targets(a, b, recipe=recipe, steps=steps, overrides=set_ or [], out=out, rtol=rtol,
                              echo=None if json_out else typer.echo)
@@ -202,9 +202,9 @@ def bench_loader(
 
     Example: vlmrun bench-loader recipes/tiny-clevr-cpu.yaml --workers 0,1,2 --json
     """
-    from vlmrun.data.bench import run_bench
+    from vlmrun.bench.loader import run_bench
     from vlmrun.observe.progress import progress_bar
-    from vlmrun.recipe.load import load_recipe
+    from vlmrun.config.load import load_recipe
 
     try:
         counts = [int(w) for w in workers.split(",") if w.strip()]
@@ -238,7 +238,7 @@ def data_clevr(
 
     Example: vlmrun data clevr data/clevr-224 --train 2048 --val 256 --image-size 224 --seed 0
     """
-    from vlmrun.data.clevr import generate_clevr
+    from vlmrun.datasets.clevr import generate_clevr
     from vlmrun.observe.progress import progress_bar
 
     if image_format not in ("jpg", "png"):

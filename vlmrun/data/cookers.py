@@ -2,7 +2,7 @@
 
 A crude sample arrives as Energon hands it over when the task encoder has no decoder: a dict of
 raw bytes per tar member extension (`json`, `jpg`, ...) plus `__key__`, `__restore_key__`,
-`__sources__`. The `conversation` cooker reads our CLEVR format (see `vlmrun.data.clevr`):
+`__sources__`. The `conversation` cooker reads our CLEVR format (see `vlmrun.datasets.clevr`):
 
     {"messages": [{"role": "user", "content": [{"type": "image", "ref": "jpg"},
                                                {"type": "text", "text": "..."}]},

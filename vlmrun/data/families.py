@@ -88,7 +88,7 @@ def family_spec(family: str) -> FamilySpec:
 def check_components(recipe) -> None:
     """Refuse a recipe whose cookers or task encoder are unknown or do not support its family.
 
-    `recipe` is a `vlmrun.recipe.model.Recipe`. Raises `InputError` naming the field
+    `recipe` is a `vlmrun.config.recipe.Recipe`. Raises `InputError` naming the field
     (`data.cookers` or `data.task_encoder`), the bad value and the supported families or names.
     """
     family = recipe.family

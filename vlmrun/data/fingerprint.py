@@ -11,6 +11,7 @@ import hashlib
 import json
 from pathlib import Path
 
+from vlmrun.data.splits import split_shards
 from vlmrun.errors import InputError
 
 #: Bump when the loader's state layout or sample order changes for the same settings.
@@ -87,8 +88,6 @@ def check_same_identity(saved: dict[str, object], current: dict[str, object], *,
 
 def dataset_content_hash(path: str | Path, split: str) -> str:
     """Hash of the split's shard names and sample counts (from `.nv-meta`), not of the bytes."""
-    from vlmrun.data.loader import split_shards
-
     return _sha(json.dumps(split_shards(path, split), sort_keys=True))
 
 

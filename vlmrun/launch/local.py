@@ -1,6 +1,6 @@
 """The embedded default: run the node entrypoint on this machine, no SLURM.
 
-The same entrypoint that every SLURM node runs (`python -m vlmrun.launch.node`) runs here as a child
+The same entrypoint that every SLURM node runs (`python -m vlmrun.cluster.node`) runs here as a child
 process. With `wait`, it shares our process group (a kill of the group ends the run) and we forward
 SIGINT/SIGTERM/SIGUSR2 to it; without, it runs detached in its own session and logs to the run dir.
 """
@@ -14,17 +14,17 @@ import sys
 from typing import Callable
 
 from vlmrun.errors import EXIT_BAD_INPUT
-from vlmrun.launch import job_record
-from vlmrun.launch.rundir import RunDirectory
+from vlmrun.launch.registry import register_job
+from vlmrun.launch.result import SubmitResult
+from vlmrun.run import job as job_record
+from vlmrun.run.directory import RunDirectory
 
 _OUTCOME = {job_record.EXIT_COMPLETED: "COMPLETED", job_record.EXIT_STOPPED: "STOPPED"}
 
 
 def start_local(rd: RunDirectory, recipe, *, wait: bool, echo: Callable[[str], None] | None = None):
-    from vlmrun.launch.submit import SubmitResult
-
     attempt = len(rd.read_job().get("attempts", []))
-    cmd = [sys.executable, "-m", "vlmrun.launch.node", "--run-dir", str(rd.path)]
+    cmd = [sys.executable, "-m", "vlmrun.cluster.node", "--run-dir", str(rd.path)]
     env = os.environ | {"PYTHONUNBUFFERED": "1", "VLMRUN_CLUSTER": "local"}
     if not wait:
         rd.logs.mkdir(exist_ok=True)
@@ -53,8 +53,6 @@ def start_local(rd: RunDirectory, recipe, *, wait: bool, echo: Callable[[str], N
 
 
 def _record(rd: RunDirectory, job_id: str, recipe) -> None:
-    from vlmrun.launch.jobs import register_job
-
     job_record.add_job(rd, job_id, "local", recipe.name)
     register_job(job_id, rd.path)  # so `vlmrun status|logs|requeue local-<pid>` find the run
 

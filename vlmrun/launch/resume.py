@@ -11,8 +11,11 @@ from typing import Callable
 import yaml
 
 from vlmrun.errors import InputError
-from vlmrun.launch import job_record
-from vlmrun.launch.rundir import dump_recipe, write_atomic
+from vlmrun.launch.local import start_local
+from vlmrun.launch.targets import find_run
+from vlmrun.launch.slurm.queries import is_live
+from vlmrun.run import job as job_record
+from vlmrun.run.directory import dump_recipe, write_atomic
 
 # Fields a resume may change: none of them changes which samples a step sees or where ranks sit.
 RESUMABLE = ("train.max_steps", "train.epochs", "train.val_period", "train.val_samples", "train.loop",
@@ -20,16 +23,13 @@ RESUMABLE = ("train.max_steps", "train.epochs", "train.val_period", "train.val_s
 
 
 def resume_run(target: str, overrides: list[str], *, wait: bool, echo: Callable[[str], None] | None = None):
-    from vlmrun.launch.local import start_local
-    from vlmrun.recipe.load import parse_override, set_dotted, validate
+    from vlmrun.config.load import parse_override, set_dotted, validate
 
-    from vlmrun.launch import jobs
-    from vlmrun.launch.jobs import find_run
 
     rd, last_job = find_run(target)
     job = rd.read_job()
     slurm = job.get("cluster") == "slurm"
-    if slurm and last_job and jobs.is_live(str(last_job)):
+    if slurm and last_job and is_live(str(last_job)):
         raise InputError("JOBID|RUN_DIR", target, message=f"job {last_job} of {rd.path} is still in the queue; "
                          f"wait for it or `vlmrun cancel {last_job}` before resuming")
     if not slurm and (pid := job_record.running_pid(job)) is not None:
@@ -45,7 +45,7 @@ def resume_run(target: str, overrides: list[str], *, wait: bool, echo: Callable[
     if overrides:
         write_atomic(rd.recipe_file, dump_recipe(recipe))
     if slurm:
-        from vlmrun.launch.slurm import resume_slurm
+        from vlmrun.launch.slurm.submit import resume_slurm
 
         return resume_slurm(rd, recipe, wait=wait, echo=echo)
     return start_local(rd, recipe, wait=wait, echo=echo)

@@ -3,38 +3,14 @@
 from __future__ import annotations
 
 import shutil
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 from vlmrun.errors import InputError
-from vlmrun.launch.rundir import RunDirectory, default_run_dir, dump_recipe
+from vlmrun.launch.result import SubmitResult
+from vlmrun.run.directory import RunDirectory, default_run_dir, dump_recipe
 
 CLUSTERS = ("auto", "slurm", "local")
-
-
-@dataclass
-class SubmitResult:
-    run_dir: Path
-    cluster: str
-    dry_run: bool
-    rendered: str = ""  # the resolved recipe (YAML) of a dry run
-    script: str = ""  # and, for SLURM, the exact sbatch script it would submit
-    job_id: str | None = None
-    state: str | None = None
-    exit_code: int = 0
-
-    def summary(self) -> dict:
-        out = {"run_dir": str(self.run_dir), "cluster": self.cluster, "dry_run": self.dry_run}
-        if self.job_id is not None:
-            out["job_id"] = self.job_id
-        if self.state is not None:
-            out["state"] = self.state
-        if self.dry_run:
-            out["recipe"] = self.rendered
-            if self.script:
-                out["sbatch_script"] = self.script
-        return out
 
 
 def resolve_cluster(cluster: str) -> str:
@@ -48,7 +24,7 @@ def resolve_cluster(cluster: str) -> str:
 def submit_run(recipe_path: Path, overrides: list[str], *, cluster: str = "auto", run_dir: Path | None = None,
                dry_run: bool = False, wait: bool = False, echo: Callable[[str], None] | None = None) -> SubmitResult:
     """Validate everything first, so a bad recipe or argument starts and submits nothing."""
-    from vlmrun.recipe.load import load_recipe
+    from vlmrun.config.load import load_recipe
 
     recipe = load_recipe(recipe_path, overrides)
     chosen = resolve_cluster(cluster)
@@ -57,7 +33,7 @@ def submit_run(recipe_path: Path, overrides: list[str], *, cluster: str = "auto"
         raise InputError("--run-dir", str(rd.path),
                          f"already holds a run; continue it with `vlmrun resume {rd.path}` or choose another --run-dir")
     if chosen == "slurm":
-        from vlmrun.launch.slurm import submit_slurm
+        from vlmrun.launch.slurm.submit import submit_slurm
 
         result = submit_slurm(rd, recipe, dry_run=dry_run, wait=wait, echo=echo)
         if dry_run:

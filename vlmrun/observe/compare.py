@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from vlmrun.errors import InputError
-from vlmrun.observe.metrics import history
+from vlmrun.run.metrics import history
 
 METRICS = ("loss", "grad_norm")
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from contextlib import contextmanager
 from typing import Callable, Iterator
 
@@ -24,3 +25,29 @@ def progress_bar(description: str, *, enabled: bool = True) -> Iterator[Callable
             bar.update(task, completed=done, total=total)
 
         yield update
+
+
+class ProgressLine:
+    """Formats one console line per step: step, loss, tokens/s, ETA."""
+
+    def __init__(self, max_steps: int):
+        self.max_steps, self.t0, self.first = max_steps, time.time(), None
+
+    def __call__(self, row: dict) -> str:
+        step = row["step"]
+        if self.first is None:
+            self.first, self.t0 = step, time.time()
+        done = step - self.first
+        rate = (time.time() - self.t0) / done if done > 0 else row.get("step_time_s", 0.0)
+        eta = max(0.0, (self.max_steps - step) * rate)
+        text = (f"step {step}/{self.max_steps} | loss {row['loss']:.4f} | grad_norm {row['grad_norm']:.3f} | "
+                f"{row.get('tokens_per_s', 0):.0f} tok/s | ETA {_fmt(eta)}")
+        if "val_accuracy" in row:
+            text += (f" | val_loss {row['val_loss']:.4f} val_acc {row['val_accuracy']:.3f}"
+                     f" (majority baseline {row['val_majority_baseline']:.3f})")
+        return text
+
+
+def _fmt(seconds: float) -> str:
+    m, s = divmod(int(seconds + 0.5), 60)
+    return f"{m}m{s:02d}s" if m else f"{s}s"

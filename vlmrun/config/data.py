@@ -1,0 +1,39 @@
+"""Config of the data path: which Energon dataset, how it is cooked, encoded and loaded."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from vlmrun.config.model import Family
+
+
+class SyntheticClevr(BaseModel):
+    """Generate a synthetic CLEVR-style set at `data.path` on first use when it is missing."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    train: int = Field(1024, ge=1)
+    val: int = Field(128, ge=1)
+    image_size: int = Field(112, ge=32, le=1024)
+    seed: int = 0
+
+
+class DataConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    path: str = Field(description="Energon dataset directory (prepared: has .nv-meta/)")
+    split: str = "train"
+    val_split: str = "val"
+    family: Family | None = Field(None, description="model family the task encoder targets; defaults to model.family")
+    cookers: list[str] = Field(default_factory=lambda: ["conversation"])
+    task_encoder: str = "chat_sft"
+    num_workers: int = Field(1, ge=0, le=64)
+    shuffle_buffer: int = Field(64, ge=0)
+    max_samples_per_sequence: int = Field(64, ge=1)
+    transfer_samples: int = Field(8, ge=1, le=256, description=(
+        "samples per trip from a loader worker to the training process, rounded down to whole micro-batches: "
+        "more spreads the per-trip cost; each worker keeps 4 trips of shared memory"))
+    virtual_epoch_length: int = Field(0, ge=0, description="samples per epoch per shard; 0 = the split's size")
+    max_seq_len: int = Field(1024, ge=16)
+    error_tolerance: int = Field(16, ge=0, description="corrupt samples skipped per shard before failing")
+    synthetic: SyntheticClevr | None = None

@@ -1,0 +1,72 @@
+"""The recipe: every section of a run, composed from the components' own config models."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from vlmrun.config.data import DataConfig
+from vlmrun.config.cluster import ClusterConfig
+from vlmrun.config.logger import LoggerConfig
+from vlmrun.config.data_plane import DataPlaneConfig
+from vlmrun.config.model import ModelConfig, ParallelConfig
+from vlmrun.config.train import CheckpointConfig, TrainConfig
+
+
+class CrossFieldError(ValueError):
+    """A check that involves several fields; `field` is the one the user should change."""
+
+    def __init__(self, field: str, value, allowed: str):
+        self.field, self.value, self.allowed = field, value, allowed
+        super().__init__(allowed)
+
+
+class Recipe(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
+    model: ModelConfig
+    data: DataConfig
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    parallel: ParallelConfig = Field(default_factory=ParallelConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    cluster: ClusterConfig = Field(default_factory=ClusterConfig)
+    data_plane: DataPlaneConfig = Field(default_factory=DataPlaneConfig)
+    logger: LoggerConfig = Field(default_factory=LoggerConfig)
+
+    @model_validator(mode="after")
+    def _cross_checks(self) -> "Recipe":
+        t, p = self.train, self.parallel
+        if t.global_batch_size % (p.dp * t.micro_batch_size):
+            raise CrossFieldError(
+                "train.global_batch_size", t.global_batch_size,
+                f"must be divisible by parallel.dp x train.micro_batch_size = {p.dp} x {t.micro_batch_size}",
+            )
+        if self.data.family is not None and self.data.family != self.model.family:
+            raise CrossFieldError("data.family", self.data.family, f"must match model.family ({self.model.family!r})")
+        if self.model.backend == "hf" and (p.tp, p.pp, p.cp) != (1, 1, 1):
+            raise CrossFieldError(
+                "parallel.tp", p.tp, "the hf backend shards by data parallelism only: set parallel.tp, pp and cp to 1"
+            )
+        c = self.cluster
+        if c.gpus_per_node and p.world_size != c.gpus:
+            raise CrossFieldError(
+                "parallel.dp", p.dp,
+                f"dp x tp x pp x cp = {p.world_size} must equal the allocation's GPUs: "
+                f"cluster.nodes x cluster.gpus_per_node = {c.nodes} x {c.gpus_per_node} = {c.gpus}",
+            )
+        if not c.gpus_per_node and p.world_size > c.nodes * c.cpus_per_node:
+            raise CrossFieldError(
+                "parallel.dp", p.dp,
+                f"a CPU run needs one CPU per rank: at most cluster.nodes x cluster.cpus_per_node = "
+                f"{c.nodes * c.cpus_per_node} ranks",
+            )
+        # Refuse, by name, what this version cannot run yet, before anything is started.
+        if self.train.algorithm != "sft":
+            raise CrossFieldError("train.algorithm", self.train.algorithm, "this version of vlmrun trains 'sft' only")
+        if self.data_plane.impl != "local":
+            raise CrossFieldError("data_plane.impl", self.data_plane.impl, "this version of vlmrun runs 'local' only")
+        return self
+
+    @property
+    def family(self) -> str:
+        return self.data.family or self.model.family

@@ -1,0 +1,22 @@
+"""Make sure a recipe's data set exists before a job starts (generate the synthetic one on first use)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from vlmrun.errors import InputError
+
+
+def ensure_dataset(data, progress=None) -> Path:
+    """`data` is the recipe's DataConfig. Returns the dataset path, ready for Energon."""
+    path = Path(data.path)
+    if data.synthetic is not None:
+        from vlmrun.datasets.clevr import ensure_clevr
+
+        s = data.synthetic
+        ensure_clevr(path, train=s.train, val=s.val, image_size=s.image_size, seed=s.seed, progress=progress)
+    elif not (path / ".nv-meta").is_dir():
+        raise InputError("data.path", str(path),
+                         "must be an Energon-prepared dataset folder (with .nv-meta/); "
+                         "make one with `vlmrun data clevr` or `energon prepare`, or set data.synthetic")
+    return path

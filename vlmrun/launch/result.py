@@ -1,0 +1,30 @@
+"""What `submit` and `resume` return to the CLI, whichever cluster ran the job."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass
+class SubmitResult:
+    run_dir: Path
+    cluster: str
+    dry_run: bool
+    rendered: str = ""  # the resolved recipe (YAML) of a dry run
+    script: str = ""  # and, for SLURM, the exact sbatch script it would submit
+    job_id: str | None = None
+    state: str | None = None
+    exit_code: int = 0
+
+    def summary(self) -> dict:
+        out = {"run_dir": str(self.run_dir), "cluster": self.cluster, "dry_run": self.dry_run}
+        if self.job_id is not None:
+            out["job_id"] = self.job_id
+        if self.state is not None:
+            out["state"] = self.state
+        if self.dry_run:
+            out["recipe"] = self.rendered
+            if self.script:
+                out["sbatch_script"] = self.script
+        return out

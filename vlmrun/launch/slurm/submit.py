@@ -1,0 +1,120 @@
+"""`vlmrun submit --cluster slurm`: check, render and submit a run with submitit; optionally wait for it.
+
+1. Before anything is submitted: the values are safe for the script (slurm_render.check_shell_safety),
+   `sbatch`/`srun`/`scontrol`/`squeue` exist, the recipe fits the partition where `sinfo` can tell
+   (nodes, CPUs, GPUs, memory, time), multi-node runs have a run dir the nodes can see and nodes with
+   addresses of their own. A misfit is an InputError naming the field (exit 2); nothing is submitted.
+2. `--dry-run` returns the exact sbatch script (SubmitResult.rendered), creates and submits nothing.
+3. The submitted function is `NodeEntrypoint(run_dir)` (slurm_entry.py): every node runs the node
+   entrypoint in-process; node 0 decides about requeues after the driver stopped.
+4. The job is submitted held (`sbatch --hold`), recorded in job.json (`add_job`) and in the job
+   registry (launch/registry.py), then released: the job never races the submitter on job.json.
+   `wait` polls squeue and job.json until the job has left the queue (requeues included).
+"""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import time
+from typing import Callable
+
+from vlmrun.errors import InputError
+from vlmrun.launch.registry import register_job
+from vlmrun.launch.result import SubmitResult
+from vlmrun.launch.slurm.preflight import preflight, signal_delay_warnings
+from vlmrun.launch.slurm.queries import is_live, queue_state, run_tool, slurm_state
+from vlmrun.run import job as job_record
+from vlmrun.run.metrics import last_metrics
+from vlmrun.run.directory import RunDirectory
+from vlmrun.launch.slurm.render import check_shell_safety, make_executor, render_script
+
+log = logging.getLogger(__name__)
+_EXIT = {"COMPLETED": job_record.EXIT_COMPLETED, "STOPPED": job_record.EXIT_STOPPED,
+         "BUDGET_EXHAUSTED": job_record.EXIT_STOPPED}
+
+
+def submit_slurm(rd: RunDirectory, recipe, *, dry_run: bool, wait: bool, echo: Callable[[str], None] | None = None,
+                 entrypoint: Callable[[], int] | None = None, poll_s: float = 2.0):
+    """Submit `recipe` as a SLURM job writing into `rd` (created here when it does not exist yet).
+
+    `entrypoint` replaces NodeEntrypoint(rd.path) (tests submit trivial payloads). Raises InputError
+    before submitting anything when the run cannot work on this cluster.
+    """
+    from vlmrun.cluster.slurm_entry import NodeEntrypoint
+
+    say = echo or (lambda _msg: None)
+    check_shell_safety(recipe, rd.path)
+    for warning in signal_delay_warnings(recipe):
+        log.warning("%s", warning)
+        say(f"warning: {warning}")
+    if dry_run:
+        return SubmitResult(rd.path, "slurm", True, rendered=render_script(rd.path, recipe))
+    for warning in preflight(rd.path, recipe):
+        log.warning("%s", warning)
+        say(f"warning: {warning}")
+    if not rd.exists():
+        rd.create(recipe)
+    executor = make_executor(rd.path, recipe)
+    job = executor.submit(entrypoint or NodeEntrypoint(str(rd.path)))  # held until recorded
+    try:
+        job_record.add_job(rd, job.job_id, "slurm", recipe.name)
+        register_job(job.job_id, rd.path)
+        subprocess.run(["scontrol", "release", job.job_id], check=True, capture_output=True, text=True, timeout=60)
+    except BaseException:
+        run_tool(["scancel", job.job_id])
+        raise
+    say(f"submitted job {job.job_id}; run dir {rd.path}\nfollow it with: vlmrun logs {job.job_id} -f")
+    if not wait:
+        return SubmitResult(rd.path, "slurm", False, job_id=job.job_id, state="PENDING")
+    return wait_for_job(rd, job.job_id, echo=echo, poll_s=poll_s)
+
+
+def resume_slurm(rd: RunDirectory, recipe, *, wait: bool, echo: Callable[[str], None] | None = None):
+    """A new SLURM job that continues the ended run in `rd` (its job id joins the run's lineage).
+
+    Raises InputError while the run's last job is still in the queue.
+    """
+    last = (rd.read_job().get("job_ids") or [None])[-1]
+    if last and not str(last).startswith("local-") and is_live(str(last)):
+        raise InputError("RUN_DIR", str(rd.path), message=f"job {last} of {rd.path} is still in the queue; "
+                         f"wait for it or `vlmrun cancel {last}` before resuming")
+    return submit_slurm(rd, recipe, dry_run=False, wait=wait, echo=echo)
+
+
+def wait_for_job(rd: RunDirectory, job_id: str, *, echo: Callable[[str], None] | None = None, poll_s: float = 2.0):
+    """Block until `job_id` has left the queue (through its requeues); the result carries job.json's outcome."""
+
+    say = echo or (lambda _msg: None)
+    seen, shown_step = None, None
+    try:
+        while True:
+            queued = queue_state(job_id)
+            job = rd.read_job()
+            now = (queued, job.get("state"), len(job.get("attempts", [])))
+            if now != seen:
+                say(f"job {job_id}: {queued or 'left the queue'} (run: {job.get('state')}, attempts {now[2]})")
+                seen = now
+            step = last_metrics(rd)["last_step"]
+            if step is not None and step != shown_step:
+                shown_step = step
+                say(f"job {job_id}: step {step}")
+            if queued is None:
+                break
+            time.sleep(poll_s)
+    except KeyboardInterrupt:
+        say(f"detached; job {job_id} keeps running: vlmrun status {job_id}")
+        return SubmitResult(rd.path, "slurm", False, job_id=job_id, state=seen[0] if seen else None, exit_code=130)
+    job = rd.read_job()
+    state = job.get("state")
+    if state not in job_record.ENDED:
+        slurm = slurm_state(job_id) or {}
+        state = "FAILED"
+        say(f"job {job_id} ended ({slurm.get('state', 'state unknown')}) without recording an outcome; "
+            f"see {rd.task_log(job_id)}")
+    return SubmitResult(rd.path, "slurm", False, job_id=job_id, state=state, exit_code=_EXIT.get(state, 1))
+
+
+# ---------------------------------------------------------------- checks before submitting
+
+

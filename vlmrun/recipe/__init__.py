@@ -1,1 +1,0 @@
-"""Recipes: the typed, validated description of a run."""
