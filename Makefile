@@ -1,14 +1,14 @@
-# vlmrun: `make demo` (install + the embedded default run) and `make test` (install + the test suite).
+# vlmrun: `make demo` (install + the embedded default run) and `make test` (install + lint + the test suite).
 PYTHON ?= python3
 VENV   := .venv
 PIP    := $(VENV)/bin/pip
-# FACTS.md: torch 2.14.1 with torchvision 0.29.1 is the pair whose standard HF processor path works;
-# pin both on the same command line so no dependency pulls another torch.
+# torch 2.14.1 with torchvision 0.29.1 is the pair whose standard HF processor path works
+# (docs/measurements.md); pin both on the same command line so no dependency pulls another torch.
 TORCH  := torch==2.14.1 torchvision==0.29.1
 export HF_HUB_OFFLINE := 1
 export WANDB_MODE ?= offline
 
-.PHONY: setup demo test test-fast clean
+.PHONY: setup demo lint test test-fast clean
 
 setup: $(VENV)/.installed
 
@@ -20,10 +20,17 @@ $(VENV)/.installed: pyproject.toml requirements/tested.txt
 demo: setup
 	$(VENV)/bin/vlmrun submit recipes/tiny-clevr-cpu.yaml --cluster local --run-dir runs/demo-$$(date +%Y%m%d-%H%M%S) --wait
 
-test: setup
-	$(VENV)/bin/python -m pytest -q -ra
+# The project's habits, cheapest first, so a slip fails in seconds rather than after the suite:
+# lint rules, formatting, the layer contracts (pyproject.toml, docs/architecture.md).
+lint: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/lint-imports
 
-test-fast: setup
+test: lint
+	$(VENV)/bin/python -m pytest -q -ra --durations=15
+
+test-fast: lint
 	$(VENV)/bin/python -m pytest -q -m "not slow and not slurm"
 
 clean:

@@ -17,6 +17,7 @@ from PIL import Image
 from vlmrun.datasets import clevr
 from vlmrun.datasets.clevr import ensure_clevr, generate_clevr, read_complete
 from vlmrun.datasets.clevr_scene import BACKGROUND, COLORS, SHAPES, placement_margin
+from vlmrun.datasets.formats import CONVERSATION_SUBFLAVORS
 from vlmrun.errors import InputError
 
 TRAIN, VAL, SIZE = 160, 32, 112
@@ -95,7 +96,7 @@ def test_energon_iterates_both_splits_with_a_cooker(dataset):
         )
 
     class Encoder(DefaultTaskEncoder):
-        cookers = [Cooker(cook, has_subflavors=clevr.SUBFLAVORS)]
+        cookers = [Cooker(cook, has_subflavors=dict(CONVERSATION_SUBFLAVORS))]
 
     workers = WorkerConfig(rank=0, world_size=1, num_workers=0)
     train = get_train_dataset(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -29,10 +30,52 @@ def test_help_lists_commands_and_imports_nothing_heavy():
     assert probe.stdout.strip() == "[]"
 
 
-@pytest.mark.parametrize("cmd", ["submit", "resume", "compare", "data"])
-def test_each_command_help_has_an_example(cmd):
-    out = vlmrun(cmd, "--help")
-    assert out.returncode == 0 and "vlmrun" in out.stdout
+def leaf_commands() -> dict[str, object]:
+    """'submit', 'data clevr', ... -> its click command, for every command a user can run."""
+    from typer.main import get_command
+
+    from vlmrun.cli import app
+
+    def walk(group, path):
+        for name, cmd in group.commands.items():
+            if hasattr(cmd, "commands"):
+                yield from walk(cmd, [*path, name])
+            else:
+                yield " ".join([*path, name]), cmd
+
+    return dict(walk(get_command(app), []))
+
+
+def examples(help_text: str) -> list[str]:
+    """The example command lines of a docstring: `Example: vlmrun ...` or the lines under `Examples:`."""
+    lines = [line.strip() for line in help_text.splitlines()]
+    found = [line.split(":", 1)[1].strip() for line in lines if line.startswith("Example:")]
+    if "Examples:" in lines:
+        found += [line for line in lines[lines.index("Examples:") + 1:] if line.startswith("vlmrun ")]
+    return found
+
+
+def squeezed(text: str) -> str:
+    return "".join(text.split())  # help output wraps long lines, sometimes inside a word at a hyphen
+
+
+@pytest.mark.parametrize("path", sorted(leaf_commands()))
+def test_each_command_help_teaches_it_by_example_and_documents_every_option(path):
+    cmd = leaf_commands()[path]
+    out = vlmrun(*path.split(), "--help")
+    assert out.returncode == 0, out.stderr
+    found = examples(cmd.help or "")
+    assert found, f"`vlmrun {path} --help` shows no `Example: vlmrun {path} ...` line"
+    for example in found:
+        assert squeezed(example) in squeezed(out.stdout)
+        words = shlex.split(example)
+        assert words[: 1 + len(path.split())] == ["vlmrun", *path.split()], f"example runs another command: {example}"
+        # the example parses as this command's arguments: every option it uses exists and takes its value
+        cmd.make_context(f"vlmrun {path}", words[1 + len(path.split()):])
+    for param in cmd.params:
+        name = param.opts[0] if param.param_type_name == "option" else param.name
+        assert (param.help or "").strip(), f"`vlmrun {path} --help`: {name} has no help text"
+        assert squeezed(param.help) in squeezed(out.stdout), f"{name}'s help text is not shown"
 
 
 def test_dry_run_json_names_run_dir_and_starts_nothing(tmp_path):
@@ -103,8 +146,10 @@ def test_data_clevr_cli_is_deterministic_and_reports_baseline(tmp_path):
     assert a.returncode == 0 and b.returncode == 0, a.stderr
     summary = json.loads(a.stdout)
     assert 0 < summary["splits"]["val"]["majority_accuracy"] <= 1
-    for tar in sorted((tmp_path / "a").glob("*.tar")):
-        assert tar.read_bytes() == (tmp_path / "b" / tar.name).read_bytes()
+    shards = sorted(p.name for p in (tmp_path / "a").glob("*.tar"))
+    assert shards and shards == sorted(p.name for p in (tmp_path / "b").glob("*.tar"))
+    for name in shards:
+        assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes()
     assert (tmp_path / "a" / ".nv-meta").is_dir()
 
 

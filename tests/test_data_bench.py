@@ -7,21 +7,13 @@ import json
 
 import pytest
 import torch
-from test_data_fixtures import (  # noqa: F401  (clevr_set, tiny_dirs: fixtures)
-    SIZE,
-    TRAIN,
-    VAL,
-    clevr_set,
-    make_recipe,
-    read_raw_samples,
-    tiny_dirs,
-)
+from data_samples import SIZE, TRAIN, VAL, make_recipe, read_raw_samples
 
+from vlmrun.bench.reference import reference_loader
+from vlmrun.config.families import family_spec
 from vlmrun.data.chat_encoding import ConversationEncoder
 from vlmrun.data.cookers import cook_conversation
-from vlmrun.data.families import family_spec
 from vlmrun.data.loader import load_processor
-from vlmrun.bench.reference import reference_loader
 
 ROW_KEYS = {"loader", "num_workers", "samples_per_s", "samples_per_s_iqr", "mb_per_s", "p50_batch_ms", "p95_batch_ms",
             "stage_ms_per_sample", "peak_rss_mb", "rss_per_worker_mb", "measured_batches"}
@@ -37,6 +29,7 @@ def test_reference_loader_decodes_and_encodes_like_the_task_encoder(clevr_set, t
         batch = next(batches)
         expected = encoder.collate([encoder.encode(cook_conversation(raw[k])) for k in batch.sample_ids])
         assert torch.equal(batch.input_ids, expected.input_ids) and torch.equal(batch.labels, expected.labels)
+        assert batch.media.keys() == expected.media.keys() and expected.media  # images: pixels and grid sizes
         assert all(torch.equal(batch.media[k], expected.media[k]) for k in expected.media)
     batches.close()
 

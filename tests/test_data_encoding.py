@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_data_fixtures import FAMILIES, clevr_set, read_raw_samples, tiny_dirs  # noqa: F401  (fixtures)
+from data_samples import FAMILIES, read_raw_samples
 
-from vlmrun.data.chat_encoding import IGNORE_INDEX, ConversationEncoder
+from vlmrun.config.families import family_spec
+from vlmrun.data.batch import IGNORE_INDEX
+from vlmrun.data.chat_encoding import ConversationEncoder
 from vlmrun.data.cookers import MalformedSample, cook_conversation, decode_media, media_pixels
-from vlmrun.data.families import family_spec
 from vlmrun.data.loader import load_processor
 
 END_OF_TURN = "<|im_end|>"
@@ -87,7 +88,7 @@ def test_batch_is_right_padded_and_the_model_accepts_it(encoder, raw, tiny_dirs)
 def test_prompt_is_the_text_before_the_answer_left_padded(encoder, raw):
     convs = [cook_conversation(raw[k]) for k in ("train-0000005", "train-0000006")]
     prompts = [encoder.encode_prompt(c) for c in convs]
-    for conv, prompt in zip(convs, prompts):
+    for conv, prompt in zip(convs, prompts, strict=True):
         encoded = encoder.encode(conv)
         first_label = int((encoded.labels != IGNORE_INDEX).nonzero()[0])
         assert torch.equal(prompt.input_ids, encoded.input_ids[:first_label])

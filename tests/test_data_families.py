@@ -6,10 +6,11 @@ from __future__ import annotations
 from types import MappingProxyType
 
 import pytest
-from test_data_fixtures import FAMILIES, make_recipe, tiny_dirs  # noqa: F401  (tiny_dirs: fixture)
+from data_samples import FAMILIES, make_recipe
 
-from vlmrun.data import families
-from vlmrun.data.families import ComponentSpec, check_components, family_spec
+from vlmrun.config.families import family_spec
+from vlmrun.data import components as families
+from vlmrun.data.components import ComponentSpec, check_components
 from vlmrun.errors import InputError
 
 
@@ -65,7 +66,8 @@ def test_registry_import_stays_light():
     import subprocess
     import sys
 
-    code = "import sys, vlmrun.data.families; print('torch' in sys.modules, 'megatron.energon' in sys.modules)"
+    code = ("import sys, vlmrun.data.components, vlmrun.config.families; "
+            "print('torch' in sys.modules, 'megatron.energon' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.split() == ["False", "False"]
 

@@ -9,9 +9,9 @@ from types import MappingProxyType
 
 import pytest
 import torch
-from test_data_fixtures import clevr_set, make_recipe, tiny_dirs  # noqa: F401  (fixtures)
+from data_samples import make_recipe
 
-from vlmrun.data import families
+from vlmrun.data import components as families
 from vlmrun.data.fingerprint import LoaderStateRefused, check_same_identity, loader_fingerprint
 from vlmrun.errors import InputError
 

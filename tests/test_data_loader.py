@@ -11,15 +11,7 @@ import textwrap
 
 import pytest
 import torch
-from test_data_fixtures import (  # noqa: F401  (clevr_set, tiny_dirs: fixtures)
-    TRAIN,
-    VAL,
-    clevr_set,
-    flat,
-    make_recipe,
-    same_batches,
-    tiny_dirs,
-)
+from data_samples import TRAIN, VAL, flat, make_recipe, same_batches
 
 from vlmrun.data.fingerprint import LoaderStateRefused
 from vlmrun.data.loader import open_loader_shard, val_batches
@@ -33,7 +25,7 @@ RESTORE_SCRIPT = textwrap.dedent(
     import json, sys, torch
     from vlmrun.config.recipe import Recipe
     from vlmrun.data.loader import open_loader_shard
-    from test_data_fixtures import flat
+    from data_samples import flat
     for job in json.load(open(sys.argv[1])):
         shard = open_loader_shard(Recipe.model_validate_json(job["recipe"]), processor_dir=job["processor_dir"],
                                   shard=job["shard"], num_shards=job["num_shards"], placement_hash="p",

@@ -8,12 +8,12 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from test_data_fixtures import clevr_set, read_raw_samples, tiny_dirs  # noqa: F401  (fixtures)
+from data_samples import read_raw_samples
 
+from vlmrun.config.families import family_spec
 from vlmrun.data import transport
 from vlmrun.data.chat_encoding import ConversationEncoder
 from vlmrun.data.cookers import cook_conversation
-from vlmrun.data.families import family_spec
 from vlmrun.data.loader import load_processor
 from vlmrun.data.transport import SlotPool, collate_packed, unpack
 
@@ -49,7 +49,7 @@ def test_round_trip_is_exact(groups, monkeypatch, in_worker):
     packed = collate_packed(encoder, micro, pool)
     monkeypatch.undo()
     assert (packed.slot is not None) == in_worker and len(packed.blocks) == (1 if in_worker else 4)
-    for batch, want in zip(pool.unpack(packed), expected):
+    for batch, want in zip(pool.unpack(packed), expected, strict=True):
         assert_same(batch, want)
 
 

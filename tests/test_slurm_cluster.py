@@ -18,15 +18,17 @@ from pathlib import Path
 import cloudpickle
 import pytest
 
+from vlmrun.cluster.slurm_entry import NodeEntrypoint
+from vlmrun.config.load import load_recipe
 from vlmrun.launch import control
 from vlmrun.launch import logs as launch_logs
 from vlmrun.launch import status as launch_status
 from vlmrun.launch.slurm import queries
-from vlmrun.run import logs as run_logs
 from vlmrun.launch.slurm.submit import submit_slurm, wait_for_job
-from vlmrun.cluster.slurm_entry import NodeEntrypoint
+from vlmrun.run import logs as run_logs
 from vlmrun.run.directory import RunDirectory
-from vlmrun.config.load import load_recipe
+from vlmrun.run.job import read_job
+from vlmrun.run.state import State
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slurm
@@ -78,18 +80,26 @@ def recipe(*sets: str):
 
 def complete_main(argv: list[str]) -> int:
     from vlmrun.run import job as job_record
+    from vlmrun.run.outcome import RunOutcome
+    from vlmrun.run.state import State
 
     rd = RunDirectory(argv[1])
     attempt = job_record.begin_attempt(rd, os.environ["SLURM_JOB_ID"], int(os.environ.get("SLURM_RESTART_COUNT", 0)))
     print("payload ran on", os.environ["SLURMD_NODENAME"], flush=True)
-    job_record.end_attempt(rd, attempt, "COMPLETED", "done", last_step=1)
+    job_record.end_attempt(rd, attempt, RunOutcome(State.COMPLETED, last_step=1, reason="done"))
     return 0
 
 
 def stop_then_complete_main(argv: list[str]) -> int:
-    """Attempt 0 trains until the stop flag is set (USR2), 'checkpoints', returns 3; a restart completes."""
-    from vlmrun.run import job as job_record
+    """Attempt 0 trains until the stop flag is set (USR2), 'checkpoints', returns 3; a restart completes.
+
+    Like the real driver, the STOPPED outcome carries the signal as `stop_signal`: the requeue decision
+    reads only that field.
+    """
     from vlmrun.algorithms.common.stop import StopFlag, ignore_stop_signals
+    from vlmrun.run import job as job_record
+    from vlmrun.run.outcome import RunOutcome
+    from vlmrun.run.state import State
 
     rd = RunDirectory(argv[1])
     restart = int(os.environ.get("SLURM_RESTART_COUNT", 0))
@@ -97,20 +107,21 @@ def stop_then_complete_main(argv: list[str]) -> int:
     attempt = job_record.begin_attempt(rd, os.environ["SLURM_JOB_ID"], restart)
     (rd.path / f"restart-{restart}.env").write_text(json.dumps({"job": os.environ["SLURM_JOB_ID"], "restart": restart}))
     if restart >= 1:
-        job_record.end_attempt(rd, attempt, "COMPLETED", "resumed and finished", last_step=2)
+        job_record.end_attempt(rd, attempt, RunOutcome(State.COMPLETED, last_step=2, reason="resumed and finished"))
         return 0
     stop = StopFlag().install()
     (rd.path / "ready").touch()
     if not stop.wait(300):
-        job_record.end_attempt(rd, attempt, "FAILED", "no stop signal came")
+        job_record.fail_attempt(rd, attempt, "no stop signal came")
         return 1
-    job_record.end_attempt(rd, attempt, "STOPPED", f"stop requested ({stop.signal_name}); checkpointed at step 1", 1)
+    job_record.end_attempt(rd, attempt, RunOutcome(State.STOPPED, last_step=1, stop_signal=stop.signal_name,
+                                                   reason=f"stop requested ({stop.signal_name}); checkpointed at step 1"))
     return 3
 
 
 def ray_probe_main(argv: list[str]) -> int:
-    from vlmrun.cluster.ray.allocation import probe_nodes, run_on_allocation
     from vlmrun.algorithms.common.stop import ignore_stop_signals
+    from vlmrun.cluster.ray.allocation import probe_nodes, run_on_allocation
 
     ignore_stop_signals()
     rd = Path(argv[1])
@@ -185,8 +196,8 @@ def test_submit_runs_the_payload_and_records_the_job(cluster, tmp_path):
     t0 = time.monotonic()
     result = submit(tmp_path / "run", recipe(), complete_main, wait=True)
     assert (result.state, result.exit_code) == ("COMPLETED", 0), RunDirectory(tmp_path / "run").task_log(result.job_id).read_text()
-    job = RunDirectory(tmp_path / "run").read_job()
-    assert job["cluster"] == "slurm" and job["job_ids"] == [result.job_id] and job["submits"][0]["job_id"] == result.job_id
+    job = read_job(RunDirectory(tmp_path / "run"))
+    assert job.cluster == "slurm" and job.job_ids == [result.job_id] and job.submits[0].job_id == result.job_id
     st = launch_status.status(result.job_id)
     assert st["state"] == "COMPLETED" and st["run_dir"] == str(tmp_path / "run")
     lines = list(launch_logs.logs(result.job_id))
@@ -204,10 +215,11 @@ def test_requeue_gives_same_job_id_and_restart_count_1(cluster, tmp_path):
     turnaround = time.monotonic() - t0
     assert (final.state, final.exit_code) == ("COMPLETED", 0)
     assert json.loads((rd.path / "restart-1.env").read_text()) == {"job": result.job_id, "restart": 1}
-    job = rd.read_job()
-    assert [(a["job_id"], a["restart_count"], a["state"]) for a in job["attempts"]] == [
-        (result.job_id, 0, "STOPPED"), (result.job_id, 1, "COMPLETED")]
-    assert job["attempts"][0]["requeue_cause"] == "requested" and job["job_ids"] == [result.job_id]
+    job = read_job(rd)
+    assert [(a.job_id, a.restart_count, a.state) for a in job.attempts] == [
+        (result.job_id, 0, State.STOPPED), (result.job_id, 1, State.COMPLETED)]
+    assert job.attempts[0].requeue_cause == "requested" and job.attempts[0].stop_signal == "SIGUSR2"
+    assert job.job_ids == [result.job_id]
     first, second = list(launch_logs.logs(str(rd.path), attempt=0)), list(launch_logs.logs(str(rd.path), attempt=1))
     assert "restart=0" in first[0] and "restart=1" in second[0]  # both attempts kept in submitit's appended log
     print(f"requeue -> restarted and completed: {turnaround:.1f}s")
@@ -219,9 +231,9 @@ def test_preemption_beyond_the_budget_ends_budget_exhausted(cluster, tmp_path):
     wait_for(lambda: (rd.path / "ready").exists(), 60, "the payload to start")
     subprocess.run(["scancel", "--signal=USR2", result.job_id], check=True)  # a preemption notice
     final = wait_for_job(rd, result.job_id, poll_s=0.5)
-    job = rd.read_job()
-    assert final.state == "BUDGET_EXHAUSTED" and final.exit_code == 3
-    assert "checkpoint.requeue.preemptions=0" in job["reason"] and len(job["attempts"]) == 1
+    job = read_job(rd)
+    assert final.state == "BUDGET_EXHAUSTED" and final.exit_code == 3 and job.state is State.BUDGET_EXHAUSTED
+    assert "checkpoint.requeue.preemptions=0" in job.reason and len(job.attempts) == 1
 
 
 def test_ray_on_one_node(cluster, tmp_path):
@@ -288,7 +300,7 @@ def test_real_time_limit_requeues_by_itself(cluster, tmp_path):
     rd = RunDirectory(tmp_path / "run")
     r = recipe("cluster.time_limit=2", "cluster.signal_delay_s=60", "checkpoint.requeue.timeouts=1")
     result = submit(rd.path, r, stop_then_complete_main, wait=True)
-    job = rd.read_job()
+    job = read_job(rd)
     assert (result.state, result.exit_code) == ("COMPLETED", 0), job
-    assert [a["restart_count"] for a in job["attempts"]] == [0, 1]
-    assert job["attempts"][0]["requeue_cause"] == "timeout" and "SIGUSR2" in job["attempts"][0]["reason"]
+    assert [a.restart_count for a in job.attempts] == [0, 1]
+    assert job.attempts[0].requeue_cause == "timeout" and job.attempts[0].stop_signal == "SIGUSR2"

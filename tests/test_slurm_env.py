@@ -11,8 +11,18 @@ import pytest
 
 from vlmrun.cluster import slurm_env
 from vlmrun.cluster.ray import allocation as ray_slurm
-from vlmrun.cluster.ray.nodes import (BLOCK_SIZE, PORT_BASE, PORT_END, PortBlock, job_temp_dir, n_blocks,
-                                           node_resource, port_block, ray_env, taken_ports)
+from vlmrun.cluster.ray.nodes import (
+    BLOCK_SIZE,
+    PORT_BASE,
+    PORT_END,
+    PortBlock,
+    job_temp_dir,
+    n_blocks,
+    node_resource,
+    port_block,
+    ray_env,
+    taken_ports,
+)
 from vlmrun.cluster.slurm_env import SlurmAllocation
 
 TASK = {"SLURM_JOB_ID": "1234", "SLURM_NODEID": "1", "SLURM_PROCID": "1", "SLURM_JOB_NUM_NODES": "2",

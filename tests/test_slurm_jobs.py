@@ -12,18 +12,18 @@ from unittest import mock
 
 import pytest
 
+from vlmrun.config.load import load_recipe
 from vlmrun.errors import InputError
-from vlmrun.launch import control
-from vlmrun.launch import registry as job_registry
-from vlmrun.launch import targets
+from vlmrun.launch import control, targets
 from vlmrun.launch import logs as launch_logs
+from vlmrun.launch import registry as job_registry
 from vlmrun.launch import status as launch_status
 from vlmrun.launch.slurm import preflight, queries
 from vlmrun.launch.slurm import submit as slurm_submit
 from vlmrun.run import logs as run_logs
-from vlmrun.run.job import add_job, begin_attempt
 from vlmrun.run.directory import RunDirectory
-from vlmrun.config.load import load_recipe
+from vlmrun.run.job import add_job, begin_attempt, read_job, write_job
+from vlmrun.run.state import State
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -74,14 +74,16 @@ def test_slurm_state_falls_back_from_squeue_to_scontrol_to_sacct():
 
 
 @pytest.mark.parametrize("recorded,slurm_state,expected", [
-    ("PENDING", {"state": "PENDING"}, "PENDING"),
-    ("REQUEUED", {"state": "PENDING"}, "PENDING"),
-    ("RUNNING", {"state": "RUNNING"}, "RUNNING"),
-    ("COMPLETED", {"state": "COMPLETED"}, "COMPLETED"),
-    ("COMPLETED", None, "COMPLETED"),
-    ("BUDGET_EXHAUSTED", {"state": "COMPLETED"}, "BUDGET_EXHAUSTED"),
-    ("RUNNING", {"state": "TIMEOUT"}, "TIMEOUT"),
-    ("RUNNING", None, "FAILED"),
+    (State.PENDING, {"state": "PENDING"}, "PENDING"),
+    (State.REQUEUED, {"state": "PENDING"}, "PENDING"),
+    (State.RUNNING, {"state": "RUNNING"}, "RUNNING"),
+    (State.COMPLETED, {"state": "COMPLETED"}, "COMPLETED"),
+    (State.COMPLETED, None, "COMPLETED"),
+    (State.BUDGET_EXHAUSTED, {"state": "COMPLETED"}, "BUDGET_EXHAUSTED"),
+    (State.RUNNING, {"state": "TIMEOUT"}, "TIMEOUT"),
+    (State.RUNNING, None, "FAILED"),
+    (State.RUNNING, {"state": "COMPLETED"}, "FAILED"),
+    (None, None, "FAILED"),
 ])
 def test_combined_state(recorded, slurm_state, expected):
     assert launch_status._combined_state(recorded, slurm_state) == expected
@@ -127,6 +129,11 @@ def test_status_reads_lineage_and_metrics(tmp_path, registry):
         st = launch_status.status("41")
     assert st["state"] == "RUNNING" and st["restarts"] == 1 and st["attempts"] == 2
     assert st["last_step"] == 3 and st["loss"] == pytest.approx(1 / 3)
+    assert set(st) == {"run_dir", "cluster", "job_id", "job_ids", "recorded_state", "reason", "attempts", "restarts",
+                       "requeues", "last_step", "loss", "slurm", "state"}  # what scripts read from `status --json`
+    assert st["recorded_state"] == "RUNNING" and st["job_ids"] == ["41"]
+    assert st["requeues"] == {"timeout": 0, "preemption": 0, "requested": 0}
+    json.dumps(st)  # plain JSON
     with fake_tools({"squeue": (0, SQUEUE, "")}):
         assert [j["job_id"] for j in launch_status.status(None)["jobs"]] == ["41"]
 
@@ -136,9 +143,9 @@ def test_status_of_a_local_run_checks_the_pid(tmp_path, registry):
     begin_attempt(rd, "local-1", 0, pid=os.getpid())
     st = launch_status.status(str(rd.path))
     assert st["state"] == "RUNNING" and st["pid"] == os.getpid()
-    job = rd.read_job()
-    job["attempts"][0]["pid"] = 2 ** 22 + 12345  # no such process
-    rd.write_job(job)
+    job = read_job(rd)
+    job.attempts[0].pid = 2 ** 22 + 12345  # no such process
+    write_job(rd, job)
     st = launch_status.status(str(rd.path))
     assert st["state"] == "FAILED" and "without recording an outcome" in st["reason"]
 
@@ -178,7 +185,8 @@ def test_requeue_and_cancel_of_a_local_run_signal_the_pid(tmp_path, registry):
         assert proc.stdout.readline().strip() == "usr2"
         assert control.cancel(str(rd.path), wait_s=10)["state"] == "CANCELLED"
         assert proc.wait(timeout=10) == -signal.SIGTERM
-        assert rd.read_job()["state"] == "CANCELLED"
+        job = read_job(rd)
+        assert job.state is State.CANCELLED and job.attempts[0].state is State.CANCELLED
     finally:
         proc.kill()
 

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
+from vlmrun.config.load import load_recipe
 from vlmrun.errors import InputError
 from vlmrun.launch.slurm.render import executor_parameters, render_preamble, render_script
-from vlmrun.config.load import load_recipe
 
 ROOT = Path(__file__).resolve().parents[1]
 GOLDEN = Path(__file__).resolve().parent / "golden"

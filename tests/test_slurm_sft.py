@@ -18,7 +18,7 @@ import pytest
 
 from vlmrun.run.metrics import history
 
-pytestmark = [pytest.mark.slurm, pytest.mark.slow]
+pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.timeout(900)]  # + the module run fixture (<= 600 s)
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "recipes" / "tiny-clevr-cpu.yaml")

@@ -14,10 +14,10 @@ transformers = pytest.importorskip("transformers")
 import numpy as np  # noqa: E402
 from PIL import Image  # noqa: E402
 
+from vlmrun.config.families import FAMILIES  # noqa: E402
 from vlmrun.errors import InputError  # noqa: E402
 from vlmrun.models.tiny import (  # noqa: E402
     BUILD_FORMAT,
-    FAMILIES,
     MARKER_FILE,
     build_tiny_model,
     ensure_tiny_model,
@@ -149,7 +149,7 @@ def test_assistant_mask_covers_the_answer_and_its_end_token(built, request):
         request.applymarker(pytest.mark.xfail(strict=True, reason=reason))
     _, processor = _load(path)
     batch = _batch(processor, return_assistant_tokens_mask=True)
-    pairs = zip(batch["input_ids"], batch["assistant_masks"])
+    pairs = zip(batch["input_ids"], batch["assistant_masks"], strict=True)
     masked = [processor.decode(ids[mask.bool()]) for ids, mask in pairs]
     assert masked == [f"{answer}<|im_end|>" for _, answer in QUESTIONS]
 

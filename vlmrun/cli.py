@@ -9,7 +9,6 @@ import contextlib
 import json
 import sys
 from pathlib import Path
-from typing import Optional
 
 import typer
 
@@ -43,10 +42,10 @@ def _print_json(obj) -> None:
 @app.command(no_args_is_help=True)
 def submit(
     recipe: Path = typer.Argument(..., help="recipe YAML, e.g. recipes/tiny-clevr-cpu.yaml"),
-    set_: Optional[list[str]] = SetOpt,
+    set_: list[str] | None = SetOpt,
     dry_run: bool = typer.Option(False, "--dry-run", help="validate and print the resolved recipe; start nothing"),
     cluster: str = typer.Option("auto", "--cluster", help="auto (slurm when sbatch exists, else local), slurm, local"),
-    run_dir: Optional[Path] = typer.Option(None, "--run-dir", help="run directory (default runs/<name>-<timestamp>)"),
+    run_dir: Path | None = typer.Option(None, "--run-dir", help="run directory (default runs/<name>-<timestamp>)"),
     wait: bool = typer.Option(False, "--wait", help="stay attached: stream progress, exit with the job's outcome"),
     json_out: bool = JsonOpt,
 ):
@@ -71,7 +70,7 @@ def submit(
 @app.command(no_args_is_help=True)
 def resume(
     target: str = typer.Argument(..., help="run directory of an ended run"),
-    set_: Optional[list[str]] = SetOpt,
+    set_: list[str] | None = SetOpt,
     wait: bool = typer.Option(False, "--wait", help="stay attached: stream progress, exit with the job's outcome"),
     json_out: bool = JsonOpt,
 ):
@@ -92,7 +91,7 @@ def resume(
 
 @app.command()
 def status(
-    target: Optional[str] = typer.Argument(None, help="job id or run directory; default: every job vlmrun knows"),
+    target: str | None = typer.Argument(None, help="job id or run directory; default: every job vlmrun knows"),
     json_out: bool = JsonOpt,
 ):
     """State of a run: SLURM's view (squeue, sacct when it has accounting), lineage, restarts, last step and loss.
@@ -113,7 +112,7 @@ def status(
 @app.command(no_args_is_help=True)
 def logs(
     target: str = typer.Argument(..., help="job id or run directory"),
-    attempt: Optional[int] = typer.Option(None, "--attempt", min=0, help="only this attempt (restart count)"),
+    attempt: int | None = typer.Option(None, "--attempt", min=0, help="only this attempt (restart count)"),
     follow: bool = typer.Option(False, "-f", "--follow", help="keep printing as the job writes"),
 ):
     """Print the driver log of a job (every attempt, or one with --attempt).
@@ -158,10 +157,10 @@ def _one_line(result: dict) -> str:
 def compare(
     a: str = typer.Argument(..., help="v1 (with --recipe), or a run directory"),
     b: str = typer.Argument(..., help="v2 (with --recipe), or a run directory"),
-    recipe: Optional[Path] = typer.Option(None, "--recipe", help="recipe to run through both loops"),
-    steps: Optional[int] = typer.Option(None, "--steps", min=1, help="steps of each loop run (sets train.max_steps)"),
-    set_: Optional[list[str]] = SetOpt,
-    out: Optional[Path] = typer.Option(None, "--out", help="folder for the runs and the plot (default runs/compare-<time>)"),
+    recipe: Path | None = typer.Option(None, "--recipe", help="recipe to run through both loops"),
+    steps: int | None = typer.Option(None, "--steps", min=1, help="steps of each loop run (sets train.max_steps)"),
+    set_: list[str] | None = SetOpt,
+    out: Path | None = typer.Option(None, "--out", help="folder for the runs and the plot (default runs/compare-<time>)"),
     rtol: float = typer.Option(0.0, "--rtol", min=0.0, help="relative tolerance per metric; 0 = bitwise identical"),
     json_out: bool = JsonOpt,
 ):
@@ -192,9 +191,9 @@ def bench_loader(
     workers: str = typer.Option("0,1,2", "--workers", help="comma-separated loader worker counts to try"),
     batches: int = typer.Option(600, "--batches", min=1, help="measured micro-batches per row (in chunks of 60, "
                                 "interleaved with the other rows)"),
-    image_size: Optional[int] = typer.Option(None, "--image-size", min=32, max=1024,
-                                             help="image side of the (generated) data set; default 224"),
-    set_: Optional[list[str]] = SetOpt,
+    image_size: int | None = typer.Option(None, "--image-size", min=32, max=1024,
+                                          help="image side of the (generated) data set; default 224"),
+    set_: list[str] | None = SetOpt,
     json_out: bool = JsonOpt,
 ):
     """Loader throughput: the Energon loader vs a plain WebDataset + DataLoader reference vs the
@@ -203,8 +202,8 @@ def bench_loader(
     Example: vlmrun bench-loader recipes/tiny-clevr-cpu.yaml --workers 0,1,2 --json
     """
     from vlmrun.bench.loader import run_bench
-    from vlmrun.observe.progress import progress_bar
     from vlmrun.config.load import load_recipe
+    from vlmrun.observe.progress import progress_bar
 
     try:
         counts = [int(w) for w in workers.split(",") if w.strip()]

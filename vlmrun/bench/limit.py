@@ -27,9 +27,9 @@ logger = logging.getLogger(__name__)
 
 class LimitRunner:
     def __init__(self, recipe, *, processor_dir: str, num_workers: int):
+        from vlmrun.config.families import family_spec
         from vlmrun.data.chat_encoding import ConversationEncoder
         from vlmrun.data.cookers import COOK_FUNCTIONS
-        from vlmrun.data.families import family_spec
         from vlmrun.data.loader import load_processor
         from vlmrun.data.splits import split_shards
 

@@ -24,9 +24,9 @@ def reference_loader(recipe, *, processor_dir: str, split: str, num_workers: int
     import webdataset as wds
     from torch.utils.data import DataLoader
 
+    from vlmrun.config.families import family_spec
     from vlmrun.data.chat_encoding import ConversationEncoder
     from vlmrun.data.cookers import COOK_FUNCTIONS
-    from vlmrun.data.families import family_spec
     from vlmrun.data.loader import load_processor
     from vlmrun.data.splits import split_shards
 

@@ -14,11 +14,13 @@ import sys
 import time
 import traceback
 
+from vlmrun.algorithms.common.stop import StopFlag, ignore_stop_signals
+from vlmrun.cluster.slurm_env import SlurmAllocation
 from vlmrun.errors import EXIT_BAD_INPUT, VlmrunError
 from vlmrun.run import job as job_record
 from vlmrun.run.directory import RunDirectory
-from vlmrun.cluster.slurm_env import SlurmAllocation
-from vlmrun.algorithms.common.stop import StopFlag, ignore_stop_signals
+from vlmrun.run.outcome import RunOutcome
+from vlmrun.run.state import EXIT_COMPLETED, EXIT_FAILED, EXIT_STOPPED, State
 
 RAY_DEADLINE_S = 180.0  # every node must have joined Ray by then
 
@@ -42,27 +44,25 @@ def main(argv: list[str] | None = None) -> int:
         outcome = _run(rd, attempt, job_id, started_at, alloc)
     except VlmrunError as e:
         log.error("%s", e)
-        job_record.end_attempt(rd, attempt, "FAILED", str(e))
+        job_record.fail_attempt(rd, attempt, str(e))
         return e.exit_code
-    except BaseException as e:  # our bug or a crash below us: keep the traceback
+    except BaseException as e:  # noqa: BLE001 - our bug or a crash below us: record it, keep the traceback
         traceback.print_exc()
-        job_record.end_attempt(rd, attempt, "FAILED", f"{type(e).__name__}: {e}")
-        return job_record.EXIT_FAILED
-    state = outcome["state"]
-    details = {k: v for k, v in outcome.items() if k not in ("state", "reason", "last_step")}
-    job_record.end_attempt(rd, attempt, state, outcome["reason"], outcome["last_step"], **details)
-    log.info("%s: %s", state, outcome["reason"])
-    val = outcome.get("final_val")
+        job_record.fail_attempt(rd, attempt, f"{type(e).__name__}: {e}")
+        return EXIT_FAILED
+    job_record.end_attempt(rd, attempt, outcome)
+    log.info("%s: %s", outcome.state, outcome.reason)
+    val = outcome.final_val
     if val and val.get("val_samples"):
         log.info("validation at step %d: accuracy %.3f vs majority-class baseline %.3f on %d val samples (val loss %.4f)",
-                 outcome["last_step"], val["val_accuracy"], val["val_majority_baseline"], val["val_samples"],
+                 outcome.last_step, val["val_accuracy"], val["val_majority_baseline"], val["val_samples"],
                  val["val_loss"])
-    return job_record.EXIT_STOPPED if state == "STOPPED" else job_record.EXIT_COMPLETED
+    return EXIT_STOPPED if outcome.state is State.STOPPED else EXIT_COMPLETED
 
 
 def _serve_ray_worker(rd: RunDirectory, alloc) -> int:
-    from vlmrun.cluster.ray.local import set_local_environment
     from vlmrun.cluster.ray.allocation import serve_worker
+    from vlmrun.cluster.ray.local import set_local_environment
 
     set_local_environment()
     try:
@@ -84,6 +84,7 @@ def _ray(job_id: str, cpus: int, alloc, rd: RunDirectory):
     @contextlib.contextmanager
     def local():
         import ray
+
         from vlmrun.cluster.ray.local import start_local_ray
 
         start_local_ray(job_id, cpus)
@@ -95,28 +96,28 @@ def _ray(job_id: str, cpus: int, alloc, rd: RunDirectory):
     return local()
 
 
-def _run(rd: RunDirectory, attempt: int, job_id: str, started_at: float, alloc=None) -> dict:
+def _run(rd: RunDirectory, attempt: int, job_id: str, started_at: float, alloc=None) -> RunOutcome:
     from vlmrun.cluster.ray.local import set_local_environment
 
     set_local_environment()
+    from vlmrun.algorithms.sft.driver import run_sft
     from vlmrun.datasets.prepare import ensure_dataset
     from vlmrun.models.source import ensure_model
-    from vlmrun.algorithms.sft.driver import run_sft
     from vlmrun.observe.progress import ProgressLine
 
     recipe = rd.load_recipe()
     log.info("attempt %d of %s (%s, loop %s, dp=%d)", attempt, rd.path, job_id, recipe.train.loop, recipe.parallel.dp)
     ensure_dataset(recipe.data)
     model_dir = ensure_model(recipe.model, rd.cache, recipe.train.seed)
-    from vlmrun.data.families import check_components
+    from vlmrun.data.components import check_components
 
     check_components(recipe)
     stop = StopFlag()
     cpus = max(recipe.parallel.world_size, os.cpu_count() or 1)
     with _ray(job_id, cpus, alloc, rd):
         stop.install()  # after Ray started: its processes keep SIG_IGN for the stop signals
-        from vlmrun.data.splits import split_size
         from vlmrun.algorithms.common.steps import plan_steps
+        from vlmrun.data.splits import split_size
 
         # The same step count the controller uses (train.max_steps capped by epochs), so the ETA is right.
         progress = ProgressLine(plan_steps(recipe, split_size(recipe.data.path, recipe.data.split)).max_steps)

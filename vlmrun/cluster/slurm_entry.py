@@ -24,15 +24,17 @@ import os
 import subprocess
 import sys
 import time
-from typing import Callable, NoReturn
+from collections.abc import Callable
+from typing import NoReturn
 
-from vlmrun.errors import CheckFailed
 from vlmrun.cluster import requeue
-from vlmrun.run.job import EXIT_COMPLETED, EXIT_STOPPED, now
+from vlmrun.cluster.slurm_env import SlurmAllocation
+from vlmrun.errors import CheckFailed
+from vlmrun.run.directory import RunDirectory
+from vlmrun.run.job import next_attempt, now, require_job
 from vlmrun.run.logs import ATTEMPT_MARKER
 from vlmrun.run.requests import CANCEL_REQUEST, REQUEUE_REQUEST, take_request
-from vlmrun.run.directory import RunDirectory
-from vlmrun.cluster.slurm_env import SlurmAllocation
+from vlmrun.run.state import EXIT_COMPLETED, EXIT_STOPPED, State
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +63,7 @@ class NodeEntrypoint:
         print(attempt_marker(alloc), flush=True)
         os.environ["VLMRUN_CLUSTER"] = "slurm"
         if alloc.node_rank == 0:
-            os.environ["VLMRUN_TEE_LOG"] = str(rd.attempt_log(len(rd.read_job().get("attempts", []))))
+            os.environ["VLMRUN_TEE_LOG"] = str(rd.attempt_log(next_attempt(rd)))
         code = (self.main or _node_main)(["--run-dir", self.run_dir])
         if alloc.node_rank == 0 and code == EXIT_STOPPED:
             self._after_stop(rd, alloc, time.monotonic() - started)
@@ -85,7 +87,7 @@ class NodeEntrypoint:
         requested = take_request(rd, REQUEUE_REQUEST, alloc.job_id, alloc.restart_count)
         cancelled = take_request(rd, CANCEL_REQUEST, alloc.job_id, alloc.restart_count)
         cause = requeue.classify_stop(elapsed_s, c.time_limit, c.signal_delay_s, requested=requested)
-        decision = requeue.decide(rd.read_job(), job_id=alloc.job_id, cause=cause, budget=recipe.checkpoint.requeue,
+        decision = requeue.decide(require_job(rd), job_id=alloc.job_id, cause=cause, budget=recipe.checkpoint.requeue,
                                   cancelled=cancelled)
         requeue.record(rd, decision)
         log.info("job %s after %.0fs: %s (%s)", alloc.job_id, elapsed_s, decision.state, decision.reason)
@@ -94,7 +96,7 @@ class NodeEntrypoint:
         try:
             requeue_through_submitit(timed_out=cause == "timeout")
         except (subprocess.CalledProcessError, subprocess.TimeoutExpired, OSError, NodeFailed) as e:
-            requeue.record(rd, requeue.RequeueDecision(False, "STOPPED", cause, f"requeue failed: {e}"))
+            requeue.record(rd, requeue.RequeueDecision(False, State.STOPPED, cause, f"requeue failed: {e}"))
             log.error("requeue of job %s failed: %s; continue with `vlmrun resume %s`", alloc.job_id, e, rd.path)
 
 

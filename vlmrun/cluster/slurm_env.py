@@ -10,9 +10,9 @@ import os
 import re
 import socket
 import subprocess
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping
 
 from vlmrun.errors import CheckFailed
 
@@ -35,7 +35,7 @@ class SlurmAllocation:
     gpus_on_node: int = 0
 
     @classmethod
-    def from_env(cls, env: Mapping[str, str] | None = None) -> "SlurmAllocation | None":
+    def from_env(cls, env: Mapping[str, str] | None = None) -> SlurmAllocation | None:
         """None outside a SLURM task (no SLURM_JOB_ID or no SLURM_NODEID)."""
         env = os.environ if env is None else env
         if "SLURM_JOB_ID" not in env or "SLURM_NODEID" not in env:

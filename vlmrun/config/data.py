@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from vlmrun.config.model import Family
+from vlmrun.config.families import Family
 
 
 class SyntheticClevr(BaseModel):

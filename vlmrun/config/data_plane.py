@@ -14,7 +14,7 @@ class DataPlaneConfig(BaseModel):
     backend: Literal["simple", "mooncake"] = "simple"
 
     @model_validator(mode="after")
-    def _backend_needs_tq(self) -> "DataPlaneConfig":
+    def _backend_needs_tq(self) -> DataPlaneConfig:
         if self.impl == "local" and self.backend != "simple":
             raise ValueError("backend 'mooncake' needs data_plane.impl: transfer_queue")
         return self

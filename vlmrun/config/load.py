@@ -13,8 +13,8 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from vlmrun.errors import InputError
 from vlmrun.config.recipe import CrossFieldError, Recipe
+from vlmrun.errors import InputError
 
 
 def load_recipe(path: str | Path, overrides: list[str] = (), *, base_dir: Path | None = None) -> Recipe:

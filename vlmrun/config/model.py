@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-Family = Literal["qwen2_5_vl", "nemotron_omni"]
+from vlmrun.config.families import Family
 
 
 class ModelConfig(BaseModel):
@@ -21,22 +21,9 @@ class ModelConfig(BaseModel):
     dtype: Literal["float32", "bfloat16"] = "float32"
 
     @model_validator(mode="after")
-    def _one_source(self) -> "ModelConfig":
+    def _one_source(self) -> ModelConfig:
         if self.tiny == (self.path is not None):
             raise ValueError("set exactly one of model.path (a local model directory) or model.tiny: true")
         return self
 
 
-class ParallelConfig(BaseModel):
-    """Data, tensor, pipeline and context parallel sizes; experts live inside dp x tp."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    dp: int = Field(1, ge=1)
-    tp: int = Field(1, ge=1)
-    pp: int = Field(1, ge=1)
-    cp: int = Field(1, ge=1)
-
-    @property
-    def world_size(self) -> int:
-        return self.dp * self.tp * self.pp * self.cp

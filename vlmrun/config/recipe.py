@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from vlmrun.config.data import DataConfig
 from vlmrun.config.cluster import ClusterConfig
-from vlmrun.config.logger import LoggerConfig
+from vlmrun.config.data import DataConfig
 from vlmrun.config.data_plane import DataPlaneConfig
-from vlmrun.config.model import ModelConfig, ParallelConfig
+from vlmrun.config.logger import LoggerConfig
+from vlmrun.config.model import ModelConfig
+from vlmrun.config.parallel import ParallelConfig
 from vlmrun.config.train import CheckpointConfig, TrainConfig
 
 
@@ -34,7 +35,7 @@ class Recipe(BaseModel):
     logger: LoggerConfig = Field(default_factory=LoggerConfig)
 
     @model_validator(mode="after")
-    def _cross_checks(self) -> "Recipe":
+    def _cross_checks(self) -> Recipe:
         t, p = self.train, self.parallel
         if t.global_batch_size % (p.dp * t.micro_batch_size):
             raise CrossFieldError(

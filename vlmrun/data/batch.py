@@ -6,6 +6,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+#: The label of a position that carries no loss (prompt, padding, image tokens); torch's default ignore_index.
+IGNORE_INDEX = -100
+
 
 @dataclass
 class Batch:

@@ -24,11 +24,9 @@ from dataclasses import dataclass
 
 import torch
 
-from vlmrun.data.batch import Batch, PromptBatch
+from vlmrun.config.families import FamilySpec
+from vlmrun.data.batch import IGNORE_INDEX, Batch, PromptBatch
 from vlmrun.data.cookers import Conversation, MalformedSample, media_pixels
-from vlmrun.data.families import FamilySpec
-
-IGNORE_INDEX = -100
 
 
 @dataclass

@@ -33,7 +33,8 @@ import numpy as np
 import torch
 from megatron.energon import Cooker, Sample, edataclass, stateless
 
-from vlmrun.data.families import COOKERS
+from vlmrun.data.components import COOKERS
+
 
 class MalformedSample(ValueError):
     """A sample this cooker or task encoder cannot use; the message starts with its key."""
@@ -102,7 +103,7 @@ def media_pixels(conv: Conversation, index: int) -> torch.Tensor:
         return item.data
     try:
         return decode_image(item.data)
-    except Exception as e:  # every decoder error (OSError, RuntimeError, ...) means the same here
+    except Exception as e:  # noqa: BLE001 - every decoder error (OSError, RuntimeError, ...) means the same here
         ref = item.metadata.get("ref", index)
         raise MalformedSample(f"{conv.__key__}: cannot decode {ref!r} ({type(e).__name__}: {e})") from None
 

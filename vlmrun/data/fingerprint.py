@@ -40,7 +40,7 @@ def loader_fingerprint(recipe, *, processor_dir: str, chat_template: str | None,
     """The fingerprint of one loader shard, a flat dict of JSON values keyed by dotted path."""
     import megatron.energon
 
-    from vlmrun.data.families import COOKERS, TASK_ENCODERS
+    from vlmrun.data.components import COOKERS, TASK_ENCODERS
     from vlmrun.data.transport import transfer_group
 
     d, t = recipe.data, recipe.train

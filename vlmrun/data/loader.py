@@ -28,10 +28,10 @@ from dataclasses import dataclass
 
 from vlmrun.data.batch import Batch, PromptBatch
 from vlmrun.data.error_budget import CorruptDataError, ErrorBudget
-from vlmrun.data.malloc import retain_freed_memory
-from vlmrun.data.transport import SlotPool, transfer_group
-from vlmrun.data.splits import split_size
 from vlmrun.data.fingerprint import LOADER_FORMAT, LoaderStateRefused, check_same_identity, loader_fingerprint
+from vlmrun.data.malloc import retain_freed_memory
+from vlmrun.data.splits import split_size
+from vlmrun.data.transport import SlotPool, transfer_group
 from vlmrun.errors import InputError
 
 logger = logging.getLogger(__name__)
@@ -41,7 +41,7 @@ def load_processor(processor_dir: str, family: str):
     """`AutoProcessor` of a local model directory, checked against the family's processor class."""
     from transformers import AutoProcessor
 
-    from vlmrun.data.families import family_spec
+    from vlmrun.config.families import family_spec
 
     spec = family_spec(family)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # loader workers fork after it is loaded
@@ -74,7 +74,7 @@ class LoaderShard:
                  split: str):
         from megatron.energon import WorkerConfig, get_savable_loader, get_train_dataset
 
-        from vlmrun.data.families import check_components
+        from vlmrun.data.components import check_components
         from vlmrun.data.task_encoder import make_task_encoder
 
         if not 0 <= shard < num_shards:
@@ -229,9 +229,8 @@ def val_batches(recipe, *, processor_dir: str, samples: int, batch_size: int
     """
     from megatron.energon import WorkerConfig, get_loader, get_val_dataset
 
+    from vlmrun.data.components import check_components
     from vlmrun.data.task_encoder import make_task_encoder
-
-    from vlmrun.data.families import check_components
 
     d = recipe.data
     if samples <= 0:

@@ -7,7 +7,6 @@ from pathlib import Path
 
 from vlmrun.errors import InputError
 
-
 _META = ".nv-meta"
 
 

@@ -7,16 +7,16 @@ samples (full conversation and prompt) for `vlmrun.data.loader.val_batches` to c
 is `@stateless` (a pure function of its input), which is what lets Energon restore a shuffle buffer
 or a group by re-reading samples. `decoder = None`: samples reach the cooker as raw bytes, and the
 cooker decodes images straight to uint8 (Energon's default decoder would make float tensors the
-processor then rescales again; FACTS.md measured that at ~45% of the loader's time).
+processor then rescales again: ~45% of the loader's time, docs/measurements.md).
 """
 
 from __future__ import annotations
 
 from megatron.energon import DefaultTaskEncoder, Sample, edataclass, stateless
 
+from vlmrun.config.families import family_spec
 from vlmrun.data.chat_encoding import ConversationEncoder, Encoded, EncodedPrompt
 from vlmrun.data.cookers import Conversation, decode_media, energon_cookers
-from vlmrun.data.families import family_spec
 from vlmrun.data.transport import PackedBatches, SlotPool, collate_packed
 
 
@@ -76,7 +76,7 @@ class ChatSftValTaskEncoder(ChatSftTaskEncoder):
         return list(samples)
 
 
-# Names as declared in `vlmrun.data.families.TASK_ENCODERS` (tests/test_data_families.py checks).
+# Names as declared in `vlmrun.data.components.TASK_ENCODERS` (tests/test_data_families.py checks).
 _ENCODERS = {"chat_sft": (ChatSftTaskEncoder, ChatSftValTaskEncoder)}
 
 

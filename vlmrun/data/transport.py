@@ -134,16 +134,16 @@ def collate_packed(encoder, groups: list[list], pool: SlotPool | None = None) ->
     if torch.utils.data.get_worker_info() is None:
         blocks = [torch.empty(max(n, 1), dtype=torch.uint8) for _, n in placed]
         parts = [Part(sample_ids=i, fields=f, block=k, start=0, end=n)
-                 for k, (i, (f, n)) in enumerate(zip(ids, placed))]
+                 for k, (i, (f, n)) in enumerate(zip(ids, placed, strict=True))]
         slot = None
     else:
         parts, offset = [], 0
-        for i, (f, n) in zip(ids, placed):
+        for i, (f, n) in zip(ids, placed, strict=True):
             parts.append(Part(sample_ids=i, fields=f, block=0, start=offset, end=offset + n))
             offset += _aligned(n)
         block, slot = pool.block(offset) if pool is not None else (_shared(offset), None)
         blocks = [block]
-    for group, part in zip(groups, parts):
+    for group, part in zip(groups, parts, strict=True):
         base = blocks[part.block][part.start: part.end]
         encoder.collate(group, out={f.name: _view(base, f) for f in part.fields})
     return PackedBatches(blocks=blocks, parts=parts, slot=slot)

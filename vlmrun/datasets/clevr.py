@@ -5,7 +5,7 @@ On disk (`out/`):
     train-000000.tar ...  samples <key>.jpg (or .png) + <key>.json, key "train-0000042"
     val-000000.tar ...
     *.tar.idx             Energon's per-shard offset index
-    .nv-meta/             Energon metadata (CrudeWebdataset, subflavors = SUBFLAVORS)
+    .nv-meta/             Energon metadata (CrudeWebdataset, subflavors = CONVERSATION_SUBFLAVORS)
     clevr.json            parameters, summary and file sizes; written last: marks a complete set
 
 The same arguments give byte-identical shards on every run (for one Pillow/libjpeg build): each
@@ -31,9 +31,9 @@ from PIL import Image
 
 from vlmrun.datasets.clevr_scene import Question, draw_scene, sample_question, sample_scene
 from vlmrun.datasets.energon_prepare import META_FOLDER, prepare_crude_webdataset
+from vlmrun.datasets.formats import CONVERSATION_SUBFLAVORS
 from vlmrun.errors import InputError
 
-SUBFLAVORS = {"format": "vlmrun-conversation"}
 SPLITS = ("train", "val")
 IMAGE_FORMATS = ("jpg", "png")
 MARKER = "clevr.json"
@@ -151,7 +151,7 @@ def generate_clevr(
         splits[split] = _write_split(out, split, params, done, total, progress)
         done += splits[split].samples
     patterns = {split: rf"{split}-[0-9]+\.tar$" for split in SPLITS}
-    prepare_crude_webdataset(out, split_patterns=patterns, subflavors=SUBFLAVORS)
+    prepare_crude_webdataset(out, split_patterns=patterns, subflavors=dict(CONVERSATION_SUBFLAVORS))
     summary = ClevrSummary(path=out, params=params, splits=splits)
     _write_marker(out, summary)
     return summary

@@ -18,40 +18,10 @@ import json
 from dataclasses import dataclass
 from functools import cached_property
 
-from vlmrun.errors import InputError
+from vlmrun.config.parallel import ParallelConfig
 
 MEGATRON_ORDER = "tp-cp-ep-dp-pp"
 _PLAN_SCHEMA = "vlmrun.placement/1"
-
-
-class LayoutError(InputError, ValueError):
-    """A parallel size that is not an integer >= 1; `field` names the size (dp, tp, pp or cp)."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class ParallelLayout:
-    """How the policy's ranks are split: data (dp), tensor (tp), pipeline (pp) and context (cp) sizes.
-
-    Raises `LayoutError` (a `ValueError`) naming the first size that is not an integer >= 1.
-    """
-
-    dp: int
-    tp: int = 1
-    pp: int = 1
-    cp: int = 1
-
-    def __post_init__(self) -> None:
-        for name in ("dp", "tp", "pp", "cp"):
-            _check_size(name, getattr(self, name))
-
-    @property
-    def world_size(self) -> int:
-        return self.dp * self.tp * self.pp * self.cp
-
-    def describe(self) -> str:
-        """One line for error messages, e.g. "dp=2 tp=1 pp=1 cp=1 (2 ranks)"."""
-        ranks = "rank" if self.world_size == 1 else "ranks"
-        return f"dp={self.dp} tp={self.tp} pp={self.pp} cp={self.cp} ({self.world_size} {ranks})"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -74,7 +44,7 @@ class PlacementPlan:
     `placement_hash` goes into every checkpoint: a resume compares it to refuse a changed topology.
     """
 
-    layout: ParallelLayout
+    layout: ParallelConfig
     shards: tuple[LoaderShardPlacement, ...]
 
     @cached_property
@@ -120,7 +90,7 @@ class PlacementPlan:
             raise ValueError(f"rank {rank} does not exist: {self.describe()} has ranks 0..{last}")
 
 
-def plan_placement(layout: ParallelLayout) -> PlacementPlan:
+def plan_placement(layout: ParallelConfig) -> PlacementPlan:
     """One loader shard per data-parallel replica, ranks in Megatron's default order (see module doc)."""
     shards = tuple(
         LoaderShardPlacement(
@@ -134,11 +104,11 @@ def plan_placement(layout: ParallelLayout) -> PlacementPlan:
     return PlacementPlan(layout=layout, shards=shards)
 
 
-def _rank_of(layout: ParallelLayout, *, dp: int, tp: int = 0, cp: int = 0, pp: int = 0) -> int:
+def _rank_of(layout: ParallelConfig, *, dp: int, tp: int = 0, cp: int = 0, pp: int = 0) -> int:
     return tp + layout.tp * (cp + layout.cp * (dp + layout.dp * pp))
 
 
-def _replica_ranks(layout: ParallelLayout, dp: int) -> tuple[int, ...]:
+def _replica_ranks(layout: ParallelConfig, dp: int) -> tuple[int, ...]:
     # pp outermost, tp innermost: the ranks come out ascending.
     return tuple(
         _rank_of(layout, dp=dp, tp=tp, cp=cp, pp=pp)
@@ -146,9 +116,3 @@ def _replica_ranks(layout: ParallelLayout, dp: int) -> tuple[int, ...]:
         for cp in range(layout.cp)
         for tp in range(layout.tp)
     )
-
-
-def _check_size(name: str, value: object) -> None:
-    # bool is an int subclass; `tp: true` in a recipe is a mistake, not tp=1.
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise LayoutError(name, value, "each parallel size (dp, tp, pp, cp) is an integer >= 1")

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
-from typing import Callable
 
 from vlmrun.errors import InputError
 from vlmrun.run.directory import RunDirectory
@@ -22,7 +22,7 @@ def compare_targets(a: str, b: str, *, recipe: Path | None, steps: int | None, o
         if recipe is None:
             raise InputError("--recipe", None, "comparing loops needs a recipe: vlmrun compare v1 v2 --recipe R")
         dirs = {loop: out / loop for loop in (a, b)}
-        for loop, run_dir in dirs.items():
+        for run_dir in dirs.values():
             if RunDirectory(run_dir).exists():
                 raise InputError("--out", str(out), f"{run_dir} already holds a run; choose another --out")
         for loop, run_dir in dirs.items():

@@ -11,23 +11,24 @@ import os
 import signal
 import subprocess
 import sys
-from typing import Callable
+from collections.abc import Callable
 
 from vlmrun.errors import EXIT_BAD_INPUT
 from vlmrun.launch.registry import register_job
 from vlmrun.launch.result import SubmitResult
 from vlmrun.run import job as job_record
 from vlmrun.run.directory import RunDirectory
+from vlmrun.run.state import EXIT_COMPLETED, EXIT_FAILED, EXIT_STOPPED, State
 
-_OUTCOME = {job_record.EXIT_COMPLETED: "COMPLETED", job_record.EXIT_STOPPED: "STOPPED"}
+_OUTCOME = {EXIT_COMPLETED: State.COMPLETED, EXIT_STOPPED: State.STOPPED}
 
 
 def start_local(rd: RunDirectory, recipe, *, wait: bool, echo: Callable[[str], None] | None = None):
-    attempt = len(rd.read_job().get("attempts", []))
+    attempt = job_record.next_attempt(rd)
     cmd = [sys.executable, "-m", "vlmrun.cluster.node", "--run-dir", str(rd.path)]
     env = os.environ | {"PYTHONUNBUFFERED": "1", "VLMRUN_CLUSTER": "local"}
+    rd.logs.mkdir(exist_ok=True)  # a copied or pruned run dir may lack it
     if not wait:
-        rd.logs.mkdir(exist_ok=True)
         with open(rd.attempt_log(attempt), "ab") as log:
             proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env,
                                     start_new_session=True)
@@ -35,7 +36,7 @@ def start_local(rd: RunDirectory, recipe, *, wait: bool, echo: Callable[[str], N
         _record(rd, job_id, recipe)
         if echo:
             echo(f"started {job_id}; run dir {rd.path}\nfollow it with: tail -f {rd.attempt_log(attempt)}")
-        return SubmitResult(rd.path, "local", False, job_id=job_id, state="RUNNING")
+        return SubmitResult(rd.path, "local", False, job_id=job_id, state=State.RUNNING.value)
     if echo:
         echo(f"run dir {rd.path}")
     # The job's output goes to our stderr: stdout stays clean for `--json`.
@@ -44,12 +45,12 @@ def start_local(rd: RunDirectory, recipe, *, wait: bool, echo: Callable[[str], N
     job_id = f"local-{proc.pid}"
     _record(rd, job_id, recipe)
     code = _wait_forwarding_signals(proc)
-    state = _OUTCOME.get(code, "FAILED")
-    if echo and code == job_record.EXIT_STOPPED:
+    state = _OUTCOME.get(code, State.FAILED)
+    if echo and code == EXIT_STOPPED:
         echo(f"stopped at a checkpoint; continue with: vlmrun resume {rd.path} --wait")
-    passed_on = (job_record.EXIT_COMPLETED, job_record.EXIT_STOPPED, EXIT_BAD_INPUT)
-    return SubmitResult(rd.path, "local", False, job_id=job_id, state=state,
-                        exit_code=code if code in passed_on else job_record.EXIT_FAILED)
+    passed_on = (EXIT_COMPLETED, EXIT_STOPPED, EXIT_BAD_INPUT)
+    return SubmitResult(rd.path, "local", False, job_id=job_id, state=state.value,
+                        exit_code=code if code in passed_on else EXIT_FAILED)
 
 
 def _record(rd: RunDirectory, job_id: str, recipe) -> None:

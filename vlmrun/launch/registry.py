@@ -11,6 +11,7 @@ import os
 from pathlib import Path
 
 from vlmrun.run.directory import RunDirectory, write_atomic
+from vlmrun.run.job import read_job
 
 
 def jobs_dir() -> Path:
@@ -28,4 +29,5 @@ def registered_run(job_id: str) -> RunDirectory | None:
     if not entry.is_file():
         return None
     rd = RunDirectory(entry.read_text().strip())
-    return rd if rd.exists() and job_id in rd.read_job().get("job_ids", []) else None
+    job = read_job(rd) if rd.exists() else None
+    return rd if job is not None and job_id in job.job_ids else None

@@ -6,14 +6,15 @@ checkpoint's placement hash would refuse) are refused here, before anything star
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import yaml
 
 from vlmrun.errors import InputError
 from vlmrun.launch.local import start_local
-from vlmrun.launch.targets import find_run
+from vlmrun.launch.preflight import preflight_run
 from vlmrun.launch.slurm.queries import is_live
+from vlmrun.launch.targets import find_run
 from vlmrun.run import job as job_record
 from vlmrun.run.directory import dump_recipe, write_atomic
 
@@ -27,12 +28,12 @@ def resume_run(target: str, overrides: list[str], *, wait: bool, echo: Callable[
 
 
     rd, last_job = find_run(target)
-    job = rd.read_job()
-    slurm = job.get("cluster") == "slurm"
+    job = job_record.read_job(rd)
+    slurm = job is not None and job.cluster == "slurm"
     if slurm and last_job and is_live(str(last_job)):
         raise InputError("JOBID|RUN_DIR", target, message=f"job {last_job} of {rd.path} is still in the queue; "
                          f"wait for it or `vlmrun cancel {last_job}` before resuming")
-    if not slurm and (pid := job_record.running_pid(job)) is not None:
+    if job is not None and not slurm and (pid := job_record.running_pid(job)) is not None:
         raise InputError("RUN_DIR", target, message=f"{target} is still running (pid {pid}); stop it before resuming")
     raw = yaml.safe_load(rd.recipe_file.read_text())
     for item in overrides:
@@ -42,6 +43,7 @@ def resume_run(target: str, overrides: list[str], *, wait: bool, echo: Callable[
                              f"belongs to; a resume may change {', '.join(RESUMABLE)}")
         set_dotted(raw, key, value)
     recipe = validate(raw)
+    preflight_run(recipe, runs_here=not slurm)
     if overrides:
         write_atomic(rd.recipe_file, dump_recipe(recipe))
     if slurm:

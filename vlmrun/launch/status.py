@@ -9,11 +9,13 @@ from __future__ import annotations
 
 from vlmrun.cluster import requeue as requeue_policy
 from vlmrun.launch.registry import jobs_dir
-from vlmrun.launch.targets import find_run
 from vlmrun.launch.slurm.queries import LIVE, slurm_state
+from vlmrun.launch.targets import find_run
 from vlmrun.run import job as job_record
 from vlmrun.run.directory import RunDirectory
 from vlmrun.run.metrics import last_metrics
+from vlmrun.run.state import State
+
 
 def status(target: str | None = None) -> dict:
     """State of one run (job id or run dir), or of the registered jobs when `target` is None."""
@@ -26,30 +28,35 @@ def status(target: str | None = None) -> dict:
 
 
 def _summary(rd: RunDirectory, job_id: str | None) -> dict:
-    job = rd.read_job()
-    cluster = job.get("cluster", "local")
-    attempts = job.get("attempts", [])
-    out = {"run_dir": str(rd.path), "cluster": cluster, "job_id": job_id, "job_ids": job.get("job_ids", []),
-           "recorded_state": job.get("state"), "reason": job.get("reason", ""), "attempts": len(attempts),
-           "restarts": max([a.get("restart_count", 0) for a in attempts if a.get("job_id") == job_id] or [0]),
-           "requeues": requeue_policy.used_budget(job, job_id) if job_id else {}}
+    job = job_record.read_job(rd)
+    recorded = job.state if job else None
+    attempts = job.attempts if job else []
+    out = {"run_dir": str(rd.path), "cluster": job.cluster if job else "local", "job_id": job_id,
+           "job_ids": list(job.job_ids) if job else [], "recorded_state": _value(recorded),
+           "reason": (job.reason if job else None) or "", "attempts": len(attempts),
+           "restarts": max([a.restart_count for a in attempts if a.job_id == job_id] or [0]),
+           "requeues": requeue_policy.used_budget(attempts, job_id) if job_id else {}}
     out |= last_metrics(rd)
-    if cluster == "slurm" and job_id:
+    if out["cluster"] == "slurm" and job_id:
         out["slurm"] = slurm_state(job_id)
-        out["state"] = _combined_state(job.get("state"), out["slurm"])
+        out["state"] = _combined_state(recorded, out["slurm"])
     else:
-        pid = job_record.running_pid(job)
+        pid = job_record.running_pid(job) if job else None
         out["pid"] = pid
-        out["state"] = "RUNNING" if pid else ("FAILED" if job.get("state") == "RUNNING" else job.get("state"))
-    if out["state"] != out["recorded_state"] and out["state"] == "FAILED" and job.get("state") == "RUNNING":
+        out["state"] = _value(State.RUNNING if pid else (State.FAILED if recorded is State.RUNNING else recorded))
+    if out["state"] == State.FAILED.value and recorded is State.RUNNING:
         out["reason"] = "the job ended without recording an outcome (killed?); see `vlmrun logs`"
     return out
 
 
-def _combined_state(recorded: str | None, slurm: dict | None) -> str | None:
+def _combined_state(recorded: State | None, slurm: dict | None) -> str:
     """SLURM says whether the job is alive; job.json says how a finished run ended."""
     if slurm and slurm["state"] in LIVE:
         return slurm["state"]
-    if recorded in ("RUNNING", "PENDING", "REQUEUED", None):
-        return slurm["state"] if slurm and slurm["state"] not in ("COMPLETED",) else "FAILED"
-    return recorded
+    if recorded is None or not recorded.ended:  # the job left the queue without recording how it ended
+        return slurm["state"] if slurm and slurm["state"] != "COMPLETED" else State.FAILED.value
+    return recorded.value
+
+
+def _value(state: State | None) -> str | None:
+    return state.value if state is not None else None

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import shutil
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from vlmrun.errors import InputError
+from vlmrun.launch.preflight import preflight_run
 from vlmrun.launch.result import SubmitResult
 from vlmrun.run.directory import RunDirectory, default_run_dir, dump_recipe
 
@@ -23,7 +24,11 @@ def resolve_cluster(cluster: str) -> str:
 
 def submit_run(recipe_path: Path, overrides: list[str], *, cluster: str = "auto", run_dir: Path | None = None,
                dry_run: bool = False, wait: bool = False, echo: Callable[[str], None] | None = None) -> SubmitResult:
-    """Validate everything first, so a bad recipe or argument starts and submits nothing."""
+    """Validate everything first, so a bad recipe or argument starts and submits nothing.
+
+    Raises InputError (before a run dir is created or data generated) for a bad recipe, argument, a
+    missing model or data set, or too few GPUs on this machine for a local run (launch/preflight.py).
+    """
     from vlmrun.config.load import load_recipe
 
     recipe = load_recipe(recipe_path, overrides)
@@ -32,6 +37,7 @@ def submit_run(recipe_path: Path, overrides: list[str], *, cluster: str = "auto"
     if rd.exists():
         raise InputError("--run-dir", str(rd.path),
                          f"already holds a run; continue it with `vlmrun resume {rd.path}` or choose another --run-dir")
+    preflight_run(recipe, runs_here=chosen == "local")  # a dry run reports the same errors as a submit
     if chosen == "slurm":
         from vlmrun.launch.slurm.submit import submit_slurm
 

@@ -9,6 +9,7 @@ from vlmrun.errors import InputError
 from vlmrun.launch.registry import jobs_dir, registered_run
 from vlmrun.launch.slurm import queries
 from vlmrun.run.directory import RunDirectory
+from vlmrun.run.job import read_job
 
 _JOB_ID = re.compile(r"^\d+(_\d+)?$")
 
@@ -21,8 +22,8 @@ def find_run(target: str) -> tuple[RunDirectory, str | None]:
         if not rd.exists():
             raise InputError("JOBID|RUN_DIR", target,
                              message=f"{target} is not a vlmrun run directory (no recipe.yaml)")
-        ids = rd.read_job().get("job_ids") or [None]
-        return rd, ids[-1]
+        job = read_job(rd)
+        return rd, job.job_ids[-1] if job and job.job_ids else None
     rd = registered_run(target)
     if rd is not None:
         return rd, target

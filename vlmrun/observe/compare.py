@@ -87,7 +87,7 @@ def plot(a: Side, b: Side, path: Path) -> Path:
 
     path.parent.mkdir(parents=True, exist_ok=True)
     fig, axes = plt.subplots(1, len(METRICS), figsize=(6 * len(METRICS), 4))
-    for ax, m in zip(axes, METRICS):
+    for ax, m in zip(axes, METRICS, strict=True):
         for side, style in ((a, "-"), (b, "--")):
             steps = sorted(s for s in side.rows if side.rows[s].get(m) is not None)
             ax.plot(steps, [side.rows[s][m] for s in steps], style, label=side.label)

@@ -10,9 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-
-class DataPlaneError(RuntimeError):
-    pass
+from vlmrun.plane.interface import DataPlane, DataPlaneError
 
 
 @dataclass
@@ -23,7 +21,7 @@ class _Partition:
     committed: bool = False
 
 
-class LocalDataPlane:
+class LocalDataPlane(DataPlane):
     """Not thread-safe: one owner (the replica's owner rank) writes and reads it."""
 
     def __init__(self) -> None:

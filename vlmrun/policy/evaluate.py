@@ -22,7 +22,7 @@ def score_batches(model, tokenizer, loss_batches: list, prompt_batches: list, *,
             generated = model.generate(**p.model_inputs(), max_new_tokens=max_new_tokens, do_sample=False,
                                        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
             new = generated[:, p.input_ids.shape[1]:]
-            for text, answer in zip(tokenizer.batch_decode(new, skip_special_tokens=True), p.answers):
+            for text, answer in zip(tokenizer.batch_decode(new, skip_special_tokens=True), p.answers, strict=True):
                 correct += float(text.strip() == answer.strip())
                 answered += 1
     finally:

@@ -1,7 +1,7 @@
 """The run directory: the contract between submit, the job, resume, status and compare.
 
     <run dir>/recipe.yaml     fully resolved recipe; the job reads only this
-              job.json        lineage (job ids, attempts, states), written atomically
+              job.json        lineage (job ids, attempts, states); read and written by run/job.py
               metrics.jsonl   one row per optimizer step; a resumed attempt appends
               checkpoints/    complete checkpoints only (step_<N>)
               logs/           one log per attempt
@@ -11,12 +11,10 @@
 
 from __future__ import annotations
 
-import json
 import os
 import tempfile
 from datetime import datetime
 from pathlib import Path
-from typing import Any
 
 import yaml
 
@@ -80,14 +78,6 @@ class RunDirectory:
         if not self.exists():
             raise InputError("RUN_DIR", str(self.path), message=f"{self.path} is not a vlmrun run directory (no recipe.yaml)")
         return validate(yaml.safe_load(self.recipe_file.read_text()))
-
-    def read_job(self) -> dict[str, Any]:
-        if not self.job_file.is_file():
-            return {}
-        return json.loads(self.job_file.read_text())
-
-    def write_job(self, job: dict[str, Any]) -> None:
-        write_atomic(self.job_file, json.dumps(job, indent=2, sort_keys=True) + "\n")
 
     def task_log(self, job_id: str, task: int = 0) -> Path:
         """submitit's log of one SLURM task of `job_id`, appended across the job's restarts."""

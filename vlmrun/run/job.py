@@ -1,79 +1,213 @@
 """job.json: the lineage of a run (every job id, every attempt, the final state and why).
 
-Written atomically by whoever changes it. States: PENDING, RUNNING, COMPLETED, STOPPED (checkpointed
-and resumable), FAILED, CANCELLED, REQUEUED, BUDGET_EXHAUSTED.
+1. This module is the one place that reads and writes job.json: `read_job` / `write_job`, and the
+   transitions `add_job` (submit), `begin_attempt` / `end_attempt` / `fail_attempt` (the node).
+   Others read the typed `JobRecord`, change fields and write it back with `write_job`.
+2. Written atomically (temp file + rename). The JSON keeps the key names and state strings users'
+   scripts read (`job_ids`, `state`, `attempts[].restart_count`, ...); fields that are None are left
+   out; keys this version does not know are kept through a read and write (forward compatibility).
+3. Format 1 (files without `format`) did not record `stop_signal`: `read_job` fills it in once from
+   the "(SIGxxx)" in a STOPPED attempt's reason, so the requeue decision reads only the field.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import time
-from typing import Any
+from typing import Any, Literal
 
-from vlmrun.run.directory import RunDirectory
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_serializer
 
-ENDED = ("COMPLETED", "STOPPED", "FAILED", "CANCELLED", "BUDGET_EXHAUSTED")
+from vlmrun.errors import InputError
+from vlmrun.run.directory import RunDirectory, write_atomic
+from vlmrun.run.outcome import RunOutcome
+from vlmrun.run.state import State
 
-# Exit codes of the node entrypoint (and of `submit --wait` / `resume --wait`).
-EXIT_COMPLETED = 0
-EXIT_FAILED = 1
-EXIT_STOPPED = 3  # checkpointed at a step boundary; `vlmrun resume` continues it
+FORMAT = 2  # 1: no `format` key and no `stop_signal`; 2: `stop_signal` recorded by the node
+
+RequeueCause = Literal["timeout", "preemption", "requested"]
 
 
 def now() -> str:
+    """Local time as job.json spells it (ISO 8601 with the UTC offset, seconds)."""
     return time.strftime("%Y-%m-%dT%H:%M:%S%z")
 
 
-def new_record(cluster: str, name: str) -> dict[str, Any]:
-    return {"cluster": cluster, "name": name, "state": "PENDING", "created": now(), "job_ids": [], "attempts": []}
+class _Record(BaseModel):
+    model_config = ConfigDict(extra="allow", validate_assignment=True, coerce_numbers_to_str=True)
+
+    @model_serializer(mode="wrap")
+    def _leave_out_none(self, handler) -> dict[str, Any]:
+        fields = type(self).model_fields
+        return {k: v for k, v in handler(self).items() if not (k in fields and v is None)}
 
 
-def add_job(rd: RunDirectory, job_id: str, cluster: str, name: str) -> dict[str, Any]:
-    job = rd.read_job() or new_record(cluster, name)
-    if job_id not in job["job_ids"]:
-        job["job_ids"].append(job_id)
-    job["state"] = "PENDING"
-    job.setdefault("submits", []).append({"job_id": job_id, "time": now()})
-    rd.write_job(job)
+class Attempt(_Record):
+    """One start of the node entrypoint: `attempt` is its index (the `attempt` of metrics rows).
+
+    `stop_signal` is the signal that stopped it (SIGUSR2, SIGTERM), None for a finished run or a
+    stop by request; `requeue_cause` is set only when node 0 requeued the job after this attempt.
+    """
+
+    attempt: int
+    job_id: str
+    restart_count: int = 0
+    pid: int | None = None
+    host: str | None = None
+    started: str | None = None
+    ended: str | None = None
+    state: State = State.RUNNING
+    reason: str | None = None
+    last_step: int | None = None
+    stop_signal: str | None = None
+    requeue_cause: RequeueCause | None = None
+    requeue_decision: str | None = None
+    # What the node records about how the attempt went (RunOutcome.details()).
+    resumed_from: int | None = None
+    first_step_s: float | None = None
+    max_steps: int | None = None
+    checkpoint_save_s: list[float] | None = None
+    skipped_checkpoints: list[str] | None = None
+    final_val: dict[str, float | int] | None = None
+    worker_nodes: list[str] | None = None
+    ray_alive_nodes: int | None = None
+
+
+class Submit(_Record):
+    """One `vlmrun submit` / `resume` of the run: the job id it got and when."""
+
+    job_id: str
+    time: str
+
+
+class JobRecord(_Record):
+    """The whole of job.json; `format` says which version of this layout wrote it.
+
+    `state` and `reason` are the run's (the last attempt's, or the requeue decision's); `job_ids`
+    lists every job id of the lineage, oldest first.
+    """
+
+    format: int = FORMAT
+    cluster: Literal["local", "slurm"] = "local"
+    name: str = ""
+    state: State = State.PENDING
+    created: str = Field(default_factory=now)
+    job_ids: list[str] = Field(default_factory=list)
+    attempts: list[Attempt] = Field(default_factory=list)
+    submits: list[Submit] = Field(default_factory=list)
+    reason: str | None = None
+
+
+def read_job(rd: RunDirectory) -> JobRecord | None:
+    """The job record of `rd`; None when the run has none yet (never submitted).
+
+    Raises InputError naming the file when job.json is not JSON or not a job record.
+    """
+    path = rd.job_file
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return None
+    try:
+        raw = json.loads(text)
+    except ValueError as e:
+        raise _damaged(path, f"not JSON: {e}") from None
+    if not isinstance(raw, dict):
+        raise _damaged(path, f"a JSON {type(raw).__name__}, not an object")
+    version = raw.get("format", 1)
+    if not isinstance(version, int):
+        raise _damaged(path, f"format: {version!r} is not a format number")
+    try:
+        return JobRecord.model_validate(_from_format1(raw) if version < FORMAT else raw)
+    except ValidationError as e:
+        raise _damaged(path, _first_error(e)) from None
+
+
+def require_job(rd: RunDirectory) -> JobRecord:
+    """The job record of `rd`, which must exist (the job was submitted or an attempt begun).
+
+    Raises InputError naming the file when it is missing or damaged.
+    """
+    job = read_job(rd)
+    if job is None:
+        raise InputError("RUN_DIR", str(rd.path), message=f"{rd.job_file} does not exist: this run was never started")
+    return job
+
+
+def write_job(rd: RunDirectory, job: JobRecord) -> None:
+    """Write `job` to `rd`'s job.json atomically (readers see the old or the new file, never a torn one)."""
+    write_atomic(rd.job_file, json.dumps(job.model_dump(), indent=2, sort_keys=True) + "\n")
+
+
+def next_attempt(rd: RunDirectory) -> int:
+    """The index the next attempt of `rd` will get (its log is `rd.attempt_log(index)`)."""
+    job = read_job(rd)
+    return len(job.attempts) if job else 0
+
+
+def add_job(rd: RunDirectory, job_id: str, cluster: Literal["local", "slurm"], name: str) -> JobRecord:
+    """Record a submitted job: its id joins the lineage, the run is PENDING (creates job.json if needed)."""
+    job = read_job(rd) or JobRecord(cluster=cluster, name=name)
+    if job_id not in job.job_ids:
+        job.job_ids.append(job_id)
+    job.state = State.PENDING
+    job.submits.append(Submit(job_id=job_id, time=now()))
+    write_job(rd, job)
     return job
 
 
 def begin_attempt(rd: RunDirectory, job_id: str, restart_count: int, pid: int | None = None) -> int:
-    """Record the start of an attempt; returns its index (the `attempt` of metrics rows)."""
-    job = rd.read_job() or new_record("local", rd.path.name)
-    for a in job["attempts"]:
-        if a["state"] == "RUNNING":  # an attempt that never recorded its end was killed hard
-            a.update(state="KILLED", ended=a.get("ended") or now(), reason="ended without recording an outcome")
-    index = len(job["attempts"])
-    job["attempts"].append({"attempt": index, "job_id": job_id, "restart_count": restart_count, "pid": pid or os.getpid(),
-                            "host": os.uname().nodename, "started": now(), "state": "RUNNING"})
-    if job_id not in job["job_ids"]:
-        job["job_ids"].append(job_id)
-    job["state"] = "RUNNING"
-    rd.write_job(job)
+    """Record the start of an attempt on this host; returns its index (the `attempt` of metrics rows).
+
+    An earlier attempt still RUNNING never recorded its end (SIGKILL, node loss): it becomes KILLED.
+    """
+    job = read_job(rd) or JobRecord(cluster="local", name=rd.path.name)
+    for a in job.attempts:
+        if a.state is State.RUNNING:
+            a.state, a.ended, a.reason = State.KILLED, a.ended or now(), "ended without recording an outcome"
+    index = len(job.attempts)
+    job.attempts.append(Attempt(attempt=index, job_id=job_id, restart_count=restart_count, pid=pid or os.getpid(),
+                                host=os.uname().nodename, started=now(), state=State.RUNNING))
+    if job_id not in job.job_ids:
+        job.job_ids.append(job_id)
+    job.state = State.RUNNING
+    write_job(rd, job)
     return index
 
 
-def end_attempt(rd: RunDirectory, index: int, state: str, reason: str = "", last_step: int | None = None,
-                **details: Any) -> None:
-    """Record an attempt's outcome; `details` (resumed_from, first_step_s, ...) are kept beside it."""
-    job = rd.read_job()
-    attempt = job["attempts"][index]
-    attempt.update(state=state, ended=now(), reason=reason, last_step=last_step, **details)
-    job["state"] = state
-    job["reason"] = reason
-    rd.write_job(job)
+def end_attempt(rd: RunDirectory, index: int, outcome: RunOutcome) -> None:
+    """Record how attempt `index` ended (state, reason, last step, stop signal and the outcome's details)."""
+    job = require_job(rd)
+    a = job.attempts[index]
+    fields = outcome.details() | {"state": outcome.state, "reason": outcome.reason, "last_step": outcome.last_step,
+                                  "stop_signal": outcome.stop_signal, "ended": now()}
+    for key, value in fields.items():
+        setattr(a, key, value)
+    job.state, job.reason = outcome.state, outcome.reason
+    write_job(rd, job)
 
 
-def running_pid(job: dict[str, Any]) -> int | None:
-    """The pid of a local attempt still alive on this host, else None."""
-    for a in reversed(job.get("attempts", [])):
-        if a["state"] == "RUNNING" and a.get("host") == os.uname().nodename and _alive(a.get("pid")):
-            return a["pid"]
+def fail_attempt(rd: RunDirectory, index: int, reason: str) -> None:
+    """Record that attempt `index` failed (an exception in the node entrypoint) and why."""
+    job = require_job(rd)
+    a = job.attempts[index]
+    a.state, a.reason, a.ended = State.FAILED, reason, now()
+    job.state, job.reason = State.FAILED, reason
+    write_job(rd, job)
+
+
+def running_pid(job: JobRecord) -> int | None:
+    """The pid of an attempt recorded RUNNING on this host whose process is still alive, else None."""
+    for a in reversed(job.attempts):
+        if a.state is State.RUNNING and a.host == os.uname().nodename and process_alive(a.pid):
+            return a.pid
     return None
 
 
-def _alive(pid: int | None) -> bool:
+def process_alive(pid: int | None) -> bool:
+    """True while process `pid` exists on this host and is not a zombie."""
     if not pid:
         return False
     try:
@@ -82,8 +216,31 @@ def _alive(pid: int | None) -> bool:
         return False
     except PermissionError:
         return True
-    try:  # a zombie is not alive
+    try:
         with open(f"/proc/{pid}/stat") as f:
             return f.read().split(")")[-1].split()[0] != "Z"
     except OSError:
         return True
+
+
+_SIGNAL_IN_REASON = re.compile(r"\((SIG[A-Z0-9]+)\)")
+
+
+def _from_format1(raw: dict[str, Any]) -> dict[str, Any]:
+    """Format 1 -> 2: a STOPPED attempt's stop signal, from the "(SIGxxx)" its reason carries."""
+    attempts = []
+    for a in raw.get("attempts") or []:
+        if isinstance(a, dict) and a.get("state") == State.STOPPED.value and not a.get("stop_signal"):
+            if m := _SIGNAL_IN_REASON.search(a.get("reason") or ""):
+                a = a | {"stop_signal": m.group(1)}
+        attempts.append(a)
+    return raw | {"format": FORMAT, "attempts": attempts}
+
+
+def _damaged(path, problem: str) -> InputError:
+    return InputError(str(path), message=f"{path} is damaged ({problem}); it is not a vlmrun job record")
+
+
+def _first_error(e: ValidationError) -> str:
+    err = e.errors()[0]
+    return f"{'.'.join(str(p) for p in err['loc'])}: {err['msg']}"

@@ -7,8 +7,7 @@ SLURM_RESTART_COUNT, so `attempt_slice` can cut one attempt out of it.
 from __future__ import annotations
 
 import re
-from typing import Iterator
-
+from collections.abc import Iterator
 
 ATTEMPT_MARKER = "==> vlmrun attempt"
 

@@ -11,7 +11,6 @@ from pathlib import Path
 
 from vlmrun.run.directory import RunDirectory, write_atomic
 
-
 REQUEUE_REQUEST = "REQUEUE_REQUESTED"
 
 

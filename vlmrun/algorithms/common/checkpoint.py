@@ -1,11 +1,25 @@
-"""Checkpoints: everything needed for a bitwise-identical continuation, written atomically.
+"""Checkpoints: everything needed for a bitwise-identical continuation. This module owns their layout.
 
-    checkpoints/tmp_step_<N>/   being written (ignored and removed by readers)
-    checkpoints/step_<N>/       complete: meta.json lists every file with its size and sha256
-        meta.json  model.pt  optim.pt  controller.pt  rng/rank_<k>.pt  loader/shard_<r>.pt
+    checkpoints/tmp_step_<N>/        being written (ignored, and removed by the next save)
+    checkpoints/step_<N>/            complete
+        manifest.json                format, step, every file with its size and sha256, run metadata
+        controller.pt                the controller's RNG and step counters
+        policy/model.pt              the policy's parts (one copy when every rank holds the same state)
+        policy/optimizer.pt          optimizer and LR schedule
+        rng/rank_<k>.pt              every rank's RNG
+        loader/shard_<r>.pt          every loader shard's Energon state, with its identity fingerprint
+        plane/shard_<r>.pt           the data plane's state of replica r, where it is not empty
 
-The newest checkpoint that verifies wins; a torn or corrupt one is reported and skipped. `keep`
-complete checkpoints are retained.
+1. Components register their state as *parts*: a rank writes `pending.write(part, state, index)` and
+   reads `checkpoint.read(part, index)`; the part's file name is decided here (`PARTS`) and nowhere
+   else. `PendingCheckpoint` and `Checkpoint` are small picklable records, so they travel to the Ray
+   actors that write and read their parts (the checkpoint folder is on a filesystem all nodes see).
+2. `finish` seals a checkpoint: checksums into the manifest, fsync, rename tmp_step_<N> -> step_<N>,
+   then keeps the newest `keep`. `latest` returns the newest checkpoint that verifies (every listed
+   file has its size and checksum, and the parts every checkpoint needs are there); a torn or corrupt
+   one is reported and skipped.
+3. Format 1 (written before the layered layout: `meta.json`, `model.pt`, `optim.pt`, and loader and
+   plane state in one `loader/shard_<r>.pt`) is read through the same `Checkpoint.read`.
 """
 
 from __future__ import annotations
@@ -18,45 +32,120 @@ import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 log = logging.getLogger(__name__)
 
-FORMAT = 1
+FORMAT = 2
+MANIFEST = "manifest.json"
+#: Part -> file, relative to the checkpoint folder; `{index}` is the rank or the loader shard.
+PARTS = {
+    "controller": "controller.pt",
+    "model": "policy/model.pt",
+    "optimizer": "policy/optimizer.pt",
+    "rng": "rng/rank_{index}.pt",
+    "loader": "loader/shard_{index}.pt",
+    "plane": "plane/shard_{index}.pt",
+}
+#: Parts without which no checkpoint can be resumed.
+REQUIRED = ("controller", "model", "optimizer")
+# Format 1: file per part, and the key a part sat under when two parts shared one file.
+_V1_MANIFEST = "meta.json"
+_V1_PARTS = {"controller": "controller.pt", "model": "model.pt", "optimizer": "optim.pt", "rng": "rng/rank_{index}.pt",
+             "loader": "loader/shard_{index}.pt", "plane": "loader/shard_{index}.pt"}
+_V1_KEYS = {"loader": "loader", "plane": "plane"}
 
 
 class CorruptCheckpoint(Exception):
-    pass
+    """A checkpoint folder that must not be resumed from (torn, damaged, incomplete, unknown format)."""
+
+
+def part_file(part: str, index: int | None = None, *, layout: dict[str, str] = PARTS) -> str:
+    if part not in layout:
+        raise ValueError(f"unknown checkpoint part {part!r}; parts are {', '.join(layout)}")
+    pattern = layout[part]
+    if ("{index}" in pattern) != (index is not None):
+        raise ValueError(f"checkpoint part {part!r} {'needs' if index is None else 'takes no'} index")
+    return pattern.format(index=index)
 
 
 @dataclass(frozen=True)
-class Found:
+class PendingCheckpoint:
+    """A checkpoint being written; every writer adds its parts, then the store seals it."""
+
+    step: int
+    path: str
+
+    def write(self, part: str, state: Any, index: int | None = None) -> str:
+        """Save `state` (tensors and plain containers) as `part`; returns its file name for `finish`."""
+        import torch
+
+        name = part_file(part, index)
+        target = Path(self.path) / name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        torch.save(state, target)
+        return name
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """A complete checkpoint that verified; `manifest` holds the run metadata written with it."""
+
     step: int
     path: Path
-    meta: dict
+    manifest: dict
+
+    @property
+    def format(self) -> int:
+        return int(self.manifest["format"])
+
+    def has(self, part: str, index: int | None = None) -> bool:
+        return self._file(part, index) in self.manifest["files"]
+
+    def read(self, part: str, index: int | None = None) -> Any:
+        """The state saved as `part`; KeyError when this checkpoint has no such part."""
+        import torch
+
+        name = self._file(part, index)
+        if name not in self.manifest["files"]:
+            raise KeyError(f"checkpoint {self.path} has no {part}{'' if index is None else f' {index}'} ({name})")
+        state = torch.load(self.path / name, weights_only=True)
+        if self.format == 1 and part in _V1_KEYS:
+            return state[_V1_KEYS[part]]
+        return state
+
+    def _file(self, part: str, index: int | None) -> str:
+        return part_file(part, index, layout=_V1_PARTS if self.format == 1 else PARTS)
 
 
 class CheckpointStore:
+    """The checkpoints of one run under `root`; the newest `keep` complete ones are retained."""
+
     def __init__(self, root: Path, keep: int):
         self.root, self.keep = Path(root), keep
 
-    def begin(self, step: int) -> Path:
-        """A fresh, empty tmp_step_<N> folder for the ranks to write into."""
+    def begin(self, step: int) -> PendingCheckpoint:
+        """A fresh, empty tmp_step_<N> folder for the writers."""
         tmp = self.root / f"tmp_step_{step}"
         if tmp.exists():
             shutil.rmtree(tmp)
         tmp.mkdir(parents=True)
-        return tmp
+        return PendingCheckpoint(step, str(tmp))
 
-    def finish(self, step: int, tmp: Path, meta: dict, files: list[str]) -> Path:
-        """Seal `tmp` (checksums into meta.json, fsync) and rename it to step_<N>; apply retention."""
-        meta = dict(meta, format=FORMAT, step=step, saved_at=time.time(),
-                    files={f: {"size": (tmp / f).stat().st_size, "sha256": _sha256(tmp / f)} for f in sorted(files)})
-        with open(tmp / "meta.json", "w") as f:
-            json.dump(meta, f, indent=1, sort_keys=True)
+    def finish(self, pending: PendingCheckpoint, files: list[str], meta: dict) -> Path:
+        """Seal `pending` (checksums into the manifest, fsync) and rename it to step_<N>; apply retention."""
+        tmp = Path(pending.path)
+        missing = [p for p in REQUIRED if part_file(p) not in files]
+        if missing:
+            raise ValueError(f"checkpoint step {pending.step} lacks the parts {missing}")
+        manifest = dict(meta, format=FORMAT, step=pending.step, saved_at=time.time(),
+                        files={f: {"size": (tmp / f).stat().st_size, "sha256": _sha256(tmp / f)} for f in sorted(files)})
+        with open(tmp / MANIFEST, "w") as f:
+            json.dump(manifest, f, indent=1, sort_keys=True)
             f.flush()
             os.fsync(f.fileno())
         _fsync_tree(tmp)
-        final = self.root / f"step_{step}"
+        final = self.root / f"step_{pending.step}"
         if final.exists():
             shutil.rmtree(final)
         os.rename(tmp, final)
@@ -65,6 +154,7 @@ class CheckpointStore:
         return final
 
     def complete(self) -> list[tuple[int, Path]]:
+        """(step, folder) of every sealed checkpoint, oldest first (not yet verified)."""
         if not self.root.is_dir():
             return []
         found = []
@@ -73,12 +163,16 @@ class CheckpointStore:
                 found.append((int(p.name[5:]), p))
         return sorted(found)
 
-    def latest(self) -> tuple[Found | None, list[str]]:
+    def newest_step(self) -> int | None:
+        done = self.complete()
+        return done[-1][0] if done else None
+
+    def latest(self) -> tuple[Checkpoint | None, list[str]]:
         """The newest checkpoint that verifies, and a line for each newer one that was skipped."""
         skipped = []
         for step, path in reversed(self.complete()):
             try:
-                return Found(step, path, verify(path)), skipped
+                return Checkpoint(step, path, verify(path)), skipped
             except CorruptCheckpoint as e:
                 skipped.append(f"skipped {path.name}: {e}")
                 log.warning("skipping checkpoint %s: %s", path, e)
@@ -93,24 +187,39 @@ class CheckpointStore:
 
 
 def verify(path: Path) -> dict:
-    """meta.json parses and every listed file has its recorded size and sha256."""
-    try:
-        meta = json.loads((path / "meta.json").read_text())
-    except FileNotFoundError:
-        raise CorruptCheckpoint("no meta.json (torn write)") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CorruptCheckpoint(f"meta.json unreadable: {e}") from None
-    if meta.get("format") != FORMAT or not isinstance(meta.get("files"), dict):
-        raise CorruptCheckpoint(f"unknown checkpoint format {meta.get('format')!r}")
-    for name, want in meta["files"].items():
+    """The manifest of the checkpoint at `path` once every listed file has its recorded size and
+    sha256 and the required parts are listed; raises CorruptCheckpoint naming what is wrong."""
+    manifest = _read_manifest(path)
+    fmt = manifest.get("format")
+    if fmt not in (1, FORMAT) or not isinstance(manifest.get("files"), dict):
+        raise CorruptCheckpoint(f"unknown checkpoint format {fmt!r} (this vlmrun reads formats 1 and {FORMAT})")
+    layout = _V1_PARTS if fmt == 1 else PARTS
+    lacking = [p for p in REQUIRED if part_file(p, layout=layout) not in manifest["files"]]
+    if lacking:
+        raise CorruptCheckpoint(f"the manifest lists no {', '.join(lacking)} part")
+    for name, want in manifest["files"].items():
         f = path / name
         if not f.is_file():
             raise CorruptCheckpoint(f"{name} is missing")
-        if f.stat().st_size != want["size"]:
-            raise CorruptCheckpoint(f"{name} has {f.stat().st_size} bytes, expected {want['size']}")
-        if _sha256(f) != want["sha256"]:
+        if f.stat().st_size != want.get("size"):
+            raise CorruptCheckpoint(f"{name} has {f.stat().st_size} bytes, expected {want.get('size')}")
+        if _sha256(f) != want.get("sha256"):
             raise CorruptCheckpoint(f"{name} checksum mismatch")
-    return meta
+    return manifest
+
+
+def _read_manifest(path: Path) -> dict:
+    for name in (MANIFEST, _V1_MANIFEST):
+        try:
+            manifest = json.loads((path / name).read_text())
+        except FileNotFoundError:
+            continue
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise CorruptCheckpoint(f"{name} unreadable: {e}") from None
+        if not isinstance(manifest, dict):
+            raise CorruptCheckpoint(f"{name} is not a JSON object")
+        return manifest
+    raise CorruptCheckpoint(f"no {MANIFEST} (torn write)")
 
 
 def _sha256(path: Path) -> str:

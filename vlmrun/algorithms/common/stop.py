@@ -19,7 +19,7 @@ class StopFlag:
         self._event = threading.Event()
         self.signal_name: str | None = None
 
-    def install(self, signals=STOP_SIGNALS) -> "StopFlag":
+    def install(self, signals=STOP_SIGNALS) -> StopFlag:
         for s in signals:
             signal.signal(s, self._handle)
         return self

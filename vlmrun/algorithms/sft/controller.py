@@ -1,13 +1,15 @@
 """The SFT controller: one Ray actor that runs the step loop of SFT v1 or v2.
 
 1. v1 (driver-fed): the controller owns the loader shards of all replicas, builds each step's
-   micro-batches and ships them to the workers through Ray.
+   micro-batches and ships each replica its shard's (`WorkerGroup.submit_replica`).
 2. v2 (single controller, colocated loaders): the owner rank of each replica holds its own shard's
    loader (the topology mapper decides which); the controller sends "step" and receives metrics only.
 3. Both read shard r of DP for replica r, and the loss is normalized by the step's global count of
    valid tokens, so on CPU with a fixed seed both loops give bitwise-identical losses.
 4. A stop request (signal -> flag -> `request_stop`) is acted on at the next step boundary: every rank
    saves, and the run ends as STOPPED (resumable).
+5. The controller talks to the ranks only through the worker group's dispatch, and to checkpoints
+   only through the checkpoint store (parts: controller, and each loader shard in v1).
 """
 
 from __future__ import annotations
@@ -19,15 +21,18 @@ from pathlib import Path
 
 import ray
 
-from vlmrun.distributed.topology import ParallelLayout, plan_placement
-from vlmrun.errors import InputError
-from vlmrun.run.directory import RunDirectory
-from vlmrun.run.metrics import MetricsLog
-from vlmrun.observe.wandb_sink import WandbSink
-from vlmrun.policy import rng
-from vlmrun.policy.hf import PolicyWorker
 from vlmrun.algorithms.common.checkpoint import CheckpointStore
 from vlmrun.algorithms.common.steps import plan_steps
+from vlmrun.algorithms.sft.worker import SftWorker
+from vlmrun.distributed.topology import plan_placement
+from vlmrun.distributed.worker_group import Placement, WorkerGroup
+from vlmrun.errors import InputError
+from vlmrun.observe.wandb_sink import WandbSink
+from vlmrun.policy import rng
+from vlmrun.run.directory import RunDirectory
+from vlmrun.run.metrics import MetricsLog
+from vlmrun.run.outcome import RunOutcome
+from vlmrun.run.state import State
 
 log = logging.getLogger(__name__)
 
@@ -51,9 +56,9 @@ class SftController:
         self._stop.set()
 
     # ---- the run ---------------------------------------------------------------------------------
-    def run(self) -> dict:
+    def run(self) -> RunOutcome:
         r = self.recipe
-        self.plan = plan_placement(ParallelLayout(dp=r.parallel.dp, tp=r.parallel.tp, pp=r.parallel.pp, cp=r.parallel.cp))
+        self.plan = plan_placement(r.parallel)
         from vlmrun.data.splits import split_size
 
         self.steps = plan_steps(r, split_size(r.data.path, r.data.split))
@@ -70,7 +75,8 @@ class SftController:
             if self._stop.is_set():
                 step -= 1
                 self._save(step, counters)
-                return self._outcome("STOPPED", step, f"stop requested ({self.stop_reason}); checkpointed at step {step}", notes)
+                return self._outcome(State.STOPPED, step,
+                                     f"stop requested ({self.stop_reason}); checkpointed at step {step}", notes)
             row = self._train_step(step, counters)
             if first_step_at is None:
                 first_step_at = time.time()
@@ -83,53 +89,41 @@ class SftController:
             if self._due(step, r.checkpoint.save_period) or self._stop.is_set():
                 self._save(step, counters)
         if self._stop.is_set() and step < self.steps.max_steps:
-            return self._outcome("STOPPED", step, f"stop requested ({self.stop_reason})", notes)
-        return self._outcome("COMPLETED", step, f"finished {self.steps.max_steps} steps", notes)
+            return self._outcome(State.STOPPED, step, f"stop requested ({self.stop_reason})", notes)
+        return self._outcome(State.COMPLETED, step, f"finished {self.steps.max_steps} steps", notes)
 
     def _due(self, step: int, period: int) -> bool:
         return step == self.steps.max_steps or (period > 0 and step % period == 0)
 
-    def _outcome(self, state: str, step: int, reason: str, notes: dict) -> dict:
+    def _outcome(self, state: State, step: int, reason: str, notes: dict) -> RunOutcome:
         self.wandb.close()
-        for w in self.workers:
-            w.shutdown.remote()
+        self.group.shutdown()
         for loader in self.loaders.values():
             loader.close()
-        return {"state": state, "last_step": step, "reason": reason, "max_steps": self.steps.max_steps,
-                "checkpoint_save_s": self.save_times, "worker_nodes": self.worker_nodes,
-                "ray_alive_nodes": sum(1 for n in ray.nodes() if n["Alive"]), **notes}
+        signal = self.stop_reason if state is State.STOPPED and self.stop_reason.startswith("SIG") else None
+        return RunOutcome(state=state, last_step=step, reason=reason, stop_signal=signal,
+                          max_steps=self.steps.max_steps, checkpoint_save_s=self.save_times,
+                          worker_nodes=self.worker_nodes,
+                          ray_alive_nodes=sum(1 for n in ray.nodes() if n["Alive"]), **notes)
 
     # ---- set-up ----------------------------------------------------------------------------------
     def _start_workers(self) -> None:
-        """One actor per rank, placed by a placement group: rank i in bundle i, spread over the nodes."""
-        from ray.util.placement_group import placement_group
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
+        """One SftWorker per rank (the worker group places them), joined in one process group."""
+        c = self.recipe.cluster
         world = self.plan.layout.world_size
-        gpus = 1 if self.recipe.cluster.gpus_per_node else 0
-        bundle = {"CPU": 1, "GPU": gpus} if gpus else {"CPU": 1}
-        nodes = self.recipe.cluster.nodes
-        # One rank per node when ranks and nodes match (the 2-node dp=2 layout); else spread, packing allowed.
-        strategy = "STRICT_SPREAD" if nodes > 1 and world == nodes else ("SPREAD" if nodes > 1 else "PACK")
-        self.pg = placement_group([dict(bundle) for _ in range(world)], strategy=strategy)
-        ray.get(self.pg.ready(), timeout=300)
-        actor = ray.remote(PolicyWorker)
-        self.workers = [
-            actor.options(num_cpus=1, num_gpus=gpus, scheduling_strategy=PlacementGroupSchedulingStrategy(
-                placement_group=self.pg, placement_group_bundle_index=rank)).remote(
-                rank=rank, world_size=world, recipe_json=self.recipe_json, model_dir=self.model_dir,
-                threads=self.worker_threads)
-            for rank in range(world)
-        ]
-        self.worker_nodes = ray.get([w.node_address.remote() for w in self.workers])
-        port = ray.get(self.workers[0].free_port.remote())
-        ray.get([w.setup.remote(self.worker_nodes[0], port, self.steps.max_steps) for w in self.workers])
+        init = dict(world_size=world, recipe_json=self.recipe_json, model_dir=self.model_dir,
+                    threads=self.worker_threads)
+        self.group = WorkerGroup(SftWorker, self.plan, Placement(nodes=c.nodes, gpus_per_rank=1 if c.gpus_per_node else 0),
+                                 init=lambda rank: dict(init, rank=rank))
+        self.worker_nodes = self.group.node_addresses()
+        addr, port = self.group.rendezvous()
+        self.group.all_ranks("setup", addr, port, self.steps.max_steps)
 
     def _open_loaders(self) -> None:
         self.loaders = {}
         if self.recipe.train.loop == "v2":
-            ray.get([self.workers[s.owner_rank].attach_loader.remote(s.shard, s.num_shards, self.plan.placement_hash)
-                     for s in self.plan.shards])
+            self.group.replica_owners("attach_loader", lambda shard: dict(
+                shard=shard, num_shards=self.plan.layout.dp, placement_hash=self.plan.placement_hash))
             return
         from vlmrun.data.loader import open_loader_shard
 
@@ -139,25 +133,22 @@ class SftController:
                                                       split=self.recipe.data.split)
 
     def _resume(self) -> tuple[int, dict, dict]:
-        import torch
-
         rng.seed_all(self.recipe.train.seed)
         counters = {"consumed_samples": 0, "total_valid_tokens": 0}
         found, skipped = self.store.latest()
         notes = {"skipped_checkpoints": skipped} if skipped else {}
         if found is None:
             return 0, counters, notes
-        meta = found.meta
+        meta = found.manifest
         if meta["placement_hash"] != self.plan.placement_hash:
-            raise InputError("parallel", self.plan.layout.describe(),
+            raise InputError("parallel", self.plan.describe(),
                              f"checkpoint {found.path} was written with layout {meta['layout']} "
-                             f"(placement {meta['placement_hash']}), this run has {self.plan.layout.describe()} "
+                             f"(placement {meta['placement_hash']}), this run has {self.plan.describe()} "
                              f"(placement {self.plan.placement_hash}); resume with the same layout")
-        ray.get([w.load.remote(str(found.path)) for w in self.workers])
+        self.group.all_ranks("load", found)
         for shard, loader in self.loaders.items():
-            state = torch.load(found.path / "loader" / f"shard_{shard}.pt", weights_only=True)
-            loader.load_state_dict(state["loader"])
-        ctrl = torch.load(found.path / "controller.pt", weights_only=True)
+            loader.load_state_dict(found.read("loader", index=shard))
+        ctrl = found.read("controller")
         rng.set_rng_state(ctrl["rng"])
         counters = dict(ctrl["counters"])
         notes["resumed_from"] = found.step
@@ -170,14 +161,14 @@ class SftController:
         n_micro = self.steps.micro_batches_per_replica
         if self.recipe.train.loop == "v1":
             refs, loader_s = [], 0.0
-            for s in self.plan.shards:
+            for s in self.plan.shards:  # each replica starts as soon as its batch is built
                 t1 = time.perf_counter()
                 batches = [self.loaders[s.shard].next_batch() for _ in range(n_micro)]
                 loader_s = max(loader_s, time.perf_counter() - t1)
-                refs.append(self.workers[s.owner_rank].train_step.remote(step, micro_batches=batches))
+                refs += self.group.submit_replica(s.shard, "train_step", step=step, micro_batches=batches)
             results = ray.get(refs)
         else:
-            results = ray.get([w.train_step.remote(step, n_micro=n_micro) for w in self.workers])
+            results = self.group.all_ranks("train_step", step, n_micro=n_micro)
             loader_s = max(r["loader_s"] for r in results)
         dt = time.perf_counter() - t0
         head = results[0]
@@ -204,32 +195,24 @@ class SftController:
             self._val = val_batches(r, processor_dir=self.model_dir, samples=r.train.val_samples,
                                     batch_size=max(1, r.train.micro_batch_size))
         loss_b, prompt_b = self._val
-        n = len(self.workers)
-        parts = ray.get([w.validate.remote(loss_b[i::n], prompt_b[i::n]) for i, w in enumerate(self.workers)])
+        n = self.group.world_size
+        parts = self.group.per_rank("validate", lambda rank: dict(loss_batches=loss_b[rank::n],
+                                                                  prompt_batches=prompt_b[rank::n]))
         nll, tokens, correct, answered = [sum(p[k] for p in parts) for k in range(4)]
         return {"val_loss": nll / max(tokens, 1), "val_accuracy": correct / max(answered, 1), "val_samples": int(answered),
                 "val_majority_baseline": majority_share([a for b in prompt_b for a in b.answers])}
 
     def _save(self, step: int, counters: dict) -> None:
-        import torch
-
-        if step <= 0 or (self.store.complete() and self.store.complete()[-1][0] == step):
+        if step <= 0 or self.store.newest_step() == step:
             return
         t0 = time.perf_counter()
-        tmp = self.store.begin(step)
-        files = []
-        # Replicas hold identical weights and optimizer state: rank 0 writes them, every rank its RNG.
-        for part in ray.get([w.save.remote(str(tmp), with_model=(i == 0)) for i, w in enumerate(self.workers)]):
-            files += part
-        for shard, loader in self.loaders.items():
-            (tmp / "loader").mkdir(exist_ok=True)
-            torch.save({"loader": loader.state_dict(), "plane": {}}, tmp / "loader" / f"shard_{shard}.pt")
-            files.append(f"loader/shard_{shard}.pt")
-        torch.save({"rng": rng.rng_state(), "counters": counters}, tmp / "controller.pt")
-        files.append("controller.pt")
-        meta = {"placement_hash": self.plan.placement_hash, "layout": self.plan.layout.describe(),
+        pending = self.store.begin(step)
+        files = [f for part in self.group.all_ranks("save", pending) for f in part]
+        files += [pending.write("loader", loader.state_dict(), index=shard) for shard, loader in self.loaders.items()]
+        files.append(pending.write("controller", {"rng": rng.rng_state(), "counters": counters}))
+        meta = {"placement_hash": self.plan.placement_hash, "layout": self.plan.describe(),
                 "loop": self.recipe.train.loop, "attempt": self.attempt, "counters": counters}
-        path = self.store.finish(step, tmp, meta, files)
+        path = self.store.finish(pending, files, meta)
         self.save_times.append(round(time.perf_counter() - t0, 4))
         log.info("saved %s in %.2fs", path, self.save_times[-1])
 

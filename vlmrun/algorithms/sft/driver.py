@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import ray
 
-from vlmrun.errors import VlmrunError
-from vlmrun.run.metrics import RowFollower
-from vlmrun.run.directory import RunDirectory
 from vlmrun.algorithms.common.stop import StopFlag
+from vlmrun.errors import VlmrunError
+from vlmrun.run.directory import RunDirectory
+from vlmrun.run.metrics import RowFollower
 
 log = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@
 5. While the driver runs, a watchdog fails the job fast when a node leaves Ray or a worker reports
    that its Ray died: it interrupts the driver, which sees RayNodeLost (a clear message), not a hang.
 6. On the way out node 0 writes `done` (workers tear down and exit 0) and ends the Ray processes it
-   started; ports, processes and signals are handled in ray_slurm_nodes.py.
+   started; ports, processes and signals are handled in nodes.py.
 """
 
 from __future__ import annotations
@@ -27,16 +27,28 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator, TypeVar
+from typing import TypeVar
 
-from vlmrun.errors import CheckFailed
-from vlmrun.cluster.ray.nodes import (BLOCK_SIZE, PortBlock, become_subreaper, job_temp_dir, node_resource,
-                                           port_block, ray_env, reachable, start_ray_node, stop_ray_node, taken_ports)
-from vlmrun.run.directory import write_atomic
+from vlmrun.cluster.ray.nodes import (
+    BLOCK_SIZE,
+    PortBlock,
+    become_subreaper,
+    job_temp_dir,
+    node_resource,
+    port_block,
+    ray_env,
+    reachable,
+    start_ray_node,
+    stop_ray_node,
+    taken_ports,
+)
 from vlmrun.cluster.ray.watchdog import NodeWatchdog, RayNodeLost, read_status, registered_nodes
 from vlmrun.cluster.slurm_env import SlurmAllocation, node_address
+from vlmrun.errors import CheckFailed
+from vlmrun.run.directory import write_atomic
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

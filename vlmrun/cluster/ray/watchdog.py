@@ -59,7 +59,7 @@ class NodeWatchdog:
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="vlmrun-ray-watchdog", daemon=True)
 
-    def __enter__(self) -> "NodeWatchdog":
+    def __enter__(self) -> NodeWatchdog:
         self._thread.start()
         return self
 
@@ -95,7 +95,7 @@ class NodeWatchdog:
                 return f"node {n} failed: {status.get('reason')}"
         try:
             found = registered_nodes(self.nodes)
-        except Exception as e:  # the GCS itself is gone
+        except Exception as e:  # noqa: BLE001 - any failure to ask means the GCS itself is gone
             return f"lost the Ray head's state service: {type(e).__name__}: {e}"
         gone = [n for n in self.nodes if n not in found]
         return f"node(s) {', '.join(gone)} left the Ray cluster" if gone else None

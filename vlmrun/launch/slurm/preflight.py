@@ -17,7 +17,6 @@ from pathlib import Path
 from vlmrun.errors import InputError
 from vlmrun.launch.slurm.queries import parse_scontrol_job, parse_sinfo, run_tool
 
-
 NODE_LOCAL = ("/tmp", "/var/tmp", "/dev/shm")
 
 

@@ -7,7 +7,6 @@ import subprocess
 
 from vlmrun.config.cluster import parse_time_limit
 
-
 LIVE = ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "SUSPENDED", "REQUEUED", "REQUEUE_HOLD", "RESIZING")
 
 
@@ -31,7 +30,7 @@ def parse_squeue(text: str) -> dict[str, dict]:
     for line in text.splitlines():
         parts = line.strip().split("|")
         if len(parts) == 6:
-            out[parts[0]] = dict(zip(("state", "reason", "elapsed", "time_limit", "nodes"), parts[1:]))
+            out[parts[0]] = dict(zip(("state", "reason", "elapsed", "time_limit", "nodes"), parts[1:], strict=True))
     return out
 
 

@@ -17,21 +17,21 @@ from __future__ import annotations
 import logging
 import subprocess
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from vlmrun.errors import InputError
 from vlmrun.launch.registry import register_job
 from vlmrun.launch.result import SubmitResult
 from vlmrun.launch.slurm.preflight import preflight, signal_delay_warnings
 from vlmrun.launch.slurm.queries import is_live, queue_state, run_tool, slurm_state
-from vlmrun.run import job as job_record
-from vlmrun.run.metrics import last_metrics
-from vlmrun.run.directory import RunDirectory
 from vlmrun.launch.slurm.render import check_shell_safety, make_executor, render_script
+from vlmrun.run import job as job_record
+from vlmrun.run.directory import RunDirectory
+from vlmrun.run.metrics import last_metrics
+from vlmrun.run.state import EXIT_COMPLETED, EXIT_FAILED, EXIT_STOPPED, State
 
 log = logging.getLogger(__name__)
-_EXIT = {"COMPLETED": job_record.EXIT_COMPLETED, "STOPPED": job_record.EXIT_STOPPED,
-         "BUDGET_EXHAUSTED": job_record.EXIT_STOPPED}
+_EXIT = {State.COMPLETED: EXIT_COMPLETED, State.STOPPED: EXIT_STOPPED, State.BUDGET_EXHAUSTED: EXIT_STOPPED}
 
 
 def submit_slurm(rd: RunDirectory, recipe, *, dry_run: bool, wait: bool, echo: Callable[[str], None] | None = None,
@@ -66,7 +66,7 @@ def submit_slurm(rd: RunDirectory, recipe, *, dry_run: bool, wait: bool, echo: C
         raise
     say(f"submitted job {job.job_id}; run dir {rd.path}\nfollow it with: vlmrun logs {job.job_id} -f")
     if not wait:
-        return SubmitResult(rd.path, "slurm", False, job_id=job.job_id, state="PENDING")
+        return SubmitResult(rd.path, "slurm", False, job_id=job.job_id, state=State.PENDING.value)
     return wait_for_job(rd, job.job_id, echo=echo, poll_s=poll_s)
 
 
@@ -75,7 +75,8 @@ def resume_slurm(rd: RunDirectory, recipe, *, wait: bool, echo: Callable[[str], 
 
     Raises InputError while the run's last job is still in the queue.
     """
-    last = (rd.read_job().get("job_ids") or [None])[-1]
+    job = job_record.read_job(rd)
+    last = job.job_ids[-1] if job and job.job_ids else None
     if last and not str(last).startswith("local-") and is_live(str(last)):
         raise InputError("RUN_DIR", str(rd.path), message=f"job {last} of {rd.path} is still in the queue; "
                          f"wait for it or `vlmrun cancel {last}` before resuming")
@@ -90,10 +91,10 @@ def wait_for_job(rd: RunDirectory, job_id: str, *, echo: Callable[[str], None] |
     try:
         while True:
             queued = queue_state(job_id)
-            job = rd.read_job()
-            now = (queued, job.get("state"), len(job.get("attempts", [])))
+            job = job_record.read_job(rd)
+            now = (queued, job.state if job else None, len(job.attempts) if job else 0)
             if now != seen:
-                say(f"job {job_id}: {queued or 'left the queue'} (run: {job.get('state')}, attempts {now[2]})")
+                say(f"job {job_id}: {queued or 'left the queue'} (run: {now[1]}, attempts {now[2]})")
                 seen = now
             step = last_metrics(rd)["last_step"]
             if step is not None and step != shown_step:
@@ -105,14 +106,15 @@ def wait_for_job(rd: RunDirectory, job_id: str, *, echo: Callable[[str], None] |
     except KeyboardInterrupt:
         say(f"detached; job {job_id} keeps running: vlmrun status {job_id}")
         return SubmitResult(rd.path, "slurm", False, job_id=job_id, state=seen[0] if seen else None, exit_code=130)
-    job = rd.read_job()
-    state = job.get("state")
-    if state not in job_record.ENDED:
+    job = job_record.read_job(rd)
+    state = job.state if job else None
+    if state is None or not state.ended:
         slurm = slurm_state(job_id) or {}
-        state = "FAILED"
+        state = State.FAILED
         say(f"job {job_id} ended ({slurm.get('state', 'state unknown')}) without recording an outcome; "
             f"see {rd.task_log(job_id)}")
-    return SubmitResult(rd.path, "slurm", False, job_id=job_id, state=state, exit_code=_EXIT.get(state, 1))
+    return SubmitResult(rd.path, "slurm", False, job_id=job_id, state=state.value,
+                        exit_code=_EXIT.get(state, EXIT_FAILED))
 
 
 # ---------------------------------------------------------------- checks before submitting

@@ -10,9 +10,12 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-COLORS = ("red", "green", "blue", "yellow", "purple", "cyan", "gray", "brown")
-SHAPES = ("circle", "square", "triangle")
-SIZES = ("small", "large")
+from vlmrun.datasets import clevr_scene
+
+# The synthetic CLEVR set's words (datasets/clevr_scene.py), so its questions tokenize to whole words.
+COLORS = tuple(clevr_scene.COLORS)
+SHAPES = clevr_scene.SHAPES
+SIZES = clevr_scene.SIZES
 MAX_COUNT = 10
 
 # Qwen2's pre-tokenizer split: one token per digit, words keep their leading space.

@@ -1,16 +1,14 @@
-"""Model-family registry: what each family's processor produces, and which data components serve it.
+"""Data-component registry: which cookers and task encoders exist, and which model families they serve.
 
 Light on purpose (no torch, no Energon, no transformers): `vlmrun submit --dry-run` calls
 `check_components` on a login node. The implementations live in `cookers.py` and `task_encoder.py`
 and are looked up by the names declared here; tests/test_data_families.py checks that both agree.
+The families themselves are one registry in vlmrun/config/families.py.
 
-1. A `FamilySpec` names the processor class a model directory must carry and sorts the processor's
-   outputs: per-token inputs (padded with the batch, e.g. Qwen's `mm_token_type_ids`, without which
-   Qwen2.5-VL silently falls back to 1-D positions) and packed media (rows of all images
-   concatenated, plus their grid sizes).
-2. A `ComponentSpec` is a cooker or task encoder: its name, a version that goes into the loader
-   fingerprint (bump it when the component would produce different samples), and the families it
-   supports. A cooker also says which Energon subflavors it cooks.
+A `ComponentSpec` is a cooker or task encoder: its name, a version that goes into the loader
+fingerprint (bump it when the component would produce different samples), and the families it
+supports. A cooker also says which Energon subflavors it cooks (the format vlmrun's data sets write:
+vlmrun/datasets/formats.py).
 """
 
 from __future__ import annotations
@@ -18,15 +16,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
+from vlmrun.config.families import family_spec
+from vlmrun.datasets.formats import CONVERSATION_SUBFLAVORS
 from vlmrun.errors import InputError
-
-
-@dataclass(frozen=True, kw_only=True)
-class FamilySpec:
-    name: str
-    processor_class: str
-    token_keys: tuple[str, ...]
-    media_keys: tuple[str, ...]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -42,30 +34,13 @@ class ComponentSpec:
         return f"{self.name}@{self.version}"
 
 
-FAMILIES = MappingProxyType(
-    {
-        "qwen2_5_vl": FamilySpec(
-            name="qwen2_5_vl",
-            processor_class="Qwen2_5_VLProcessor",
-            token_keys=("mm_token_type_ids",),
-            media_keys=("pixel_values", "image_grid_thw"),
-        ),
-        "nemotron_omni": FamilySpec(
-            name="nemotron_omni",
-            processor_class="NemotronH_Omni_Reasoning_V3Processor",
-            token_keys=(),
-            media_keys=("pixel_values", "image_grid_hw"),
-        ),
-    }
-)
-
 COOKERS = MappingProxyType(
     {
         "conversation": ComponentSpec(
             name="conversation",
             version=1,
             families=("qwen2_5_vl", "nemotron_omni"),
-            subflavors={"format": "vlmrun-conversation"},
+            subflavors=dict(CONVERSATION_SUBFLAVORS),
         ),
     }
 )
@@ -75,14 +50,6 @@ TASK_ENCODERS = MappingProxyType(
         "chat_sft": ComponentSpec(name="chat_sft", version=1, families=("qwen2_5_vl", "nemotron_omni")),
     }
 )
-
-
-def family_spec(family: str) -> FamilySpec:
-    """The spec of `family`; `InputError` on `model.family` listing the known families."""
-    try:
-        return FAMILIES[family]
-    except KeyError:
-        raise InputError("model.family", family, f"allowed: {', '.join(FAMILIES)}") from None
 
 
 def check_components(recipe) -> None:

@@ -1,41 +1,19 @@
-"""Shared fixtures and helpers of the data-path tests (imported by tests/test_data_*.py).
-
-A small CLEVR set (64 px, 3 train shards of 32) and the two tiny processors are built once per
-session under pytest's base temp dir; fixtures imported into several modules find them there.
+"""Plain functions the data-path tests share (the fixtures are in tests/conftest.py): the size of the
+session's CLEVR set, a tiny recipe over a data set, batches as plain data, and raw and damaged samples.
 """
 
 from __future__ import annotations
 
 import io
 import json
-import os
 import tarfile
+from collections.abc import Callable
 from pathlib import Path
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
+from vlmrun.config.families import FAMILIES as FAMILY_REGISTRY
 
-import pytest
-
-TRAIN, VAL, SIZE, PER_SHARD = 96, 24, 64, 32
-FAMILIES = ("qwen2_5_vl", "nemotron_omni")
-
-
-@pytest.fixture(scope="session")
-def clevr_set(tmp_path_factory) -> Path:
-    from vlmrun.datasets.clevr import generate_clevr, read_complete
-
-    path = tmp_path_factory.getbasetemp() / "vlmrun-data-clevr64"
-    if read_complete(path) is None:
-        generate_clevr(path, train=TRAIN, val=VAL, image_size=SIZE, seed=0, samples_per_shard=PER_SHARD)
-    return path
-
-
-@pytest.fixture(scope="session")
-def tiny_dirs(tmp_path_factory) -> dict[str, str]:
-    from vlmrun.models.tiny import ensure_tiny_model
-
-    cache = tmp_path_factory.getbasetemp() / "vlmrun-data-models"
-    return {family: str(ensure_tiny_model(family, cache, seed=0)) for family in FAMILIES}
+TRAIN, VAL, SIZE, PER_SHARD = 96, 24, 64, 32  # the session's CLEVR set (conftest.clevr_set)
+FAMILIES = tuple(FAMILY_REGISTRY)
 
 
 def make_recipe(data_path: Path | str, *, family: str = "qwen2_5_vl", train: dict | None = None, **data):
@@ -66,7 +44,7 @@ def same_batches(got: list[dict], want: list[dict]) -> bool:
 
     if len(got) != len(want):
         return False
-    for g, w in zip(got, want):
+    for g, w in zip(got, want, strict=True):
         if g.keys() != w.keys() or g["ids"] != w["ids"]:
             return False
         if not all(torch.equal(g[k], w[k]) for k in w if k != "ids"):
@@ -85,10 +63,11 @@ def read_raw_samples(folder: Path, split: str) -> dict[str, dict]:
     return samples
 
 
-def write_corrupt_copy(src: Path, out: Path, damage: dict[str, callable]) -> Path:
+def write_corrupt_copy(src: Path, out: Path, damage: dict[str, Callable[[dict], dict]]) -> Path:
     """Copy a CLEVR set sample by sample, applying `damage[key](members)`, then prepare it for Energon."""
-    from vlmrun.datasets.clevr import SPLITS, SUBFLAVORS
+    from vlmrun.datasets.clevr import SPLITS
     from vlmrun.datasets.energon_prepare import prepare_crude_webdataset
+    from vlmrun.datasets.formats import CONVERSATION_SUBFLAVORS
 
     out.mkdir(parents=True)
     for shard in sorted(Path(src).glob("*.tar")):
@@ -104,7 +83,7 @@ def write_corrupt_copy(src: Path, out: Path, damage: dict[str, callable]) -> Pat
                     info.size = len(data)
                     tar_out.addfile(info, io.BytesIO(data))
     patterns = {split: rf"{split}-[0-9]+\.tar$" for split in SPLITS}
-    prepare_crude_webdataset(out, split_patterns=patterns, subflavors=SUBFLAVORS)
+    prepare_crude_webdataset(out, split_patterns=patterns, subflavors=dict(CONVERSATION_SUBFLAVORS))
     return out
 
 

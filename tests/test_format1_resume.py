@@ -1,0 +1,54 @@
+"""A run written by the code before the layered layout (checkpoint format 1, its job.json) resumes
+under this code, and the numbers are those of an uninterrupted run of this code, bit for bit.
+
+The fixture (tests/fixtures/format1-run) was written by vlmrun at commit 69db7bc: 40 steps of a tiny
+Qwen2.5-VL at dp=2, SGD, stopped with SIGUSR2 after step 9. It holds recipe.yaml, job.json,
+metrics.jsonl (steps 1-9) and checkpoints/step_9 (meta.json, model.pt, optim.pt, controller.pt,
+rng/rank_*.pt, loader/shard_*.pt). The recipe's data.path is absolute (the loader fingerprint holds
+it), so the synthetic data set is generated at that fixed path on first use.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from vlmrun.run.metrics import history
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[1]
+FIXTURE = ROOT / "tests" / "fixtures" / "format1-run"
+ENV = os.environ | {"HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline"}
+
+
+def vlmrun(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "vlmrun.cli", *args], capture_output=True, text=True, env=ENV,
+                          cwd=ROOT, timeout=600)
+
+
+def test_format1_run_resumes_to_the_numbers_of_an_uninterrupted_run(tmp_path):
+    old, fresh = tmp_path / "old", tmp_path / "fresh"
+    shutil.copytree(FIXTURE, old)
+    resumed = vlmrun("resume", str(old), "--wait")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    straight = vlmrun("submit", str(old / "recipe.yaml"), "--cluster", "local", "--run-dir", str(fresh), "--wait")
+    assert straight.returncode == 0, straight.stderr[-3000:]
+
+    a, b = history(old / "metrics.jsonl"), history(fresh / "metrics.jsonl")
+    assert sorted(a) == sorted(b) == list(range(1, 41))
+    for step in range(1, 41):  # steps 1-9 by the old code, 10-40 resumed by this one
+        for key in ("loss", "grad_norm", "lr", "valid_tokens", "sample_ids", "consumed_samples"):
+            assert a[step][key] == b[step][key], (step, key)
+    assert {a[s]["attempt"] for s in range(10, 41)} == {1}
+
+    job = json.loads((old / "job.json").read_text())
+    assert [x["state"] for x in job["attempts"]] == ["STOPPED", "COMPLETED"]
+    assert job["attempts"][1]["resumed_from"] == 9 and job["state"] == "COMPLETED"
+    assert (old / "checkpoints" / "step_40" / "manifest.json").is_file()

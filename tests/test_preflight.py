@@ -1,0 +1,159 @@
+"""A run that cannot start is refused at submit (and by a dry run, and by resume) in a second, naming the field:
+no run dir is created, no data generated, no process started."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from vlmrun.launch import preflight
+
+ROOT = Path(__file__).resolve().parents[1]
+OMNI = str(ROOT / "recipes" / "omni-clevr-1n8g.yaml")
+TINY = str(ROOT / "recipes" / "tiny-clevr-cpu.yaml")
+DRY = pytest.mark.parametrize("dry", [[], ["--dry-run"]], ids=["submit", "dry-run"])
+
+
+def vlmrun(*args: str, cwd: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "vlmrun.cli", *args], capture_output=True, text=True, cwd=cwd,
+                          env=os.environ | {"HF_HUB_OFFLINE": "1"} | (env or {}), timeout=120)
+
+
+def refused(out: subprocess.CompletedProcess, field: str) -> str:
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert "Traceback" not in out.stderr and field in out.stderr
+    assert len(out.stderr.strip().splitlines()) <= 2
+    return out.stderr
+
+
+def model_dir(tmp_path: Path) -> Path:
+    d = tmp_path / "model"
+    d.mkdir()
+    (d / "config.json").write_text("{}")
+    return d
+
+
+def energon_folder(path: Path, splits: dict[str, list[str]]) -> Path:
+    """The `.nv-meta` that `energon prepare` writes (shard counts and split parts); the tars are not read."""
+    meta = path / ".nv-meta"
+    meta.mkdir(parents=True)
+    shards = [name for names in splits.values() for name in names]
+    (meta / ".info.json").write_text(json.dumps({"shard_counts": {name: 4 for name in shards}}))
+    (meta / "split.yaml").write_text(json.dumps({"split_parts": splits, "exclude": []}))
+    return path
+
+
+@DRY
+def test_missing_model_is_refused_before_any_data_or_run_dir(tmp_path, dry):
+    started = time.monotonic()
+    out = vlmrun("submit", OMNI, "--cluster", "local", *dry, cwd=tmp_path)
+    elapsed = time.monotonic() - started
+    err = refused(out, "model.path")
+    assert "never downloads" in err and "/models/Nemotron-3-Nano-Omni-30B-A3B" in err
+    assert elapsed < 10, f"refused after {elapsed:.1f} s"
+    assert not (tmp_path / "data").exists(), "the synthetic data set was generated"
+    assert not (tmp_path / "runs").exists(), "a run dir was created"
+
+
+@DRY
+def test_gpu_recipe_on_a_machine_without_its_gpus_names_gpus_per_node(tmp_path, dry):
+    out = vlmrun("submit", OMNI, "--cluster", "local", *dry, "--set", f"model.path={model_dir(tmp_path)}",
+                 cwd=tmp_path, env={"CUDA_VISIBLE_DEVICES": ""})
+    err = refused(out, "cluster.gpus_per_node")
+    assert "8 GPUs wanted" in err and "has 0" in err
+    assert not (tmp_path / "runs").exists() and not (tmp_path / "data").exists()
+
+
+def test_slurm_leaves_the_gpu_count_to_the_partition(tmp_path):
+    out = vlmrun("submit", OMNI, "--cluster", "slurm", "--dry-run", "--set", f"model.path={model_dir(tmp_path)}",
+                 cwd=tmp_path, env={"CUDA_VISIBLE_DEVICES": ""})
+    assert out.returncode == 0, out.stderr
+    assert "#SBATCH --gpus-per-node=8" in out.stdout
+
+
+@DRY
+def test_unprepared_data_path_is_refused(tmp_path, dry):
+    (tmp_path / "plain").mkdir()
+    out = vlmrun("submit", TINY, "--cluster", "local", *dry, "--set", "data.synthetic=null",
+                 "--set", f"data.path={tmp_path / 'plain'}", "--run-dir", str(tmp_path / "run"), cwd=tmp_path)
+    assert "Energon-prepared" in refused(out, "data.path")
+    assert not (tmp_path / "run").exists()
+
+
+@DRY
+def test_missing_val_split_names_data_val_split(tmp_path, dry):
+    data = energon_folder(tmp_path / "d", {"train": ["train-000000.tar"]})
+    sets = ["--set", "data.synthetic=null", "--set", f"data.path={data}", "--run-dir", str(tmp_path / "run")]
+    err = refused(vlmrun("submit", TINY, "--cluster", "local", *dry, *sets, cwd=tmp_path), "data.val_split")
+    assert "'val'" in err and "train.val_samples=0" in err
+    out = vlmrun("submit", TINY, "--cluster", "local", "--dry-run", *sets, "--set", "train.val_samples=0", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+
+
+def test_missing_train_split_names_data_split(tmp_path):
+    data = energon_folder(tmp_path / "d", {"val": ["val-000000.tar"]})
+    out = vlmrun("submit", TINY, "--cluster", "local", "--dry-run", "--set", "data.synthetic=null",
+                 "--set", f"data.path={data}", cwd=tmp_path)
+    assert "has the splits: val" in refused(out, "data.split")
+
+
+@DRY
+def test_synthetic_data_path_that_cannot_be_made_is_refused(tmp_path, dry):
+    # A regular file as an ancestor stops root too (chmod would not).
+    (tmp_path / "a-file").write_text("x")
+    target = tmp_path / "a-file" / "sub" / "clevr"
+    out = vlmrun("submit", TINY, "--cluster", "local", *dry, "--set", f"data.path={target}",
+                 "--run-dir", str(tmp_path / "run"), cwd=tmp_path)
+    assert "not a directory" in refused(out, "data.path")
+    assert not (tmp_path / "run").exists()
+
+
+def test_resume_is_refused_before_it_starts(tmp_path):
+    out = vlmrun("submit", OMNI, "--cluster", "slurm", "--dry-run", "--json", "--set", f"model.path={model_dir(tmp_path)}",
+                 cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    rd = tmp_path / "run"
+    rd.mkdir()
+    (rd / "recipe.yaml").write_text(json.loads(out.stdout)["recipe"])
+    (tmp_path / "model" / "config.json").unlink()
+    out = vlmrun("resume", str(rd), cwd=tmp_path)
+    assert "has no config.json" in refused(out, "model.path")
+    assert not (rd / "job.json").exists() and not (tmp_path / "data").exists()
+
+
+# ---------------------------------------------------------------- GPU detection without torch
+
+
+@pytest.mark.parametrize(
+    "mask, expected",
+    [(None, 4), ("", 0), ("0,1", 2), ("3", 1), ("0,1,2,3,4,5", 4), ("1,7,2", 1), ("-1", 0), ("GPU-5f2e,GPU-77a1", 2)],
+)
+def test_visible_gpus_follows_cuda_visible_devices(monkeypatch, mask, expected):
+    monkeypatch.setattr(preflight, "physical_gpus", lambda: 4)
+    env = {} if mask is None else {"CUDA_VISIBLE_DEVICES": mask}
+    assert preflight.visible_gpus(env) == expected
+
+
+def test_physical_gpus_from_the_driver_or_the_device_files(tmp_path):
+    proc, dev = tmp_path / "proc", tmp_path / "dev"
+    dev.mkdir()
+    for name in ("nvidia0", "nvidia1", "nvidiactl", "nvidia-uvm", "null"):
+        (dev / name).touch()
+    assert preflight.physical_gpus(proc, dev) == 2
+    for bus in ("0000:17:00.0", "0000:65:00.0", "0000:ca:00.0"):
+        (proc / bus).mkdir(parents=True)
+    assert preflight.physical_gpus(proc, dev) == 3
+    assert preflight.physical_gpus(tmp_path / "none", tmp_path / "none") == 0
+
+
+def test_the_checks_import_nothing_heavy():
+    probe = subprocess.run([sys.executable, "-c", "import sys, vlmrun.launch.submit, vlmrun.launch.preflight; "
+                            "print(sorted(m for m in ('torch', 'ray', 'transformers', 'megatron.energon') if m in sys.modules))"],
+                           capture_output=True, text=True)
+    assert probe.stdout.strip() == "[]", probe.stderr

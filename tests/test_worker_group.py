@@ -1,0 +1,69 @@
+"""The worker group on a real (local) Ray: one actor per rank, and each dispatch reaches the ranks it names."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from vlmrun.config.parallel import ParallelConfig
+from vlmrun.distributed.topology import plan_placement
+from vlmrun.distributed.worker_group import Placement, RankActor, WorkerGroup
+
+pytestmark = pytest.mark.slow
+
+
+class EchoRank(RankActor):
+    def __init__(self, *, rank: int, tag: str):
+        self.rank, self.tag, self.closed = rank, tag, False
+
+    def who(self, payload=None) -> tuple:
+        return (self.rank, self.tag, payload)
+
+    def shutdown(self) -> None:
+        self.closed = True
+
+
+@pytest.fixture(scope="module")
+def ray_local():
+    import ray
+
+    from vlmrun.cluster.ray.local import start_local_ray
+
+    # Ray's workers import EchoRank from this module: put the tests folder on their path.
+    saved = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(Path(__file__).parent), saved) if p)
+    start_local_ray("test-worker-group", 4)
+    yield
+    ray.shutdown()
+    if saved is None:
+        os.environ.pop("PYTHONPATH")
+    else:
+        os.environ["PYTHONPATH"] = saved
+
+
+def test_dispatch_strategies_reach_the_ranks_they_name(ray_local):
+    plan = plan_placement(ParallelConfig(dp=2, tp=2))  # replica 0 = ranks 0,1; replica 1 = ranks 2,3
+    group = WorkerGroup(EchoRank, plan, Placement(nodes=1), init=lambda rank: {"rank": rank, "tag": f"r{rank}"})
+    try:
+        assert group.world_size == 4
+        assert group.all_ranks("who", "x") == [(r, f"r{r}", "x") for r in range(4)]
+        assert group.per_rank("who", lambda rank: {"payload": rank * 10}) == [(r, f"r{r}", r * 10) for r in range(4)]
+        assert group.replica_owners("who", lambda shard: {"payload": f"shard{shard}"}) == [
+            (0, "r0", "shard0"), (2, "r2", "shard1")]
+        assert group.by_dp("who", [{"payload": "a"}, {"payload": "b"}]) == [
+            (0, "r0", "a"), (1, "r1", "a"), (2, "r2", "b"), (3, "r3", "b")]
+        with pytest.raises(ValueError, match="one part per data-parallel replica"):
+            group.by_dp("who", [{"payload": "a"}])
+        addr, port = group.rendezvous()
+        assert addr == group.node_addresses()[0] and 0 < port < 65536
+    finally:
+        group.shutdown()
+
+
+def test_placement_strategy_follows_nodes_and_ranks():
+    assert Placement(nodes=1).strategy(4) == "PACK"
+    assert Placement(nodes=2).strategy(2) == "STRICT_SPREAD"
+    assert Placement(nodes=2).strategy(4) == "SPREAD"
+    assert Placement(nodes=1, gpus_per_rank=1).bundle() == {"CPU": 1, "GPU": 1}

@@ -1,0 +1,52 @@
+"""The model families vlmrun supports: one registry, read by the recipe, the data path and the tiny builders.
+
+Light on purpose (no torch, no transformers): the recipe validates `model.family` against it on a
+login node. A `FamilySpec` names the processor class a model directory must carry and sorts the
+processor's outputs: per-token inputs (padded with the batch, e.g. Qwen's `mm_token_type_ids`,
+without which Qwen2.5-VL silently falls back to 1-D positions) and packed media (rows of all images
+concatenated, plus their grid sizes). `Family` is the recipe's type; tests check it lists the same names.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Literal
+
+from vlmrun.errors import InputError
+
+Family = Literal["qwen2_5_vl", "nemotron_omni"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class FamilySpec:
+    name: str
+    processor_class: str
+    token_keys: tuple[str, ...]
+    media_keys: tuple[str, ...]
+
+
+FAMILIES = MappingProxyType(
+    {
+        "qwen2_5_vl": FamilySpec(
+            name="qwen2_5_vl",
+            processor_class="Qwen2_5_VLProcessor",
+            token_keys=("mm_token_type_ids",),
+            media_keys=("pixel_values", "image_grid_thw"),
+        ),
+        "nemotron_omni": FamilySpec(
+            name="nemotron_omni",
+            processor_class="NemotronH_Omni_Reasoning_V3Processor",
+            token_keys=(),
+            media_keys=("pixel_values", "image_grid_hw"),
+        ),
+    }
+)
+
+
+def family_spec(family: str) -> FamilySpec:
+    """The spec of `family`; `InputError` on `model.family` listing the known families."""
+    try:
+        return FAMILIES[family]
+    except KeyError:
+        raise InputError("model.family", family, f"allowed: {', '.join(FAMILIES)}") from None

@@ -1,0 +1,147 @@
+"""The worker group: one Ray actor per rank, placed by a placement group, and named ways to dispatch.
+
+1. Placement: bundle i of one placement group holds rank i (one CPU, and one GPU on GPU runs). One
+   rank per node when ranks and nodes match (STRICT_SPREAD: the 2-node dp=2 layout), spread over the
+   nodes otherwise, packed on a single node.
+2. Dispatch is a named strategy, not loop code repeated in every algorithm:
+   `all_ranks` (every rank, same arguments), `per_rank` (every rank its own share),
+   `replica_owners` (the owner rank of each data-parallel replica, e.g. to open its loader shard) and
+   `by_dp` / `submit_replica` (every rank gets its replica's part, e.g. its shard of a batch).
+   Results come back in rank (or shard) order; `submit_*` return Ray object refs instead of waiting.
+3. Ranks meet in torch.distributed through `rendezvous()`: rank 0's node address and a free port
+   there. Actor classes inherit `RankActor` for that.
+
+Ray is imported where it is used, so the placement logic stays importable on a login node.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from vlmrun.distributed.topology import PlacementPlan
+
+
+class RankActor:
+    """What the group asks of every actor class: where the rank runs, and a free port there."""
+
+    def node_address(self) -> str:
+        """The address other ranks reach this one at (127.0.0.1 on the embedded default)."""
+        import ray
+
+        return ray.util.get_node_ip_address()
+
+    def free_port(self) -> int:
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("", 0))
+            return s.getsockname()[1]
+
+
+@dataclass(frozen=True)
+class Placement:
+    """How many nodes the ranks spread over and what one rank holds."""
+
+    nodes: int
+    gpus_per_rank: int = 0
+
+    def strategy(self, world_size: int) -> str:
+        if self.nodes > 1:
+            return "STRICT_SPREAD" if world_size == self.nodes else "SPREAD"
+        return "PACK"
+
+    def bundle(self) -> dict[str, float]:
+        return {"CPU": 1, "GPU": self.gpus_per_rank} if self.gpus_per_rank else {"CPU": 1}
+
+
+class WorkerGroup:
+    """One actor of `actor_cls` per rank of `plan`; `init(rank)` gives each actor's constructor kwargs.
+
+    Raises `ray.exceptions.GetTimeoutError` when the placement group cannot be placed within
+    `ready_timeout_s` (the cluster lacks the CPUs or GPUs). `shutdown()` ends the actors' work
+    (their `shutdown` method) and frees the placement group.
+    """
+
+    def __init__(self, actor_cls: type, plan: PlacementPlan, placement: Placement,
+                 init: Callable[[int], dict[str, Any]], *, ready_timeout_s: float = 300.0):
+        import ray
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        self.plan = plan
+        world = plan.layout.world_size
+        self.pg = placement_group([placement.bundle() for _ in range(world)], strategy=placement.strategy(world))
+        ray.get(self.pg.ready(), timeout=ready_timeout_s)
+        remote = ray.remote(actor_cls)
+        self.workers = [
+            remote.options(num_cpus=1, num_gpus=placement.gpus_per_rank, scheduling_strategy=(
+                PlacementGroupSchedulingStrategy(placement_group=self.pg, placement_group_bundle_index=rank))
+            ).remote(**init(rank))
+            for rank in range(world)
+        ]
+
+    @property
+    def world_size(self) -> int:
+        return len(self.workers)
+
+    def node_addresses(self) -> list[str]:
+        return self.all_ranks("node_address")
+
+    def rendezvous(self) -> tuple[str, int]:
+        """(address, port) for `torch.distributed` init: rank 0's node and a port free there."""
+        import ray
+
+        return ray.get(self.workers[0].node_address.remote()), ray.get(self.workers[0].free_port.remote())
+
+    # ---- dispatch --------------------------------------------------------------------------------
+    def submit_all_ranks(self, method: str, *args, **kwargs) -> list:
+        return [getattr(w, method).remote(*args, **kwargs) for w in self.workers]
+
+    def all_ranks(self, method: str, *args, **kwargs) -> list:
+        """`method(*args, **kwargs)` on every rank; the results in rank order."""
+        import ray
+
+        return ray.get(self.submit_all_ranks(method, *args, **kwargs))
+
+    def submit_replica_owners(self, method: str, per_shard: Callable[[int], dict[str, Any]]) -> list:
+        return [getattr(self.workers[s.owner_rank], method).remote(**per_shard(s.shard)) for s in self.plan.shards]
+
+    def replica_owners(self, method: str, per_shard: Callable[[int], dict[str, Any]]) -> list:
+        """`method(**per_shard(shard))` on the owner rank of each loader shard; results in shard order."""
+        import ray
+
+        return ray.get(self.submit_replica_owners(method, per_shard))
+
+    def submit_replica(self, shard: int, method: str, **kwargs) -> list:
+        """`method(**kwargs)` on every rank of data-parallel replica `shard` (its part of a batch)."""
+        return [getattr(self.workers[rank], method).remote(**kwargs)
+                for rank in self.plan.shards[shard].delivery_ranks]
+
+    def by_dp(self, method: str, parts: Sequence[dict[str, Any]]) -> list:
+        """Every rank gets `parts[its dp index]` as keyword arguments; the results in shard, then rank order."""
+        import ray
+
+        if len(parts) != len(self.plan.shards):
+            raise ValueError(f"by_dp needs one part per data-parallel replica ({len(self.plan.shards)}), "
+                             f"got {len(parts)}")
+        return ray.get([ref for s in self.plan.shards for ref in self.submit_replica(s.shard, method, **parts[s.shard])])
+
+    def per_rank(self, method: str, kwargs_of: Callable[[int], dict[str, Any]]) -> list:
+        """`method(**kwargs_of(rank))` on every rank (each its own share); the results in rank order."""
+        import ray
+
+        return ray.get([getattr(w, method).remote(**kwargs_of(rank)) for rank, w in enumerate(self.workers)])
+
+    def shutdown(self) -> None:
+        """Tell every actor to release what it holds (process groups, loader workers), then free the bundles."""
+        import ray
+        from ray.util.placement_group import remove_placement_group
+
+        try:
+            ray.get(self.submit_all_ranks("shutdown"), timeout=60)
+        finally:
+            for w in self.workers:
+                ray.kill(w)
+            remove_placement_group(self.pg)

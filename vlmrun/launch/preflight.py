@@ -1,0 +1,128 @@
+"""Checks before a run starts: the model, the data and (on this machine) the GPUs are there.
+
+`preflight_run` is what `vlmrun submit` (dry runs too) and `vlmrun resume` call before they create a
+run directory, generate data or start a process, so a run that cannot work fails in a second, naming
+the field, instead of inside the job. The checks read the filesystem only: no torch, ray or
+transformers import. The job repeats its own checks (cluster/node.py), which stay authoritative.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+from vlmrun.data.splits import split_shards
+from vlmrun.errors import InputError
+from vlmrun.models.source import check_model_source
+
+NVIDIA_PROC = Path("/proc/driver/nvidia/gpus")
+_DEV = Path("/dev")
+_DEV_GPU = re.compile(r"^nvidia\d+$")
+
+
+def preflight_run(recipe, *, runs_here: bool) -> None:
+    """Raise InputError naming the field when `recipe` cannot start.
+
+    `runs_here`: the run executes on this machine (`--cluster local`), so this machine must have the
+    GPUs it asks for; a SLURM run's GPUs are checked against the partition (launch/slurm/preflight.py).
+    Paths must already be absolute (config.load.load_recipe resolves them).
+    """
+    check_model_source(recipe.model)
+    check_data(recipe.data, val=recipe.train.val_samples > 0)
+    if runs_here:
+        check_local_gpus(recipe.cluster.gpus_per_node)
+
+
+def check_data(data, *, val: bool) -> None:
+    """A prepared `data.path` must hold the splits the run reads; a synthetic one must be writable to make.
+
+    `val`: the run validates (train.val_samples > 0), so `data.val_split` must exist too.
+    """
+    if data.synthetic is not None:
+        _check_synthetic(data, val=val)
+        return
+    split_shards(data.path, data.split)
+    if val:
+        try:
+            split_shards(data.path, data.val_split)
+        except InputError as e:
+            if e.field != "data.split":
+                raise
+            raise InputError("data.val_split", data.val_split, f"{e.allowed}; or set train.val_samples=0 "
+                             "to train without validation") from None
+
+
+def _check_synthetic(data, *, val: bool) -> None:
+    from vlmrun.datasets.clevr import SPLITS, read_complete
+
+    wanted = [("data.split", data.split)] + ([("data.val_split", data.val_split)] if val else [])
+    for field, split in wanted:
+        if split not in SPLITS:
+            raise InputError(field, split, f"a synthetic (data.synthetic) set has the splits {', '.join(SPLITS)}")
+    path = Path(data.path)
+    if path.exists() and not path.is_dir():
+        raise InputError("data.path", str(path), message=f"data.path: {path} is a file; a synthetic set needs a "
+                         "directory there, or nothing yet")
+    if read_complete(path) is not None:
+        return
+    # The set is generated in a hidden sibling of data.path, created with its parents, then renamed.
+    parent = nearest_existing(path.parent)
+    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+        why = "is not a directory" if not parent.is_dir() else "is not writable"
+        raise InputError("data.path", str(path), message=f"data.path: {path} is generated on first use "
+                         f"(data.synthetic), but {parent} {why}; choose a data.path under a writable directory")
+
+
+def nearest_existing(path: Path) -> Path:
+    """`path` or its closest ancestor that exists (a file, too: the caller decides what that means)."""
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def check_local_gpus(wanted: int) -> None:
+    """This machine must show at least `wanted` GPUs (cluster.gpus_per_node) when the run executes here."""
+    if wanted <= 0:
+        return
+    found = visible_gpus()
+    if found < wanted:
+        mask = os.environ.get("CUDA_VISIBLE_DEVICES")
+        seen = f" (CUDA_VISIBLE_DEVICES={mask!r})" if mask is not None else ""
+        raise InputError("cluster.gpus_per_node", wanted, message=f"cluster.gpus_per_node: {wanted} GPUs wanted, but "
+                         f"this machine has {found}{seen} and --cluster local runs here; use a machine with {wanted} "
+                         "GPUs, --cluster slurm, or a CPU recipe (cluster.gpus_per_node=0)")
+
+
+def visible_gpus(env: dict[str, str] | None = None) -> int:
+    """GPUs a process started here may use: the NVIDIA driver's GPUs, narrowed by CUDA_VISIBLE_DEVICES.
+
+    Reads /proc/driver/nvidia/gpus (one folder per GPU), else counts /dev/nvidiaN; never imports torch.
+    Like CUDA, reading CUDA_VISIBLE_DEVICES stops at the first entry that names no GPU here.
+    """
+    env = os.environ if env is None else env
+    physical = physical_gpus()
+    mask = env.get("CUDA_VISIBLE_DEVICES")
+    if mask is None:
+        return physical
+    count = 0
+    for item in mask.split(","):
+        item = item.strip()
+        if not item or (item.lstrip("-").isdigit() and not 0 <= int(item) < physical):
+            break
+        count += 1
+    return min(count, physical)
+
+
+def physical_gpus(proc: Path = NVIDIA_PROC, dev: Path = _DEV) -> int:
+    """NVIDIA GPUs the driver shows this machine (or container); 0 without a driver."""
+    try:
+        listed = sum(1 for _ in proc.iterdir())
+    except OSError:
+        listed = 0
+    if listed:
+        return listed
+    try:
+        return sum(1 for p in dev.iterdir() if _DEV_GPU.match(p.name))
+    except OSError:
+        return 0

@@ -1,0 +1,75 @@
+"""The policy seam: what any training backend offers the algorithms, one instance per rank.
+
+Algorithms (SFT now, GRPO next) call only these methods; a backend (`hf` on gloo/CPU today, FSDP2 on
+NCCL and megatron-core later) implements them. The instance lives inside its rank's worker actor;
+collectives between ranks happen inside the calls, so every rank must make the same calls in the same
+order (as with torch.distributed itself).
+
+1. `setup` joins the ranks' process group and builds model, optimizer and LR schedule.
+2. `train_step` takes this rank's micro-batches of one optimizer step; the loss is normalized by the
+   step's global count of valid tokens (all ranks), so replicas and loops agree bitwise.
+3. `logprobs` scores a batch under the current weights (GRPO's prev/ref logprobs, tests).
+4. `state_dict` / `load_state_dict`: the parts of a checkpoint this backend owns, by part name
+   (`CHECKPOINT_PARTS`); the checkpoint store decides where they go.
+5. `weights_for_refit`: the full weights, by parameter name, for a generation engine.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+from typing import Any
+
+#: Part names a policy's state_dict holds; the checkpoint store maps each to a file.
+CHECKPOINT_PARTS = ("model", "optimizer")
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """One optimizer step as every rank saw it (identical on all ranks)."""
+
+    loss: float          # summed NLL over the step's valid tokens / global valid tokens
+    grad_norm: float     # before clipping
+    lr: float            # the LR this step's update used
+    valid_tokens: int    # global, all ranks
+    compute_s: float     # this rank's forward + backward + step time
+    peak_rss_mb: float   # this rank's process and its children
+
+
+class PolicyBackend(abc.ABC):
+    """A model being trained on one rank; see the module docstring for the contract."""
+
+    #: True when every rank's state_dict is the same (replicas): rank 0 alone saves it for all.
+    replicated_state: bool = True
+
+    @abc.abstractmethod
+    def setup(self, *, master_addr: str, master_port: int, max_steps: int) -> dict[str, Any]:
+        """Join the process group and build model, optimizer and schedule; returns {rank, params}."""
+
+    @abc.abstractmethod
+    def train_step(self, micro_batches: list) -> StepResult:
+        """Forward/backward over this rank's micro-batches, reduce gradients across ranks, step."""
+
+    @abc.abstractmethod
+    def logprobs(self, batch) -> Any:
+        """log p(next token) per position, [B, T-1], float32; 0 where labels are ignored."""
+
+    @abc.abstractmethod
+    def score(self, loss_batches: list, prompt_batches: list) -> list[float]:
+        """Validation over this rank's batches: [nll sum, tokens, correct, answered]; the caller sums ranks."""
+
+    @abc.abstractmethod
+    def state_dict(self) -> dict[str, Any]:
+        """{part: state} for every part of CHECKPOINT_PARTS (plain tensors and containers)."""
+
+    @abc.abstractmethod
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what `state_dict` returned."""
+
+    @abc.abstractmethod
+    def weights_for_refit(self) -> dict[str, Any]:
+        """Parameter name -> full tensor, for a generation engine to load."""
+
+    @abc.abstractmethod
+    def shutdown(self) -> None:
+        """Leave the process group; the instance is unusable afterwards."""
