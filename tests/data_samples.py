@@ -23,8 +23,14 @@ def make_recipe(data_path: Path | str, *, family: str = "qwen2_5_vl", train: dic
     raw = {
         "name": "data-test",
         "model": {"family": family, "tiny": True},
-        "data": {"path": str(data_path), "num_workers": 0, "shuffle_buffer": 16, "max_samples_per_sequence": 8,
-                 "max_seq_len": 256, **data},
+        "data": {
+            "path": str(data_path),
+            "num_workers": 0,
+            "shuffle_buffer": 16,
+            "max_samples_per_sequence": 8,
+            "max_seq_len": 256,
+            **data,
+        },
         "train": {"micro_batch_size": 2, "global_batch_size": 2, "seed": 1234, **(train or {})},
         "parallel": {"dp": 1},
         "cluster": {"nodes": 1, "gpus_per_node": 0, "cpus_per_node": 2},
@@ -34,9 +40,14 @@ def make_recipe(data_path: Path | str, *, family: str = "qwen2_5_vl", train: dic
 
 def flat(batch) -> dict:
     """A batch as plain data for equality checks and torch.save."""
-    return {"ids": list(batch.sample_ids), "input_ids": batch.input_ids, "attention_mask": batch.attention_mask,
-            "labels": batch.labels, **{f"t.{k}": v for k, v in batch.token_inputs.items()},
-            **{f"m.{k}": v for k, v in batch.media.items()}}
+    return {
+        "ids": list(batch.sample_ids),
+        "input_ids": batch.input_ids,
+        "attention_mask": batch.attention_mask,
+        "labels": batch.labels,
+        **{f"t.{k}": v for k, v in batch.token_inputs.items()},
+        **{f"m.{k}": v for k, v in batch.media.items()},
+    }
 
 
 def same_batches(got: list[dict], want: list[dict]) -> bool:

@@ -46,9 +46,7 @@ def records(dataset) -> list[tuple[dict, Image.Image]]:
     result = []
     for split in ("train", "val"):
         for parts in read_samples(dataset, split).values():
-            result.append(
-                (json.loads(parts["json"]), Image.open(io.BytesIO(parts["jpg"])).convert("RGB"))
-            )
+            result.append((json.loads(parts["json"]), Image.open(io.BytesIO(parts["jpg"])).convert("RGB")))
     return result
 
 
@@ -65,9 +63,7 @@ def test_same_arguments_give_identical_shards_and_another_seed_does_not(tmp_path
     with tarfile.open(a / "train-000000.tar") as tar:
         members = tar.getmembers()
     assert [m.name for m in members] == sorted(m.name for m in members)
-    assert {(m.mtime, m.uid, m.gid, m.uname, m.gname, m.mode) for m in members} == {
-        (0, 0, 0, "", "", 0o644)
-    }
+    assert {(m.mtime, m.uid, m.gid, m.uname, m.gname, m.mode) for m in members} == {(0, 0, 0, "", "", 0o644)}
 
 
 @pytest.mark.filterwarnings("ignore:'pin_memory' argument:UserWarning")
@@ -91,9 +87,7 @@ def test_energon_iterates_both_splits_with_a_cooker(dataset):
 
     @stateless
     def cook(crude: dict) -> Conversation:
-        return Conversation(
-            **basic_sample_keys(crude), record=crude["json"], image_shape=tuple(crude["jpg"].shape)
-        )
+        return Conversation(**basic_sample_keys(crude), record=crude["json"], image_shape=tuple(crude["jpg"].shape))
 
     class Encoder(DefaultTaskEncoder):
         cookers = [Cooker(cook, has_subflavors=dict(CONVERSATION_SUBFLAVORS))]
@@ -109,14 +103,10 @@ def test_energon_iterates_both_splits_with_a_cooker(dataset):
         repeat=False,
         task_encoder=Encoder(),
     )
-    val = get_val_dataset(
-        dataset, split_part="val", worker_config=workers, batch_size=None, task_encoder=Encoder()
-    )
+    val = get_val_dataset(dataset, split_part="val", worker_config=workers, batch_size=None, task_encoder=Encoder())
     for loader, split, count in ((train, "train", TRAIN), (val, "val", VAL)):
         samples = list(get_loader(loader))
-        assert sorted(s.__key__ for s in samples) == [
-            clevr.sample_key(split, i) for i in range(count)
-        ]
+        assert sorted(s.__key__ for s in samples) == [clevr.sample_key(split, i) for i in range(count)]
         assert {s.__subflavors__["format"] for s in samples} == {"vlmrun-conversation"}
         assert {s.image_shape for s in samples} == {(3, SIZE, SIZE)}
         assert samples[0].record["messages"][1]["role"] == "assistant"
@@ -145,10 +135,7 @@ def test_records_have_the_conversation_format(records):
     record, _ = records[0]
     assert set(record) == {"messages", "media", "template", "scene"}
     user, assistant = record["messages"]
-    assert (
-        user["content"][0] == {"type": "image", "ref": "jpg"}
-        and user["content"][1]["type"] == "text"
-    )
+    assert user["content"][0] == {"type": "image", "ref": "jpg"} and user["content"][1]["type"] == "text"
     assert assistant["content"][0]["type"] == "text"
     assert record["media"] == [{"ref": "jpg", "modality": "image", "width": SIZE, "height": SIZE}]
 
@@ -160,9 +147,7 @@ def recount(record: dict) -> str:
     colors, shapes = "|".join(COLORS), "|".join(SHAPES)
 
     def count(color=None, shape=None):
-        return str(
-            sum((color in (None, o["color"])) and (shape in (None, o["shape"])) for o in objects)
-        )
+        return str(sum((color in (None, o["color"])) and (shape in (None, o["shape"])) for o in objects))
 
     patterns = {
         "count_all": (r"How many objects are there\?", lambda m: count()),
@@ -192,10 +177,7 @@ def test_picture_shows_the_scene(records):
     palette = {**COLORS, "background": BACKGROUND}
 
     def nearest(rgb):
-        distance = {
-            name: sum((a - b) ** 2 for a, b in zip(c, rgb, strict=True))
-            for name, c in palette.items()
-        }
+        distance = {name: sum((a - b) ** 2 for a, b in zip(c, rgb, strict=True)) for name, c in palette.items()}
         return min(distance, key=distance.get)
 
     for record, image in records:
@@ -210,17 +192,9 @@ def test_objects_do_not_overlap_and_stay_inside(records):
     for record, _ in records:
         boxes = [o["bbox"] for o in record["scene"]]
         assert 1 <= len(boxes)
-        assert all(
-            margin <= b[0] < b[2] <= SIZE - margin and margin <= b[1] < b[3] <= SIZE - margin
-            for b in boxes
-        )
+        assert all(margin <= b[0] < b[2] <= SIZE - margin and margin <= b[1] < b[3] <= SIZE - margin for b in boxes)
         for a, b in combinations(boxes, 2):
-            assert (
-                a[2] + margin <= b[0]
-                or b[2] + margin <= a[0]
-                or a[3] + margin <= b[1]
-                or b[3] + margin <= a[1]
-            )
+            assert a[2] + margin <= b[0] or b[2] + margin <= a[0] or a[3] + margin <= b[1] or b[3] + margin <= a[1]
 
 
 def test_summary_counts_the_shards_and_is_not_degenerate(dataset, records):
@@ -228,10 +202,7 @@ def test_summary_counts_the_shards_and_is_not_degenerate(dataset, records):
     train = summary.splits["train"]
     assert summary.splits["val"].samples == VAL and train.samples == TRAIN
     answers = [r["messages"][1]["content"][0]["text"] for r, _ in records[:TRAIN]]
-    assert (
-        train.answers == {a: answers.count(a) for a in train.answers}
-        and sum(train.answers.values()) == TRAIN
-    )
+    assert train.answers == {a: answers.count(a) for a in train.answers} and sum(train.answers.values()) == TRAIN
     assert set(train.templates) == {
         "count_all",
         "count_color",
@@ -246,9 +217,7 @@ def test_summary_counts_the_shards_and_is_not_degenerate(dataset, records):
 
 def test_progress_reports_every_sample(tmp_path):
     calls = []
-    generate_clevr(
-        tmp_path / "p", train=5, val=3, progress=lambda done, total: calls.append((done, total))
-    )
+    generate_clevr(tmp_path / "p", train=5, val=3, progress=lambda done, total: calls.append((done, total)))
     assert calls == [(i, 8) for i in range(1, 9)]
 
 
@@ -257,17 +226,13 @@ def test_ensure_reuses_a_complete_set(tmp_path):
     first = ensure_clevr(out, train=8, val=4, image_size=64, seed=0)
     shard_mtime = (out / "train-000000.tar").stat().st_mtime_ns
     calls = []
-    again = ensure_clevr(
-        out, train=8, val=4, image_size=64, seed=0, progress=lambda *a: calls.append(a)
-    )
+    again = ensure_clevr(out, train=8, val=4, image_size=64, seed=0, progress=lambda *a: calls.append(a))
     assert again == first and calls == []
     assert (out / "train-000000.tar").stat().st_mtime_ns == shard_mtime
     assert [p.name for p in tmp_path.iterdir()] == ["set"]
 
 
-@pytest.mark.parametrize(
-    "field, value", [("seed", 1), ("val", 5), ("image_size", 72), ("image_format", "png")]
-)
+@pytest.mark.parametrize("field, value", [("seed", 1), ("val", 5), ("image_size", 72), ("image_format", "png")])
 def test_ensure_refuses_a_set_made_with_other_parameters(tmp_path, field, value):
     wanted = dict(train=8, val=4, image_size=64, seed=0, image_format="jpg")
     ensure_clevr(tmp_path / "set", **wanted)

@@ -16,8 +16,14 @@ TINY = str(ROOT / "recipes" / "tiny-clevr-cpu.yaml")
 
 
 def vlmrun(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "vlmrun.cli", *args], capture_output=True, text=True, cwd=cwd or ROOT,
-                          env=os.environ | {"HF_HUB_OFFLINE": "1"}, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "vlmrun.cli", *args],
+        capture_output=True,
+        text=True,
+        cwd=cwd or ROOT,
+        env=os.environ | {"HF_HUB_OFFLINE": "1"},
+        timeout=120,
+    )
 
 
 def test_help_lists_commands_and_imports_nothing_heavy():
@@ -25,8 +31,15 @@ def test_help_lists_commands_and_imports_nothing_heavy():
     assert out.returncode == 0
     for cmd in ("submit", "resume", "compare", "data"):
         assert cmd in out.stdout
-    probe = subprocess.run([sys.executable, "-c", "import sys, vlmrun.cli; print(sorted(m for m in ('torch','ray','transformers','megatron.energon') if m in sys.modules))"],
-                           capture_output=True, text=True)
+    probe = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import sys, vlmrun.cli; print(sorted(m for m in ('torch','ray','transformers','megatron.energon') if m in sys.modules))",
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert probe.stdout.strip() == "[]"
 
 
@@ -51,7 +64,7 @@ def examples(help_text: str) -> list[str]:
     lines = [line.strip() for line in help_text.splitlines()]
     found = [line.split(":", 1)[1].strip() for line in lines if line.startswith("Example:")]
     if "Examples:" in lines:
-        found += [line for line in lines[lines.index("Examples:") + 1:] if line.startswith("vlmrun ")]
+        found += [line for line in lines[lines.index("Examples:") + 1 :] if line.startswith("vlmrun ")]
     return found
 
 
@@ -71,7 +84,7 @@ def test_each_command_help_teaches_it_by_example_and_documents_every_option(path
         words = shlex.split(example)
         assert words[: 1 + len(path.split())] == ["vlmrun", *path.split()], f"example runs another command: {example}"
         # the example parses as this command's arguments: every option it uses exists and takes its value
-        cmd.make_context(f"vlmrun {path}", words[1 + len(path.split()):])
+        cmd.make_context(f"vlmrun {path}", words[1 + len(path.split()) :])
     for param in cmd.params:
         name = param.opts[0] if param.param_type_name == "option" else param.name
         assert (param.help or "").strip(), f"`vlmrun {path} --help`: {name} has no help text"
@@ -79,8 +92,18 @@ def test_each_command_help_teaches_it_by_example_and_documents_every_option(path
 
 
 def test_dry_run_json_names_run_dir_and_starts_nothing(tmp_path):
-    out = vlmrun("submit", TINY, "--dry-run", "--cluster", "local", "--run-dir", str(tmp_path / "r"), "--json",
-                 "--set", "train.max_steps=5")
+    out = vlmrun(
+        "submit",
+        TINY,
+        "--dry-run",
+        "--cluster",
+        "local",
+        "--run-dir",
+        str(tmp_path / "r"),
+        "--json",
+        "--set",
+        "train.max_steps=5",
+    )
     assert out.returncode == 0, out.stderr
     data = json.loads(out.stdout)
     assert data["run_dir"] == str(tmp_path / "r") and data["dry_run"] is True
@@ -141,8 +164,34 @@ def test_resume_refuses_fingerprinted_override_before_starting(tmp_path):
 
 
 def test_data_clevr_cli_is_deterministic_and_reports_baseline(tmp_path):
-    a = vlmrun("data", "clevr", str(tmp_path / "a"), "--train", "24", "--val", "8", "--image-size", "64", "--seed", "3", "--json")
-    b = vlmrun("data", "clevr", str(tmp_path / "b"), "--train", "24", "--val", "8", "--image-size", "64", "--seed", "3", "--json")
+    a = vlmrun(
+        "data",
+        "clevr",
+        str(tmp_path / "a"),
+        "--train",
+        "24",
+        "--val",
+        "8",
+        "--image-size",
+        "64",
+        "--seed",
+        "3",
+        "--json",
+    )
+    b = vlmrun(
+        "data",
+        "clevr",
+        str(tmp_path / "b"),
+        "--train",
+        "24",
+        "--val",
+        "8",
+        "--image-size",
+        "64",
+        "--seed",
+        "3",
+        "--json",
+    )
     assert a.returncode == 0 and b.returncode == 0, a.stderr
     summary = json.loads(a.stdout)
     assert 0 < summary["splits"]["val"]["majority_accuracy"] <= 1
@@ -157,8 +206,9 @@ def test_exit_codes_of_a_failed_check_reach_the_shell(tmp_path):
     for name, loss in (("a", 1.0), ("b", 1.5)):
         d = tmp_path / name
         d.mkdir()
-        (d / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": loss, "grad_norm": 1.0, "sample_ids": ["x"],
-                                                     "step_time_s": 0.1}) + "\n")
+        (d / "metrics.jsonl").write_text(
+            json.dumps({"step": 1, "loss": loss, "grad_norm": 1.0, "sample_ids": ["x"], "step_time_s": 0.1}) + "\n"
+        )
         (d / "recipe.yaml").write_text(Path(TINY).read_text())
     out = vlmrun("compare", str(tmp_path / "a"), str(tmp_path / "b"), "--json", "--out", str(tmp_path / "o"))
     assert out.returncode == 1
@@ -170,8 +220,20 @@ def test_exit_codes_of_a_failed_check_reach_the_shell(tmp_path):
 
 def test_slurm_dry_run_prints_recipe_and_inert_sbatch_script(tmp_path):
     hostile = "x$(touch {p})`touch {p}`;touch {p}".format(p=tmp_path / "pwned")
-    out = vlmrun("submit", TINY, "--dry-run", "--cluster", "slurm", "--run-dir", str(tmp_path / "r"), "--json",
-                 "--set", f"cluster.job_name={hostile}", "--set", f"cluster.env={{V: '{hostile}'}}")
+    out = vlmrun(
+        "submit",
+        TINY,
+        "--dry-run",
+        "--cluster",
+        "slurm",
+        "--run-dir",
+        str(tmp_path / "r"),
+        "--json",
+        "--set",
+        f"cluster.job_name={hostile}",
+        "--set",
+        f"cluster.env={{V: '{hostile}'}}",
+    )
     assert out.returncode == 0, out.stderr
     d = json.loads(out.stdout)
     assert "name: tiny-clevr-cpu" in d["recipe"] and d["sbatch_script"].startswith("#!/bin/bash")

@@ -15,15 +15,27 @@ from vlmrun.data.chat_encoding import ConversationEncoder
 from vlmrun.data.cookers import cook_conversation
 from vlmrun.data.loader import load_processor
 
-ROW_KEYS = {"loader", "num_workers", "samples_per_s", "samples_per_s_iqr", "mb_per_s", "p50_batch_ms", "p95_batch_ms",
-            "stage_ms_per_sample", "peak_rss_mb", "rss_per_worker_mb", "measured_batches"}
+ROW_KEYS = {
+    "loader",
+    "num_workers",
+    "samples_per_s",
+    "samples_per_s_iqr",
+    "mb_per_s",
+    "p50_batch_ms",
+    "p95_batch_ms",
+    "stage_ms_per_sample",
+    "peak_rss_mb",
+    "rss_per_worker_mb",
+    "measured_batches",
+}
 
 
 def test_reference_loader_decodes_and_encodes_like_the_task_encoder(clevr_set, tiny_dirs):
     recipe = make_recipe(clevr_set)
     raw = read_raw_samples(clevr_set, "train")
-    encoder = ConversationEncoder(load_processor(tiny_dirs["qwen2_5_vl"], "qwen2_5_vl"), family_spec("qwen2_5_vl"),
-                                  recipe.data.max_seq_len)
+    encoder = ConversationEncoder(
+        load_processor(tiny_dirs["qwen2_5_vl"], "qwen2_5_vl"), family_spec("qwen2_5_vl"), recipe.data.max_seq_len
+    )
     batches = reference_loader(recipe, processor_dir=tiny_dirs["qwen2_5_vl"], split="train", num_workers=0)
     for _ in range(4):
         batch = next(batches)
@@ -39,8 +51,9 @@ def test_bench_reports_every_loader_kind(clevr_set, tiny_dirs):
     from vlmrun.bench.loader import run_bench
 
     recipe = make_recipe(clevr_set, synthetic={"train": TRAIN, "val": VAL, "image_size": SIZE, "seed": 0})
-    result = run_bench(recipe, workers=[0, 1], batches=8, rounds=2, image_size=SIZE,
-                       processor_dir=tiny_dirs["qwen2_5_vl"])
+    result = run_bench(
+        recipe, workers=[0, 1], batches=8, rounds=2, image_size=SIZE, processor_dir=tiny_dirs["qwen2_5_vl"]
+    )
     json.dumps(result)
     assert result["dataset"] == str(clevr_set) and result["image_size"] == SIZE
     rows = {(r["loader"], r["num_workers"]): r for r in result["results"]}

@@ -50,7 +50,7 @@ def test_labels_cover_the_answer_and_its_end_of_turn_token_only(encoder, raw):
     # the labelled tokens are one contiguous run: the assistant turn, not its header or the newline after
     positions = trained.nonzero().flatten()
     assert positions[-1] - positions[0] + 1 == len(positions)
-    assert encoder.tokenizer.decode(encoded.input_ids[positions[-1] + 1:]).strip() == ""
+    assert encoder.tokenizer.decode(encoded.input_ids[positions[-1] + 1 :]).strip() == ""
 
 
 def test_over_length_sample_becomes_a_zero_weight_text_only_row(encoder, raw):
@@ -97,7 +97,7 @@ def test_prompt_is_the_text_before_the_answer_left_padded(encoder, raw):
     width = batch.input_ids.shape[1]
     for row, p in enumerate(prompts):
         n = p.input_ids.numel()
-        assert torch.equal(batch.input_ids[row, width - n:], p.input_ids)
+        assert torch.equal(batch.input_ids[row, width - n :], p.input_ids)
         assert batch.attention_mask[row, : width - n].sum() == 0
     assert batch.answers == [c.answer for c in convs]
 

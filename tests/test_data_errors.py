@@ -16,8 +16,12 @@ BAD = {
     "train-0000040": without_messages,  # json without messages
     "train-0000070": lambda m: {k: v for k, v in m.items() if k != "jpg"},  # media ref to a missing member
 }
-TAR_OF = {"train-0000005": "train-000000.tar", "train-0000017": "train-000000.tar",
-          "train-0000040": "train-000001.tar", "train-0000070": "train-000002.tar"}
+TAR_OF = {
+    "train-0000005": "train-000000.tar",
+    "train-0000017": "train-000000.tar",
+    "train-0000040": "train-000001.tar",
+    "train-0000070": "train-000002.tar",
+}
 # A loader that stops making progress on bad data must fail the test, not hang it: pytest-timeout
 # (signal method) raises in the main thread after this long, fixtures' set-up included (~1-3 s measured).
 HANG_S = 120
@@ -30,8 +34,9 @@ def corrupt_set(clevr_set, tmp_path_factory):
 
 def open_corrupt(corrupt_set, tiny_dirs, **data):
     recipe = make_recipe(corrupt_set, **data)
-    return open_loader_shard(recipe, processor_dir=tiny_dirs["qwen2_5_vl"], shard=0, num_shards=1,
-                             placement_hash="p", split="train")
+    return open_loader_shard(
+        recipe, processor_dir=tiny_dirs["qwen2_5_vl"], shard=0, num_shards=1, placement_hash="p", split="train"
+    )
 
 
 @pytest.mark.slow
@@ -57,8 +62,9 @@ def test_one_more_corrupt_sample_fails_naming_shard_and_key(corrupt_set, tiny_di
             shard.next_batch()
     shard.close()
     message = str(err.value)
-    assert message.startswith(f"loader shard 0/1 (train): {len(BAD)} corrupt samples, more than "
-                              f"data.error_tolerance={len(BAD) - 1}")
+    assert message.startswith(
+        f"loader shard 0/1 (train): {len(BAD)} corrupt samples, more than data.error_tolerance={len(BAD) - 1}"
+    )
     key = next(k for k in BAD if f"key {k} in {TAR_OF[k]}" in message)
     assert "Traceback" not in message and key
 
@@ -90,8 +96,23 @@ def test_bench_json_stays_clean_when_samples_are_skipped(corrupt_set, tmp_path):
     path = tmp_path / "corrupt.yaml"
     path.write_text(yaml.safe_dump(recipe))
     # 40 micro-batches of 2 per row after 8 of warm-up: every row reads the whole split once
-    out = subprocess.run([sys.executable, "-m", "vlmrun.cli", "bench-loader", str(path), "--workers", "0,1",
-                          "--batches", "40", "--json"], capture_output=True, text=True, timeout=240)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "vlmrun.cli",
+            "bench-loader",
+            str(path),
+            "--workers",
+            "0,1",
+            "--batches",
+            "40",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     result = json.loads(out.stdout)  # one JSON object, nothing else on stdout
     assert {r["loader"] for r in result["results"]} == {"energon", "reference", "limit"}

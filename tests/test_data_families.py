@@ -66,8 +66,9 @@ def test_registry_import_stays_light():
     import subprocess
     import sys
 
-    code = ("import sys, vlmrun.data.components, vlmrun.config.families; "
-            "print('torch' in sys.modules, 'megatron.energon' in sys.modules)")
+    code = (
+        "import sys, vlmrun.data.components, vlmrun.config.families; "
+        "print('torch' in sys.modules, 'megatron.energon' in sys.modules)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.split() == ["False", "False"]
-

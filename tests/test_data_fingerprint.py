@@ -18,11 +18,26 @@ from vlmrun.errors import InputError
 TEMPLATE = "{{ messages }}"
 
 
-def fingerprint(recipe, tiny_dirs, *, processor_dir=None, template=TEMPLATE, shard=1, num_shards=2,
-                placement_hash="abc", split="train"):
-    return loader_fingerprint(recipe, processor_dir=processor_dir or tiny_dirs[recipe.family],
-                              chat_template=template, shard=shard, num_shards=num_shards,
-                              placement_hash=placement_hash, split=split)
+def fingerprint(
+    recipe,
+    tiny_dirs,
+    *,
+    processor_dir=None,
+    template=TEMPLATE,
+    shard=1,
+    num_shards=2,
+    placement_hash="abc",
+    split="train",
+):
+    return loader_fingerprint(
+        recipe,
+        processor_dir=processor_dir or tiny_dirs[recipe.family],
+        chat_template=template,
+        shard=shard,
+        num_shards=num_shards,
+        placement_hash=placement_hash,
+        split=split,
+    )
 
 
 def refused_fields(old: dict, new: dict) -> str:
@@ -49,8 +64,9 @@ def refused_fields(old: dict, new: dict) -> str:
 )
 def test_recipe_changes_are_refused(clevr_set, tiny_dirs, change, field):
     base = fingerprint(make_recipe(clevr_set), tiny_dirs)
-    changed = make_recipe(clevr_set, family=change.get("family", "qwen2_5_vl"), train=change.get("train"),
-                          **change.get("data", {}))
+    changed = make_recipe(
+        clevr_set, family=change.get("family", "qwen2_5_vl"), train=change.get("train"), **change.get("data", {})
+    )
     message = refused_fields(base, fingerprint(changed, tiny_dirs))
     assert field in message
 
@@ -117,8 +133,11 @@ def test_energon_state_round_trips_weights_only():
     from vlmrun.data.loader_state import LoaderStateError, from_plain, to_plain
 
     rng = __import__("numpy").random.RandomState(3).get_state()
-    state = SavableDataLoaderState(worker_states=[FlexState(rng=b"\x01\x02", numpy=rng, t=torch.arange(3), n=(1, "a"))],
-                                   next_worker_id=1, micro_batch_size=2)
+    state = SavableDataLoaderState(
+        worker_states=[FlexState(rng=b"\x01\x02", numpy=rng, t=torch.arange(3), n=(1, "a"))],
+        next_worker_id=1,
+        micro_batch_size=2,
+    )
     buffer = io.BytesIO()
     torch.save(to_plain(state), buffer)
     buffer.seek(0)

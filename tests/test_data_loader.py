@@ -39,8 +39,14 @@ RESTORE_SCRIPT = textwrap.dedent(
 
 
 def open_shard(recipe, tiny_dirs, shard=0, num_shards=1, placement_hash="p"):
-    return open_loader_shard(recipe, processor_dir=tiny_dirs[recipe.family], shard=shard, num_shards=num_shards,
-                             placement_hash=placement_hash, split="train")
+    return open_loader_shard(
+        recipe,
+        processor_dir=tiny_dirs[recipe.family],
+        shard=shard,
+        num_shards=num_shards,
+        placement_hash=placement_hash,
+        split="train",
+    )
 
 
 def run_fresh_process(jobs: list[dict], tmp_path) -> None:
@@ -84,8 +90,12 @@ def test_exact_resume_in_a_fresh_process(clevr_set, tiny_dirs, tmp_path):
             expected[name] = [flat(shard.next_batch()) for _ in range(CONTINUE)]
             expected[f"{name}-fresh"] = head
             shard.close()
-            common = {"recipe": recipe.model_dump_json(), "processor_dir": tiny_dirs[recipe.family], "shard": rank,
-                      "num_shards": num_shards}
+            common = {
+                "recipe": recipe.model_dump_json(),
+                "processor_dir": tiny_dirs[recipe.family],
+                "shard": rank,
+                "num_shards": num_shards,
+            }
             jobs.append({**common, "state": str(state), "n": CONTINUE, "out": str(tmp_path / f"{name}.pt")})
             if workers != 1:
                 jobs.append({**common, "state": None, "n": 5, "out": str(tmp_path / f"{name}-fresh.pt")})

@@ -43,8 +43,13 @@ print(json.dumps({"faults": resource.getrusage(resource.RUSAGE_SELF).ru_minflt -
 
 
 def _faults(mode: str) -> int:
-    out = subprocess.run([sys.executable, "-c", _PROGRAM, mode, str(_ROUNDS), str(_BUFFER)], capture_output=True,
-                         text=True, check=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", _PROGRAM, mode, str(_ROUNDS), str(_BUFFER)],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
+    )
     return json.loads(out.stdout.strip().splitlines()[-1])["faults"]
 
 

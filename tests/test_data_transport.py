@@ -23,7 +23,7 @@ def groups(clevr_set, tiny_dirs):
     encoder = ConversationEncoder(load_processor(tiny_dirs["qwen2_5_vl"], "qwen2_5_vl"), family_spec("qwen2_5_vl"), 256)
     raw = list(read_raw_samples(clevr_set, "train").values())[:8]
     encoded = [encoder.encode(cook_conversation(r)) for r in raw]
-    return encoder, [encoded[i:i + 2] for i in range(0, 8, 2)]
+    return encoder, [encoded[i : i + 2] for i in range(0, 8, 2)]
 
 
 def as_worker(monkeypatch, worker_id=0):

@@ -29,8 +29,9 @@ ENV = os.environ | {"HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline"}
 
 
 def vlmrun(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "vlmrun.cli", *args], capture_output=True, text=True, env=ENV,
-                          cwd=ROOT, timeout=600)
+    return subprocess.run(
+        [sys.executable, "-m", "vlmrun.cli", *args], capture_output=True, text=True, env=ENV, cwd=ROOT, timeout=600
+    )
 
 
 def test_format1_run_resumes_to_the_numbers_of_an_uninterrupted_run(tmp_path):

@@ -53,8 +53,19 @@ def install_fresh(tmp_path: Path) -> Path:
     run(sys.executable, "-m", "venv", "--without-pip", venv)
     python = venv / "bin" / "python"
     src = copy_project(tmp_path / "src")
-    run(sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index", "-w", tmp_path / "dist",
-        src, env=clean_env())
+    run(
+        sys.executable,
+        "-m",
+        "pip",
+        "wheel",
+        "--no-deps",
+        "--no-build-isolation",
+        "--no-index",
+        "-w",
+        tmp_path / "dist",
+        src,
+        env=clean_env(),
+    )
     [wheel] = (tmp_path / "dist").glob("vlmrun-*.whl")
     run(sys.executable, "-m", "pip", "--python", python, "install", "--no-deps", "--no-index", wheel, env=clean_env())
     purelib = Path(run(python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])").stdout.strip())
@@ -75,8 +86,13 @@ def test_non_editable_install_renders_the_same_script(tmp_path):
     venv = install_fresh(tmp_path)
     outside = tmp_path / "elsewhere"
     outside.mkdir()
-    where = run(venv / "bin" / "python", "-c", "import vlmrun, vlmrun.launch.slurm.render as r; "
-                "print(vlmrun.__file__); print(r.TEMPLATES)", cwd=outside, env=clean_env()).stdout.split()
+    where = run(
+        venv / "bin" / "python",
+        "-c",
+        "import vlmrun, vlmrun.launch.slurm.render as r; print(vlmrun.__file__); print(r.TEMPLATES)",
+        cwd=outside,
+        env=clean_env(),
+    ).stdout.split()
     assert all(Path(p).is_relative_to(venv) for p in where), where
     assert (Path(where[1]) / "default.sh.j2").is_file() and (Path(where[1]) / "pyxis.sh.j2").is_file()
     here_bin = Path(sys.executable).parent

@@ -39,16 +39,34 @@ def test_a_run_without_job_json_has_no_record(rd):
 def test_submit_attempt_and_outcome_round_trip(rd):
     job_record.add_job(rd, "41", "slurm", "tiny")
     index = job_record.begin_attempt(rd, "41", 0)
-    outcome = RunOutcome(State.STOPPED, last_step=9, reason="stop requested (SIGUSR2)", stop_signal="SIGUSR2",
-                         max_steps=40, checkpoint_save_s=[0.5], final_val={"val_samples": 4, "val_loss": 0.25},
-                         worker_nodes=["n1"])
+    outcome = RunOutcome(
+        State.STOPPED,
+        last_step=9,
+        reason="stop requested (SIGUSR2)",
+        stop_signal="SIGUSR2",
+        max_steps=40,
+        checkpoint_save_s=[0.5],
+        final_val={"val_samples": 4, "val_loss": 0.25},
+        worker_nodes=["n1"],
+    )
     job_record.end_attempt(rd, index, outcome)
     job = read_job(rd)
     [a] = job.attempts
-    assert (job.cluster, job.name, job.state, job.job_ids, job.reason) == ("slurm", "tiny", State.STOPPED, ["41"],
-                                                                             "stop requested (SIGUSR2)")
-    assert (a.attempt, a.job_id, a.restart_count, a.state, a.last_step, a.stop_signal) == (0, "41", 0, State.STOPPED,
-                                                                                           9, "SIGUSR2")
+    assert (job.cluster, job.name, job.state, job.job_ids, job.reason) == (
+        "slurm",
+        "tiny",
+        State.STOPPED,
+        ["41"],
+        "stop requested (SIGUSR2)",
+    )
+    assert (a.attempt, a.job_id, a.restart_count, a.state, a.last_step, a.stop_signal) == (
+        0,
+        "41",
+        0,
+        State.STOPPED,
+        9,
+        "SIGUSR2",
+    )
     assert a.max_steps == 40 and a.checkpoint_save_s == [0.5] and a.worker_nodes == ["n1"] and a.ended
     assert job.submits[0].job_id == "41" and job_record.next_attempt(rd) == 1
     write_job(rd, job)
@@ -76,7 +94,7 @@ def test_running_pid_is_a_live_process_of_a_running_attempt(rd):
     job_record.begin_attempt(rd, "local-1", 0, pid=os.getpid())
     assert job_record.running_pid(read_job(rd)) == os.getpid()
     job = read_job(rd)
-    job.attempts[0].pid = 2 ** 22 + 12345  # no such process
+    job.attempts[0].pid = 2**22 + 12345  # no such process
     assert job_record.running_pid(job) is None
     job.attempts[0].pid = os.getpid()
     job.attempts[0].state = State.COMPLETED
@@ -117,10 +135,13 @@ def test_the_migration_is_written_once_and_never_repeated(rd):
 
 def test_the_migration_leaves_other_attempts_alone(rd):
     rd.path.mkdir()
-    attempts = [{"attempt": 0, "job_id": "7", "state": "FAILED", "reason": "node died (SIGKILL)"},
-                {"attempt": 1, "job_id": "7", "state": "STOPPED", "reason": "stop requested (requested)"}]
-    rd.job_file.write_text(json.dumps({"cluster": "slurm", "name": "n", "state": "STOPPED", "job_ids": ["7"],
-                                       "attempts": attempts}))
+    attempts = [
+        {"attempt": 0, "job_id": "7", "state": "FAILED", "reason": "node died (SIGKILL)"},
+        {"attempt": 1, "job_id": "7", "state": "STOPPED", "reason": "stop requested (requested)"},
+    ]
+    rd.job_file.write_text(
+        json.dumps({"cluster": "slurm", "name": "n", "state": "STOPPED", "job_ids": ["7"], "attempts": attempts})
+    )
     assert [a.stop_signal for a in read_job(rd).attempts] == [None, None]
 
 
@@ -138,13 +159,16 @@ def test_unknown_keys_are_kept_through_a_read_and_write(rd):
     assert again["state"] == "CANCELLED"
 
 
-@pytest.mark.parametrize("text,problem", [
-    ("{not json", "not JSON"),
-    ('["a", "list"]', "not an object"),
-    ('{"format": "two"}', "format"),
-    ('{"state": "SLEEPING"}', "state"),
-    ('{"attempts": [{"attempt": 0}]}', "attempts.0.job_id"),
-])
+@pytest.mark.parametrize(
+    "text,problem",
+    [
+        ("{not json", "not JSON"),
+        ('["a", "list"]', "not an object"),
+        ('{"format": "two"}', "format"),
+        ('{"state": "SLEEPING"}', "state"),
+        ('{"attempts": [{"attempt": 0}]}', "attempts.0.job_id"),
+    ],
+)
 def test_a_damaged_job_json_is_an_input_error_naming_the_file(rd, text, problem):
     rd.path.mkdir()
     rd.job_file.write_text(text)

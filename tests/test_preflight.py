@@ -21,8 +21,14 @@ DRY = pytest.mark.parametrize("dry", [[], ["--dry-run"]], ids=["submit", "dry-ru
 
 
 def vlmrun(*args: str, cwd: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "vlmrun.cli", *args], capture_output=True, text=True, cwd=cwd,
-                          env=os.environ | {"HF_HUB_OFFLINE": "1"} | (env or {}), timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "vlmrun.cli", *args],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        env=os.environ | {"HF_HUB_OFFLINE": "1"} | (env or {}),
+        timeout=120,
+    )
 
 
 def refused(out: subprocess.CompletedProcess, field: str) -> str:
@@ -63,16 +69,34 @@ def test_missing_model_is_refused_before_any_data_or_run_dir(tmp_path, dry):
 
 @DRY
 def test_gpu_recipe_on_a_machine_without_its_gpus_names_gpus_per_node(tmp_path, dry):
-    out = vlmrun("submit", OMNI, "--cluster", "local", *dry, "--set", f"model.path={model_dir(tmp_path)}",
-                 cwd=tmp_path, env={"CUDA_VISIBLE_DEVICES": ""})
+    out = vlmrun(
+        "submit",
+        OMNI,
+        "--cluster",
+        "local",
+        *dry,
+        "--set",
+        f"model.path={model_dir(tmp_path)}",
+        cwd=tmp_path,
+        env={"CUDA_VISIBLE_DEVICES": ""},
+    )
     err = refused(out, "cluster.gpus_per_node")
     assert "8 GPUs wanted" in err and "has 0" in err
     assert not (tmp_path / "runs").exists() and not (tmp_path / "data").exists()
 
 
 def test_slurm_leaves_the_gpu_count_to_the_partition(tmp_path):
-    out = vlmrun("submit", OMNI, "--cluster", "slurm", "--dry-run", "--set", f"model.path={model_dir(tmp_path)}",
-                 cwd=tmp_path, env={"CUDA_VISIBLE_DEVICES": ""})
+    out = vlmrun(
+        "submit",
+        OMNI,
+        "--cluster",
+        "slurm",
+        "--dry-run",
+        "--set",
+        f"model.path={model_dir(tmp_path)}",
+        cwd=tmp_path,
+        env={"CUDA_VISIBLE_DEVICES": ""},
+    )
     assert out.returncode == 0, out.stderr
     assert "#SBATCH --gpus-per-node=8" in out.stdout
 
@@ -80,8 +104,20 @@ def test_slurm_leaves_the_gpu_count_to_the_partition(tmp_path):
 @DRY
 def test_unprepared_data_path_is_refused(tmp_path, dry):
     (tmp_path / "plain").mkdir()
-    out = vlmrun("submit", TINY, "--cluster", "local", *dry, "--set", "data.synthetic=null",
-                 "--set", f"data.path={tmp_path / 'plain'}", "--run-dir", str(tmp_path / "run"), cwd=tmp_path)
+    out = vlmrun(
+        "submit",
+        TINY,
+        "--cluster",
+        "local",
+        *dry,
+        "--set",
+        "data.synthetic=null",
+        "--set",
+        f"data.path={tmp_path / 'plain'}",
+        "--run-dir",
+        str(tmp_path / "run"),
+        cwd=tmp_path,
+    )
     assert "Energon-prepared" in refused(out, "data.path")
     assert not (tmp_path / "run").exists()
 
@@ -98,8 +134,18 @@ def test_missing_val_split_names_data_val_split(tmp_path, dry):
 
 def test_missing_train_split_names_data_split(tmp_path):
     data = energon_folder(tmp_path / "d", {"val": ["val-000000.tar"]})
-    out = vlmrun("submit", TINY, "--cluster", "local", "--dry-run", "--set", "data.synthetic=null",
-                 "--set", f"data.path={data}", cwd=tmp_path)
+    out = vlmrun(
+        "submit",
+        TINY,
+        "--cluster",
+        "local",
+        "--dry-run",
+        "--set",
+        "data.synthetic=null",
+        "--set",
+        f"data.path={data}",
+        cwd=tmp_path,
+    )
     assert "has the splits: val" in refused(out, "data.split")
 
 
@@ -108,15 +154,34 @@ def test_synthetic_data_path_that_cannot_be_made_is_refused(tmp_path, dry):
     # A regular file as an ancestor stops root too (chmod would not).
     (tmp_path / "a-file").write_text("x")
     target = tmp_path / "a-file" / "sub" / "clevr"
-    out = vlmrun("submit", TINY, "--cluster", "local", *dry, "--set", f"data.path={target}",
-                 "--run-dir", str(tmp_path / "run"), cwd=tmp_path)
+    out = vlmrun(
+        "submit",
+        TINY,
+        "--cluster",
+        "local",
+        *dry,
+        "--set",
+        f"data.path={target}",
+        "--run-dir",
+        str(tmp_path / "run"),
+        cwd=tmp_path,
+    )
     assert "not a directory" in refused(out, "data.path")
     assert not (tmp_path / "run").exists()
 
 
 def test_resume_is_refused_before_it_starts(tmp_path):
-    out = vlmrun("submit", OMNI, "--cluster", "slurm", "--dry-run", "--json", "--set", f"model.path={model_dir(tmp_path)}",
-                 cwd=tmp_path)
+    out = vlmrun(
+        "submit",
+        OMNI,
+        "--cluster",
+        "slurm",
+        "--dry-run",
+        "--json",
+        "--set",
+        f"model.path={model_dir(tmp_path)}",
+        cwd=tmp_path,
+    )
     assert out.returncode == 0, out.stderr
     rd = tmp_path / "run"
     rd.mkdir()
@@ -153,7 +218,14 @@ def test_physical_gpus_from_the_driver_or_the_device_files(tmp_path):
 
 
 def test_the_checks_import_nothing_heavy():
-    probe = subprocess.run([sys.executable, "-c", "import sys, vlmrun.launch.submit, vlmrun.launch.preflight; "
-                            "print(sorted(m for m in ('torch', 'ray', 'transformers', 'megatron.energon') if m in sys.modules))"],
-                           capture_output=True, text=True)
+    probe = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import sys, vlmrun.launch.submit, vlmrun.launch.preflight; "
+            "print(sorted(m for m in ('torch', 'ray', 'transformers', 'megatron.energon') if m in sys.modules))",
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert probe.stdout.strip() == "[]", probe.stderr

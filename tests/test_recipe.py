@@ -61,10 +61,18 @@ def test_stable_keys_keep_their_names_values_and_types(dotted, shipped, override
     assert value == overridden and type(value) is type(overridden)
 
 
-
 def test_overrides_coerce_types():
-    r = load_recipe(TINY, ["train.max_steps=7", "train.lr=3e-4", "train.loop=v1", "cluster.container_mounts=[/a:/a, /b:/b]",
-                           "cluster.time_limit=01:30:00", "logger.wandb_mode=disabled"])
+    r = load_recipe(
+        TINY,
+        [
+            "train.max_steps=7",
+            "train.lr=3e-4",
+            "train.loop=v1",
+            "cluster.container_mounts=[/a:/a, /b:/b]",
+            "cluster.time_limit=01:30:00",
+            "logger.wandb_mode=disabled",
+        ],
+    )
     assert r.train.max_steps == 7 and r.train.lr == pytest.approx(3e-4) and r.train.loop == "v1"
     assert r.cluster.container_mounts == ["/a:/a", "/b:/b"] and r.cluster.time_limit == 90
 
@@ -124,8 +132,19 @@ def test_relative_paths_resolve_against_base(tmp_path):
 
 
 # SLURM's forms, read as sbatch reads them: M:S is minutes and seconds (seconds round up to a minute).
-@pytest.mark.parametrize("text, minutes", [(30, 30), ("45", 45), ("01:30:00", 90), ("1-00:00:00", 1440), ("0:10", 1),
-                                           ("90:00", 90), ("2-12", 3600), ("00:00:30", 1)])
+@pytest.mark.parametrize(
+    "text, minutes",
+    [
+        (30, 30),
+        ("45", 45),
+        ("01:30:00", 90),
+        ("1-00:00:00", 1440),
+        ("0:10", 1),
+        ("90:00", 90),
+        ("2-12", 3600),
+        ("00:00:30", 1),
+    ],
+)
 def test_time_limit(text, minutes):
     assert parse_time_limit(text) == minutes
 

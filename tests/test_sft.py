@@ -29,19 +29,45 @@ ENV = os.environ | {"HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline", "PYTHONUNBUF
 @pytest.fixture(scope="module")
 def sets(tmp_path_factory) -> list[str]:
     data = tmp_path_factory.mktemp("data") / "clevr"
-    return ["--set", f"data.path={data}", "--set", "data.synthetic={train: 256, val: 32, image_size: 112, seed: 0}",
-            "--set", "train.max_steps=30", "--set", "checkpoint.save_period=3", "--set", "train.val_samples=8",
-            "--set", "train.val_period=5", "--set", "logger.wandb_mode=disabled"]
+    return [
+        "--set",
+        f"data.path={data}",
+        "--set",
+        "data.synthetic={train: 256, val: 32, image_size: 112, seed: 0}",
+        "--set",
+        "train.max_steps=30",
+        "--set",
+        "checkpoint.save_period=3",
+        "--set",
+        "train.val_samples=8",
+        "--set",
+        "train.val_period=5",
+        "--set",
+        "logger.wandb_mode=disabled",
+    ]
 
 
 def vlmrun(*args, **kw) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "vlmrun.cli", *args], capture_output=True, text=True, env=ENV,
-                          cwd=ROOT, timeout=600, **kw)
+    return subprocess.run(
+        [sys.executable, "-m", "vlmrun.cli", *args],
+        capture_output=True,
+        text=True,
+        env=ENV,
+        cwd=ROOT,
+        timeout=600,
+        **kw,
+    )
 
 
 def start(*args) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "vlmrun.cli", *args], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, env=ENV, cwd=ROOT, start_new_session=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "vlmrun.cli", *args],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env=ENV,
+        cwd=ROOT,
+        start_new_session=True,
+    )
 
 
 def last_step(run: Path) -> int:
@@ -79,8 +105,22 @@ def test_uninterrupted_run_writes_the_contract(uninterrupted):
     h = history(uninterrupted / "metrics.jsonl")
     assert sorted(h) == list(range(1, 31))
     row = h[5]
-    for key in ("step", "attempt", "loss", "grad_norm", "lr", "valid_tokens", "consumed_samples", "sample_ids",
-                "step_time_s", "loader_latency_max_s", "tokens_per_s", "peak_rss_mb", "val_loss", "val_accuracy"):
+    for key in (
+        "step",
+        "attempt",
+        "loss",
+        "grad_norm",
+        "lr",
+        "valid_tokens",
+        "consumed_samples",
+        "sample_ids",
+        "step_time_s",
+        "loader_latency_max_s",
+        "tokens_per_s",
+        "peak_rss_mb",
+        "val_loss",
+        "val_accuracy",
+    ):
         assert key in row, key
     assert row["consumed_samples"] == 5 * 8 and len(row["sample_ids"]) == 8
     ckpts = sorted(p.name for p in (uninterrupted / "checkpoints").iterdir())
@@ -140,8 +180,9 @@ def test_sigusr2_checkpoints_at_step_boundary_and_resumes_without_recompute(tmp_
 
 def test_resume_refuses_another_layout(tmp_path, sets, uninterrupted):
     run = tmp_path / "d"
-    out = vlmrun("submit", TINY, "--cluster", "local", "--run-dir", str(run), *sets, "--set", "train.max_steps=3",
-                 "--wait")
+    out = vlmrun(
+        "submit", TINY, "--cluster", "local", "--run-dir", str(run), *sets, "--set", "train.max_steps=3", "--wait"
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     recipe = (run / "recipe.yaml").read_text().replace("dp: 2", "dp: 1")
     (run / "recipe.yaml").write_text(recipe)

@@ -72,11 +72,14 @@ def registry(tmp_path, monkeypatch):
 
 
 def recipe(*sets: str):
-    return load_recipe(ROOT / "recipes" / "tiny-clevr-cpu.yaml", ["cluster.cpus_per_node=1", "parallel.dp=1",
-                                                                 "cluster.mem_gb=2", *sets])
+    return load_recipe(
+        ROOT / "recipes" / "tiny-clevr-cpu.yaml",
+        ["cluster.cpus_per_node=1", "parallel.dp=1", "cluster.mem_gb=2", *sets],
+    )
 
 
 # ---------------------------------------------------------------- payloads (run inside the job)
+
 
 def complete_main(argv: list[str]) -> int:
     from vlmrun.run import job as job_record
@@ -114,8 +117,16 @@ def stop_then_complete_main(argv: list[str]) -> int:
     if not stop.wait(300):
         job_record.fail_attempt(rd, attempt, "no stop signal came")
         return 1
-    job_record.end_attempt(rd, attempt, RunOutcome(State.STOPPED, last_step=1, stop_signal=stop.signal_name,
-                                                   reason=f"stop requested ({stop.signal_name}); checkpointed at step 1"))
+    job_record.end_attempt(
+        rd,
+        attempt,
+        RunOutcome(
+            State.STOPPED,
+            last_step=1,
+            stop_signal=stop.signal_name,
+            reason=f"stop requested ({stop.signal_name}); checkpointed at step 1",
+        ),
+    )
     return 3
 
 
@@ -177,8 +188,9 @@ def ray_temp_dirs():
 
 
 def submit(rd: Path, r, main, *, wait: bool):
-    return submit_slurm(RunDirectory(rd), r, dry_run=False, wait=wait, entrypoint=NodeEntrypoint(str(rd), main),
-                        poll_s=0.5)
+    return submit_slurm(
+        RunDirectory(rd), r, dry_run=False, wait=wait, entrypoint=NodeEntrypoint(str(rd), main), poll_s=0.5
+    )
 
 
 def wait_for(predicate, timeout: float, what: str):
@@ -192,10 +204,13 @@ def wait_for(predicate, timeout: float, what: str):
 
 # ---------------------------------------------------------------- tests
 
+
 def test_submit_runs_the_payload_and_records_the_job(cluster, tmp_path):
     t0 = time.monotonic()
     result = submit(tmp_path / "run", recipe(), complete_main, wait=True)
-    assert (result.state, result.exit_code) == ("COMPLETED", 0), RunDirectory(tmp_path / "run").task_log(result.job_id).read_text()
+    assert (result.state, result.exit_code) == ("COMPLETED", 0), (
+        RunDirectory(tmp_path / "run").task_log(result.job_id).read_text()
+    )
     job = read_job(RunDirectory(tmp_path / "run"))
     assert job.cluster == "slurm" and job.job_ids == [result.job_id] and job.submits[0].job_id == result.job_id
     st = launch_status.status(result.job_id)
@@ -217,7 +232,9 @@ def test_requeue_gives_same_job_id_and_restart_count_1(cluster, tmp_path):
     assert json.loads((rd.path / "restart-1.env").read_text()) == {"job": result.job_id, "restart": 1}
     job = read_job(rd)
     assert [(a.job_id, a.restart_count, a.state) for a in job.attempts] == [
-        (result.job_id, 0, State.STOPPED), (result.job_id, 1, State.COMPLETED)]
+        (result.job_id, 0, State.STOPPED),
+        (result.job_id, 1, State.COMPLETED),
+    ]
     assert job.attempts[0].requeue_cause == "requested" and job.attempts[0].stop_signal == "SIGUSR2"
     assert job.job_ids == [result.job_id]
     first, second = list(launch_logs.logs(str(rd.path), attempt=0)), list(launch_logs.logs(str(rd.path), attempt=1))
@@ -269,8 +286,9 @@ def test_node_that_never_joins_fails_within_the_deadline_naming_it(two_nodes, tm
     missing = [n["name"] for n in two_nodes][1]
     assert f"{missing} did not join (its node entrypoint never reported)" in error and "within 20s" in error
     assert took < 20 + 30, f"the job took {took:.0f}s to end after it started"
-    leftovers = subprocess.run(["pgrep", "-f", f"vlmrun-ray-{result.job_id}-|{rd}/submitit"],
-                               capture_output=True, text=True).stdout.split()
+    leftovers = subprocess.run(
+        ["pgrep", "-f", f"vlmrun-ray-{result.job_id}-|{rd}/submitit"], capture_output=True, text=True
+    ).stdout.split()
     assert leftovers == [], f"processes of job {result.job_id} left: {leftovers}"
     print(f"never-joining node: job ended {took:.1f}s after it started")
 

@@ -25,16 +25,32 @@ from vlmrun.cluster.ray.nodes import (
 )
 from vlmrun.cluster.slurm_env import SlurmAllocation
 
-TASK = {"SLURM_JOB_ID": "1234", "SLURM_NODEID": "1", "SLURM_PROCID": "1", "SLURM_JOB_NUM_NODES": "2",
-        "SLURMD_NODENAME": "n2", "SLURM_JOB_NODELIST": "n[1-2]", "SLURM_RESTART_COUNT": "2",
-        "SLURM_CPUS_ON_NODE": "16", "CUDA_VISIBLE_DEVICES": "0,1,2,3"}
+TASK = {
+    "SLURM_JOB_ID": "1234",
+    "SLURM_NODEID": "1",
+    "SLURM_PROCID": "1",
+    "SLURM_JOB_NUM_NODES": "2",
+    "SLURMD_NODENAME": "n2",
+    "SLURM_JOB_NODELIST": "n[1-2]",
+    "SLURM_RESTART_COUNT": "2",
+    "SLURM_CPUS_ON_NODE": "16",
+    "CUDA_VISIBLE_DEVICES": "0,1,2,3",
+}
 
 
 def test_allocation_from_env():
     with mock.patch.dict(os.environ, TASK, clear=True):
         a = SlurmAllocation.from_env()
-    assert a == SlurmAllocation(job_id="1234", node_rank=1, num_nodes=2, nodename="n2", nodelist="n[1-2]",
-                                restart_count=2, cpus_on_node=16, gpus_on_node=4)
+    assert a == SlurmAllocation(
+        job_id="1234",
+        node_rank=1,
+        num_nodes=2,
+        nodename="n2",
+        nodelist="n[1-2]",
+        restart_count=2,
+        cpus_on_node=16,
+        gpus_on_node=4,
+    )
     assert a.rendezvous(Path("/r")) == Path("/r/1234.2")
 
 
@@ -53,8 +69,15 @@ def test_array_task_and_defaults():
     assert a.nodename == socket.gethostname() and a.hostnames() == [a.nodename]
 
 
-@pytest.mark.parametrize("env,gpus", [({"CUDA_VISIBLE_DEVICES": ""}, 0), ({"CUDA_VISIBLE_DEVICES": "-1"}, 0),
-                                      ({"SLURM_GPUS_ON_NODE": "8"}, 8), ({"CUDA_VISIBLE_DEVICES": "3"}, 1)])
+@pytest.mark.parametrize(
+    "env,gpus",
+    [
+        ({"CUDA_VISIBLE_DEVICES": ""}, 0),
+        ({"CUDA_VISIBLE_DEVICES": "-1"}, 0),
+        ({"SLURM_GPUS_ON_NODE": "8"}, 8),
+        ({"CUDA_VISIBLE_DEVICES": "3"}, 1),
+    ],
+)
 def test_visible_gpus(env, gpus):
     assert slurm_env._visible_gpus(env) == gpus
 
@@ -73,8 +96,10 @@ def test_every_ray_port_is_explicit_and_inside_the_block():
     ports = [int(a.split("=")[1]) for a in args if a.split("=")[1].isdigit()]
     assert len(ports) == len(set(ports)) == 10  # 8 fixed + worker min/max
     assert all(block.base <= p < block.base + BLOCK_SIZE for p in ports)
-    assert not any(a.startswith(("--port=", "--ray-client-server-port", "--include-dashboard"))
-                   for a in block.start_args(head=False))
+    assert not any(
+        a.startswith(("--port=", "--ray-client-server-port", "--include-dashboard"))
+        for a in block.start_args(head=False)
+    )
     assert set(block.fixed_ports(head=False)) < set(block.fixed_ports(head=True))
     assert max(block.fixed_ports(head=True)) < block.worker_ports.start
 
@@ -89,8 +114,12 @@ def test_taken_ports_are_found():
 
 
 def test_ray_env_is_private_and_keeps_loopback():
-    assert ray_env("127.0.0.1") == {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0",
-                                    "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "GLOO_SOCKET_IFNAME": "lo"}
+    assert ray_env("127.0.0.1") == {
+        "RAY_AUTH_MODE": "disabled",
+        "RAY_USAGE_STATS_ENABLED": "0",
+        "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+        "GLOO_SOCKET_IFNAME": "lo",
+    }
     env = ray_env("192.0.2.1")  # an address no interface here holds (TEST-NET-1)
     assert env["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] == "1" and "GLOO_SOCKET_IFNAME" not in env
 
@@ -112,8 +141,10 @@ def test_node_address_prefers_nodeaddr_and_never_resolves_outward():
 
 def test_several_nodes_on_loopback_are_refused():
     a = SlurmAllocation(job_id="9", node_rank=0, num_nodes=2, nodename="n1", nodelist="n[1-2]")
-    with mock.patch.object(ray_slurm, "node_address", return_value="127.0.0.1"), \
-            pytest.raises(ray_slurm.RayBringUpError) as e:
+    with (
+        mock.patch.object(ray_slurm, "node_address", return_value="127.0.0.1"),
+        pytest.raises(ray_slurm.RayBringUpError) as e,
+    ):
         ray_slurm._checked_address(a, 2)
     assert "SLURM_NETNS=1" in str(e.value)
 
@@ -124,4 +155,6 @@ def test_missing_nodes_are_named(tmp_path):
     msg = ray_slurm._missing_message(["n1", "n2", "n3", "n4"], found, {"n2": found["n2"]}, tmp_path, 2, 0, 30)
     assert "3 of 4 node(s) missing [n2, n3, n4]" in msg
     assert "n2 joined with CPU=1 GPU=0, expected CPU=2 GPU=0" in msg
-    assert "n3 did not join (last said: started)" in msg and "n4 did not join (its node entrypoint never reported)" in msg
+    assert (
+        "n3 did not join (last said: started)" in msg and "n4 did not join (its node entrypoint never reported)" in msg
+    )

@@ -28,12 +28,16 @@ from vlmrun.run.state import State
 ROOT = Path(__file__).resolve().parents[1]
 
 SQUEUE = "41|RUNNING|None|1:02|30:00|vm\n42|PENDING|BeginTime|0:00|30:00|\n"
-SCONTROL_JOB = ("JobId=43 JobName=tiny-clevr-cpu UserId=root(0) JobState=COMPLETED Reason=None Dependency=(null) "
-                "Requeue=1 Restarts=1 BatchFlag=1 ExitCode=0:0 RunTime=00:00:41 TimeLimit=00:30:00 "
-                "Command=/runs/a b/submitit/43_submission.sh StdOut=/runs/a b/submitit/43_0_log.out\n")
+SCONTROL_JOB = (
+    "JobId=43 JobName=tiny-clevr-cpu UserId=root(0) JobState=COMPLETED Reason=None Dependency=(null) "
+    "Requeue=1 Restarts=1 BatchFlag=1 ExitCode=0:0 RunTime=00:00:41 TimeLimit=00:30:00 "
+    "Command=/runs/a b/submitit/43_submission.sh StdOut=/runs/a b/submitit/43_0_log.out\n"
+)
 SACCT = "44|CANCELLED by 0|0:15|00:01:10\n45|TIMEOUT|0:0|00:30:00\n"
-SINFO = ("n1|debug*|2|21695|(null)|infinite\nn2|debug*|2|21695|(null)|infinite\n"
-         "g1|gpu|64|512000|gpu:a100:8(S:0-1)|2-00:00:00\ng2|gpu|64|512000|gpu:a100:4(S:0),gpu:v100:4|2-00:00:00\n")
+SINFO = (
+    "n1|debug*|2|21695|(null)|infinite\nn2|debug*|2|21695|(null)|infinite\n"
+    "g1|gpu|64|512000|gpu:a100:8(S:0-1)|2-00:00:00\ng2|gpu|64|512000|gpu:a100:4(S:0),gpu:v100:4|2-00:00:00\n"
+)
 
 
 def test_parse_squeue():
@@ -56,8 +60,10 @@ def test_parse_sacct_and_no_accounting():
 
 def fake_tools(outputs: dict[str, tuple[int, str, str]]):
     """Patch run_tool: the first word after the command name picks the canned answer."""
+
     def run(cmd, timeout=30):
         return outputs.get(cmd[0], (127, "", f"{cmd[0]}: not found"))
+
     return mock.patch.object(queries, "run_tool", side_effect=run)
 
 
@@ -67,24 +73,34 @@ def test_slurm_state_falls_back_from_squeue_to_scontrol_to_sacct():
     with fake_tools({"squeue": (0, "", ""), "scontrol": (0, SCONTROL_JOB, "")}):
         s = queries.slurm_state("43")
         assert s["state"] == "COMPLETED" and s["restarts"] == 1 and s["source"] == "scontrol"
-    with fake_tools({"squeue": (1, "", "Invalid job id"), "scontrol": (1, "", "Invalid job id"), "sacct": (0, SACCT, "")}):
-        assert queries.slurm_state("45") == {"state": "TIMEOUT", "exit_code": "0:0", "elapsed": "00:30:00", "source": "sacct"}
+    with fake_tools(
+        {"squeue": (1, "", "Invalid job id"), "scontrol": (1, "", "Invalid job id"), "sacct": (0, SACCT, "")}
+    ):
+        assert queries.slurm_state("45") == {
+            "state": "TIMEOUT",
+            "exit_code": "0:0",
+            "elapsed": "00:30:00",
+            "source": "sacct",
+        }
     with fake_tools({"sacct": (0, "Slurm accounting storage is disabled\n", "")}):
         assert queries.slurm_state("46") is None
 
 
-@pytest.mark.parametrize("recorded,slurm_state,expected", [
-    (State.PENDING, {"state": "PENDING"}, "PENDING"),
-    (State.REQUEUED, {"state": "PENDING"}, "PENDING"),
-    (State.RUNNING, {"state": "RUNNING"}, "RUNNING"),
-    (State.COMPLETED, {"state": "COMPLETED"}, "COMPLETED"),
-    (State.COMPLETED, None, "COMPLETED"),
-    (State.BUDGET_EXHAUSTED, {"state": "COMPLETED"}, "BUDGET_EXHAUSTED"),
-    (State.RUNNING, {"state": "TIMEOUT"}, "TIMEOUT"),
-    (State.RUNNING, None, "FAILED"),
-    (State.RUNNING, {"state": "COMPLETED"}, "FAILED"),
-    (None, None, "FAILED"),
-])
+@pytest.mark.parametrize(
+    "recorded,slurm_state,expected",
+    [
+        (State.PENDING, {"state": "PENDING"}, "PENDING"),
+        (State.REQUEUED, {"state": "PENDING"}, "PENDING"),
+        (State.RUNNING, {"state": "RUNNING"}, "RUNNING"),
+        (State.COMPLETED, {"state": "COMPLETED"}, "COMPLETED"),
+        (State.COMPLETED, None, "COMPLETED"),
+        (State.BUDGET_EXHAUSTED, {"state": "COMPLETED"}, "BUDGET_EXHAUSTED"),
+        (State.RUNNING, {"state": "TIMEOUT"}, "TIMEOUT"),
+        (State.RUNNING, None, "FAILED"),
+        (State.RUNNING, {"state": "COMPLETED"}, "FAILED"),
+        (None, None, "FAILED"),
+    ],
+)
 def test_combined_state(recorded, slurm_state, expected):
     assert launch_status._combined_state(recorded, slurm_state) == expected
 
@@ -124,13 +140,28 @@ def test_status_reads_lineage_and_metrics(tmp_path, registry):
     with mock.patch.dict(os.environ, {"SLURM_JOB_ID": "41"}):
         begin_attempt(rd, "41", 0)
         begin_attempt(rd, "41", 1)
-    rd.metrics_file().write_text("".join(json.dumps({"step": s, "loss": 1.0 / s, "attempt": 0}) + "\n" for s in (1, 2, 3)))
+    rd.metrics_file().write_text(
+        "".join(json.dumps({"step": s, "loss": 1.0 / s, "attempt": 0}) + "\n" for s in (1, 2, 3))
+    )
     with fake_tools({"squeue": (0, SQUEUE, "")}):
         st = launch_status.status("41")
     assert st["state"] == "RUNNING" and st["restarts"] == 1 and st["attempts"] == 2
     assert st["last_step"] == 3 and st["loss"] == pytest.approx(1 / 3)
-    assert set(st) == {"run_dir", "cluster", "job_id", "job_ids", "recorded_state", "reason", "attempts", "restarts",
-                       "requeues", "last_step", "loss", "slurm", "state"}  # what scripts read from `status --json`
+    assert set(st) == {
+        "run_dir",
+        "cluster",
+        "job_id",
+        "job_ids",
+        "recorded_state",
+        "reason",
+        "attempts",
+        "restarts",
+        "requeues",
+        "last_step",
+        "loss",
+        "slurm",
+        "state",
+    }  # what scripts read from `status --json`
     assert st["recorded_state"] == "RUNNING" and st["job_ids"] == ["41"]
     assert st["requeues"] == {"timeout": 0, "preemption": 0, "requested": 0}
     json.dumps(st)  # plain JSON
@@ -144,15 +175,21 @@ def test_status_of_a_local_run_checks_the_pid(tmp_path, registry):
     st = launch_status.status(str(rd.path))
     assert st["state"] == "RUNNING" and st["pid"] == os.getpid()
     job = read_job(rd)
-    job.attempts[0].pid = 2 ** 22 + 12345  # no such process
+    job.attempts[0].pid = 2**22 + 12345  # no such process
     write_job(rd, job)
     st = launch_status.status(str(rd.path))
     assert st["state"] == "FAILED" and "without recording an outcome" in st["reason"]
 
 
 def test_attempt_slices_by_restart_marker():
-    lines = ["submitit INFO starting", f"{run_logs.ATTEMPT_MARKER} job=41 restart=0 node=vm rank=0/1 time=t <==", "a0",
-             "a1", f"{run_logs.ATTEMPT_MARKER} job=41 restart=1 node=vm rank=0/1 time=t <==", "b0"]
+    lines = [
+        "submitit INFO starting",
+        f"{run_logs.ATTEMPT_MARKER} job=41 restart=0 node=vm rank=0/1 time=t <==",
+        "a0",
+        "a1",
+        f"{run_logs.ATTEMPT_MARKER} job=41 restart=1 node=vm rank=0/1 time=t <==",
+        "b0",
+    ]
     assert list(run_logs.attempt_slice(lines, "41", 0))[1:] == ["a0", "a1"]
     assert list(run_logs.attempt_slice(lines, "41", 1))[1:] == ["b0"]
     assert list(run_logs.attempt_slice(lines, "41", 2)) == []
@@ -165,7 +202,9 @@ def test_logs_picks_the_attempt(tmp_path, registry):
         begin_attempt(rd, "41", 1)
     log = rd.task_log("41")
     log.parent.mkdir(parents=True)
-    log.write_text(f"{run_logs.ATTEMPT_MARKER} job=41 restart=0 x <==\nfirst\n{run_logs.ATTEMPT_MARKER} job=41 restart=1 x <==\nsecond\n")
+    log.write_text(
+        f"{run_logs.ATTEMPT_MARKER} job=41 restart=0 x <==\nfirst\n{run_logs.ATTEMPT_MARKER} job=41 restart=1 x <==\nsecond\n"
+    )
     assert list(launch_logs.logs(str(rd.path), attempt=0))[1:] == ["first"]
     assert list(launch_logs.logs(str(rd.path)))[1:] == ["second"]
     with pytest.raises(InputError) as e:
@@ -174,8 +213,10 @@ def test_logs_picks_the_attempt(tmp_path, registry):
 
 
 def test_requeue_and_cancel_of_a_local_run_signal_the_pid(tmp_path, registry):
-    code = ("import signal,sys,time\nsignal.signal(signal.SIGUSR2, lambda *a: (print('usr2', flush=True)))\n"
-            "print('ready', flush=True)\nwhile True: time.sleep(0.1)\n")
+    code = (
+        "import signal,sys,time\nsignal.signal(signal.SIGUSR2, lambda *a: (print('usr2', flush=True)))\n"
+        "print('ready', flush=True)\nwhile True: time.sleep(0.1)\n"
+    )
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     try:
         assert proc.stdout.readline().strip() == "ready"
@@ -201,6 +242,7 @@ def test_requeue_refuses_a_job_that_is_not_running(tmp_path, registry):
 
 # ---------------------------------------------------------------- fits the partition (sinfo fixtures)
 
+
 def test_parse_sinfo_gres_and_limits():
     rows = {r["node"]: r for r in queries.parse_sinfo(SINFO)}
     assert rows["n1"]["default"] and rows["n1"]["partition"] == "debug" and rows["n1"]["max_minutes"] is None
@@ -208,12 +250,15 @@ def test_parse_sinfo_gres_and_limits():
     assert queries.parse_limit("4:00:00") == 240 and queries.parse_limit("30:00") == 30
 
 
-@pytest.mark.parametrize("sets,field", [
-    (["cluster.nodes=3"], "cluster.nodes"),
-    (["cluster.cpus_per_node=4"], "cluster.cpus_per_node"),
-    (["cluster.mem_gb=64"], "cluster.mem_gb"),
-    (["cluster.time_limit=3000", "cluster.partition=gpu"], "cluster.time_limit"),
-])
+@pytest.mark.parametrize(
+    "sets,field",
+    [
+        (["cluster.nodes=3"], "cluster.nodes"),
+        (["cluster.cpus_per_node=4"], "cluster.cpus_per_node"),
+        (["cluster.mem_gb=64"], "cluster.mem_gb"),
+        (["cluster.time_limit=3000", "cluster.partition=gpu"], "cluster.time_limit"),
+    ],
+)
 def test_misfits_name_the_field(sets, field):
     recipe = load_recipe(ROOT / "recipes" / "tiny-clevr-cpu.yaml", sets)
     rows = queries.parse_sinfo(SINFO)
@@ -224,8 +269,10 @@ def test_misfits_name_the_field(sets, field):
 
 
 def test_gpus_per_node_must_fit():
-    recipe = load_recipe(ROOT / "recipes" / "omni-clevr-1n8g.yaml", ["cluster.partition=gpu", "cluster.nodes=2",
-                                                                     "parallel.dp=16", "cluster.mem_gb=400"])
+    recipe = load_recipe(
+        ROOT / "recipes" / "omni-clevr-1n8g.yaml",
+        ["cluster.partition=gpu", "cluster.nodes=2", "parallel.dp=16", "cluster.mem_gb=400"],
+    )
     rows = [r for r in queries.parse_sinfo(SINFO) if r["partition"] == "gpu"]
     preflight.check_fits(recipe, rows)
     rows[1]["gpus"] = 4

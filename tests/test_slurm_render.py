@@ -36,12 +36,19 @@ HOSTILE_NL = "first line\ntouch SENTINEL"
 RECIPES = {
     "tiny": ("tiny-clevr-cpu.yaml", []),
     "1n2g": ("qwen2.5-vl-3b-clevr-1n2g.yaml", ["cluster.partition=gpu", "cluster.account=proj-42", "cluster.qos=high"]),
-    "omni": ("omni-clevr-1n8g.yaml", ["cluster.env={NCCL_DEBUG: WARN, HF_HUB_OFFLINE: '1'}",
-                                      "cluster.modules=[cuda/12.4, nccl]"]),
-    "container": ("omni-clevr-1n8g.yaml", ["cluster.container_image=nvcr.io#nvidia/pytorch:25.01-py3",
-                                           "cluster.container_mounts=[/data:/data, /models:/models:ro]",
-                                           "cluster.extra_sbatch_args={exclusive: user}",
-                                           "cluster.extra_srun_args=[--cpu-bind=none]"]),
+    "omni": (
+        "omni-clevr-1n8g.yaml",
+        ["cluster.env={NCCL_DEBUG: WARN, HF_HUB_OFFLINE: '1'}", "cluster.modules=[cuda/12.4, nccl]"],
+    ),
+    "container": (
+        "omni-clevr-1n8g.yaml",
+        [
+            "cluster.container_image=nvcr.io#nvidia/pytorch:25.01-py3",
+            "cluster.container_mounts=[/data:/data, /models:/models:ro]",
+            "cluster.extra_sbatch_args={exclusive: user}",
+            "cluster.extra_srun_args=[--cpu-bind=none]",
+        ],
+    ),
 }
 
 
@@ -64,13 +71,34 @@ def test_rendered_script_matches_golden(name):
 
 
 def test_script_carries_the_cluster_fields():
-    text = render_script(RUN_DIR, recipe("1n2g", ["cluster.nodes=2", "cluster.gpus_per_node=1", "cluster.mem_gb=64",
-                                                  "cluster.time_limit=01:30:00", "cluster.signal_delay_s=240"]))
-    for line in ["#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=1", "#SBATCH --gpus-per-node=1",
-                 "#SBATCH --cpus-per-task=16", "#SBATCH --mem=64GB", "#SBATCH --partition=gpu",
-                 "#SBATCH --account=proj-42", "#SBATCH --qos=high", "#SBATCH --time=90",
-                 "#SBATCH --signal=USR2@240", "#SBATCH --requeue", "#SBATCH --job-name=qwen2.5-vl-3b-clevr",
-                 f"#SBATCH --output={RUN_DIR}/submitit/%j_0_log.out"]:
+    text = render_script(
+        RUN_DIR,
+        recipe(
+            "1n2g",
+            [
+                "cluster.nodes=2",
+                "cluster.gpus_per_node=1",
+                "cluster.mem_gb=64",
+                "cluster.time_limit=01:30:00",
+                "cluster.signal_delay_s=240",
+            ],
+        ),
+    )
+    for line in [
+        "#SBATCH --nodes=2",
+        "#SBATCH --ntasks-per-node=1",
+        "#SBATCH --gpus-per-node=1",
+        "#SBATCH --cpus-per-task=16",
+        "#SBATCH --mem=64GB",
+        "#SBATCH --partition=gpu",
+        "#SBATCH --account=proj-42",
+        "#SBATCH --qos=high",
+        "#SBATCH --time=90",
+        "#SBATCH --signal=USR2@240",
+        "#SBATCH --requeue",
+        "#SBATCH --job-name=qwen2.5-vl-3b-clevr",
+        f"#SBATCH --output={RUN_DIR}/submitit/%j_0_log.out",
+    ]:
         assert line in text.splitlines(), line
     assert "--error" not in text  # stdout and stderr share one file per task
 
@@ -79,8 +107,12 @@ def test_container_uses_pyxis_and_mounts_the_run_dir():
     params = executor_parameters(RUN_DIR, recipe("container"))
     assert "--container-image=nvcr.io#nvidia/pytorch:25.01-py3" in params["srun_args"]
     assert f"--container-mounts=/data:/data,/models:/models:ro,{RUN_DIR}:{RUN_DIR}" in params["srun_args"]
-    assert render_script(RUN_DIR, recipe("container")).rstrip().splitlines()[-1].endswith(
-        f"python3 -u -m submitit.core._submit {RUN_DIR}/submitit")
+    assert (
+        render_script(RUN_DIR, recipe("container"))
+        .rstrip()
+        .splitlines()[-1]
+        .endswith(f"python3 -u -m submitit.core._submit {RUN_DIR}/submitit")
+    )
 
 
 def test_unknown_template_names_the_field():
@@ -98,23 +130,33 @@ def test_custom_template_file_can_extend_default(tmp_path):
 
 # ---------------------------------------------------------------- hostile strings
 
+
 def hostile_recipe(value: str):
     """The tiny recipe with `value` in every cluster field that reaches the script."""
     base = recipe("tiny")
-    cluster = base.cluster.model_copy(update={
-        "job_name": value, "env": {"VLM_EVIL": value, "VLM_MULTI": HOSTILE_NL}, "modules": [value, HOSTILE_NL],
-        "container_image": value, "container_mounts": [f"/data:/in{value}"], "extra_srun_args": [value],
-        "extra_sbatch_args": {"comment": value}})
+    cluster = base.cluster.model_copy(
+        update={
+            "job_name": value,
+            "env": {"VLM_EVIL": value, "VLM_MULTI": HOSTILE_NL},
+            "modules": [value, HOSTILE_NL],
+            "container_image": value,
+            "container_mounts": [f"/data:/in{value}"],
+            "extra_srun_args": [value],
+            "extra_sbatch_args": {"comment": value},
+        }
+    )
     return base.model_copy(update={"cluster": cluster})
 
 
 def run_script(script: str, workdir: Path) -> subprocess.CompletedProcess:
     """Run the rendered script with `srun` and `module` replaced by recorders (bash functions)."""
     (workdir / "job.sh").write_text(script)
-    fake = ('srun() { for a in "$@"; do printf "%s\\0" "$a"; done > srun.args; '
-            'printf "%s\\0" "$VLM_EVIL" "$VLM_MULTI" > env.values; }; '
-            'module() { for a in "$@"; do printf "%s\\0" "$a"; done >> module.args; }; '
-            'export -f srun module; bash job.sh')
+    fake = (
+        'srun() { for a in "$@"; do printf "%s\\0" "$a"; done > srun.args; '
+        'printf "%s\\0" "$VLM_EVIL" "$VLM_MULTI" > env.values; }; '
+        'module() { for a in "$@"; do printf "%s\\0" "$a"; done >> module.args; }; '
+        "export -f srun module; bash job.sh"
+    )
     return subprocess.run(["bash", "-c", fake], cwd=workdir, capture_output=True, text=True, timeout=30)
 
 
@@ -136,14 +178,17 @@ def test_hostile_values_render_inert(tmp_path, value):
     assert (work / "module.args").read_text().split("\0")[:-1] == ["load", value, "load", HOSTILE_NL]
 
 
-@pytest.mark.parametrize("field,update", [
-    ("cluster.job_name", {"job_name": "ok\ntouch SENTINEL"}),
-    ("cluster.extra_sbatch_args.comment", {"extra_sbatch_args": {"comment": "a\ntouch SENTINEL"}}),
-    ("cluster.extra_sbatch_args", {"extra_sbatch_args": {"x\ntouch SENTINEL": "1"}}),
-    ("cluster.extra_sbatch_args.output", {"extra_sbatch_args": {"output": "/elsewhere"}}),
-    ("cluster.container_mounts[0]", {"container_mounts": ["/a:/b,/etc:/etc"]}),
-    ("cluster.extra_srun_args[0]", {"extra_srun_args": ["--x=\n"]}),
-])
+@pytest.mark.parametrize(
+    "field,update",
+    [
+        ("cluster.job_name", {"job_name": "ok\ntouch SENTINEL"}),
+        ("cluster.extra_sbatch_args.comment", {"extra_sbatch_args": {"comment": "a\ntouch SENTINEL"}}),
+        ("cluster.extra_sbatch_args", {"extra_sbatch_args": {"x\ntouch SENTINEL": "1"}}),
+        ("cluster.extra_sbatch_args.output", {"extra_sbatch_args": {"output": "/elsewhere"}}),
+        ("cluster.container_mounts[0]", {"container_mounts": ["/a:/b,/etc:/etc"]}),
+        ("cluster.extra_srun_args[0]", {"extra_srun_args": ["--x=\n"]}),
+    ],
+)
 def test_values_no_quoting_can_fix_are_refused(field, update):
     base = recipe("tiny")
     bad = base.model_copy(update={"cluster": base.cluster.model_copy(update=update)})

@@ -21,17 +21,29 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def job_with(*attempts: Attempt) -> JobRecord:
-    return JobRecord(cluster="slurm", state=State.RUNNING, job_ids=["7"],
-                     attempts=[a.model_copy(update={"attempt": i}) for i, a in enumerate(attempts)])
+    return JobRecord(
+        cluster="slurm",
+        state=State.RUNNING,
+        job_ids=["7"],
+        attempts=[a.model_copy(update={"attempt": i}) for i, a in enumerate(attempts)],
+    )
 
 
 def stopped(job_id="7", signal="SIGUSR2", cause=None) -> Attempt:
-    return Attempt(attempt=0, job_id=job_id, state=State.STOPPED, stop_signal=signal, requeue_cause=cause,
-                   reason=f"stop requested ({signal}); checkpointed at step 5")
+    return Attempt(
+        attempt=0,
+        job_id=job_id,
+        state=State.STOPPED,
+        stop_signal=signal,
+        requeue_cause=cause,
+        reason=f"stop requested ({signal}); checkpointed at step 5",
+    )
 
 
-@pytest.mark.parametrize("elapsed,expected", [(0, "preemption"), (1000, "preemption"), (1619, "preemption"),
-                                              (1620, "timeout"), (1800, "timeout")])
+@pytest.mark.parametrize(
+    "elapsed,expected",
+    [(0, "preemption"), (1000, "preemption"), (1619, "preemption"), (1620, "timeout"), (1800, "timeout")],
+)
 def test_timeout_is_the_last_signal_delay_plus_slack_of_the_limit(elapsed, expected):
     # 30 min limit, USR2 120 s before it, 60 s slack for the 30 s tick: >= 1620 s is a timeout
     assert requeue.classify_stop(elapsed, 30, 120, requested=False) == expected
@@ -123,8 +135,10 @@ def test_requests_are_taken_once_and_only_for_their_attempt(tmp_path):
     assert not requests.take_request(rd, requests.REQUEUE_REQUEST, "7", 1)  # ... so it does not steer attempt 1
 
 
-@pytest.mark.parametrize("path,params", [("/models/Qwen2.5-VL-3B-Instruct", 3e9), ("/m/Nemotron-3-Nano-Omni-30B-A3B", 30e9),
-                                         ("/m/my-model", None)])
+@pytest.mark.parametrize(
+    "path,params",
+    [("/models/Qwen2.5-VL-3B-Instruct", 3e9), ("/m/Nemotron-3-Nano-Omni-30B-A3B", 30e9), ("/m/my-model", None)],
+)
 def test_parameter_count_from_the_model_name(path, params):
     r = load_recipe(ROOT / "recipes" / "qwen2.5-vl-3b-clevr-1n2g.yaml", [f"model.path={path}"])
     assert preflight.estimate_params(r.model) == params

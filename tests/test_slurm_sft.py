@@ -44,14 +44,28 @@ def cluster() -> list[str]:
 @pytest.fixture(scope="module")
 def sets(tmp_path_factory) -> list[str]:
     data = tmp_path_factory.mktemp("slurm-data") / "clevr"
-    return ["--set", f"data.path={data}", "--set", "data.synthetic={train: 256, val: 32, image_size: 112, seed: 0}",
-            "--set", "train.max_steps=24", "--set", "checkpoint.save_period=2", "--set", "train.val_samples=0",
-            "--set", "logger.wandb_mode=disabled", "--set", "cluster.time_limit=10"]
+    return [
+        "--set",
+        f"data.path={data}",
+        "--set",
+        "data.synthetic={train: 256, val: 32, image_size: 112, seed: 0}",
+        "--set",
+        "train.max_steps=24",
+        "--set",
+        "checkpoint.save_period=2",
+        "--set",
+        "train.val_samples=0",
+        "--set",
+        "logger.wandb_mode=disabled",
+        "--set",
+        "cluster.time_limit=10",
+    ]
 
 
 def vlmrun(*args, timeout=600) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "vlmrun.cli", *args], capture_output=True, text=True, env=ENV,
-                          cwd=ROOT, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "vlmrun.cli", *args], capture_output=True, text=True, env=ENV, cwd=ROOT, timeout=timeout
+    )
 
 
 @pytest.fixture(scope="module")
@@ -85,8 +99,10 @@ def test_requeue_at_a_random_step_resumes_to_the_same_history(one_node_run, sets
             break
         time.sleep(0.05)
     assert vlmrun("requeue", job_id).returncode == 0
-    while time.time() < deadline and subprocess.run(["squeue", "-h", "-j", job_id], capture_output=True,
-                                                    text=True).stdout.strip():
+    while (
+        time.time() < deadline
+        and subprocess.run(["squeue", "-h", "-j", job_id], capture_output=True, text=True).stdout.strip()
+    ):
         time.sleep(1)
     job = json.loads((run / "job.json").read_text())
     assert job["state"] == "COMPLETED" and job["job_ids"] == [job_id]
@@ -94,16 +110,31 @@ def test_requeue_at_a_random_step_resumes_to_the_same_history(one_node_run, sets
     ha, hb = history(one_node_run / "metrics.jsonl"), history(run / "metrics.jsonl")
     assert sorted(ha) == sorted(hb) == list(range(1, 25))
     for s in ha:
-        assert (ha[s]["loss"], ha[s]["grad_norm"], ha[s]["sample_ids"]) == \
-               (hb[s]["loss"], hb[s]["grad_norm"], hb[s]["sample_ids"]), s
+        assert (ha[s]["loss"], ha[s]["grad_norm"], ha[s]["sample_ids"]) == (
+            hb[s]["loss"],
+            hb[s]["grad_norm"],
+            hb[s]["sample_ids"],
+        ), s
 
 
 def test_two_nodes_one_worker_each_same_losses_as_one_node(cluster, one_node_run, sets, tmp_path):
     if len(cluster) < 2:
         pytest.skip("needs 2 nodes: tools/slurm/up-2node.sh")
     run = tmp_path / "two"
-    out = vlmrun("submit", TINY, "--cluster", "slurm", "--run-dir", str(run), *sets, "--set", "cluster.nodes=2",
-                 "--set", "cluster.cpus_per_node=1", "--wait")
+    out = vlmrun(
+        "submit",
+        TINY,
+        "--cluster",
+        "slurm",
+        "--run-dir",
+        str(run),
+        *sets,
+        "--set",
+        "cluster.nodes=2",
+        "--set",
+        "cluster.cpus_per_node=1",
+        "--wait",
+    )
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     attempt = json.loads((run / "job.json").read_text())["attempts"][-1]
     assert attempt["ray_alive_nodes"] == 2

@@ -43,9 +43,7 @@ def _reference_coords(layout: ParallelConfig) -> list[dict[str, int]]:
     """Coordinates of ranks 0, 1, ... by counting in Megatron's order: tp fastest, then cp, dp, pp."""
     return [
         {"tp": tp, "cp": cp, "dp": dp, "pp": pp}
-        for pp, dp, cp, tp in itertools.product(
-            range(layout.pp), range(layout.dp), range(layout.cp), range(layout.tp)
-        )
+        for pp, dp, cp, tp in itertools.product(range(layout.pp), range(layout.dp), range(layout.cp), range(layout.tp))
     ]
 
 
@@ -155,9 +153,7 @@ def rank_generator():
 def test_matches_megatron_core_rank_groups(combo, rank_generator):
     layout = _layout(combo)
     plan = plan_placement(layout)
-    generator = rank_generator(
-        tp=layout.tp, ep=1, dp=layout.dp, pp=layout.pp, cp=layout.cp, order="tp-cp-ep-dp-pp"
-    )
+    generator = rank_generator(tp=layout.tp, ep=1, dp=layout.dp, pp=layout.pp, cp=layout.cp, order="tp-cp-ep-dp-pp")
     # Groups that vary tp, cp and pp with dp fixed are the replicas, in dp order.
     replicas = generator.get_ranks("tp-cp-pp")
     assert [tuple(sorted(group)) for group in replicas] == [s.delivery_ranks for s in plan.shards]

@@ -51,9 +51,15 @@ def test_dispatch_strategies_reach_the_ranks_they_name(ray_local):
         assert group.all_ranks("who", "x") == [(r, f"r{r}", "x") for r in range(4)]
         assert group.per_rank("who", lambda rank: {"payload": rank * 10}) == [(r, f"r{r}", r * 10) for r in range(4)]
         assert group.replica_owners("who", lambda shard: {"payload": f"shard{shard}"}) == [
-            (0, "r0", "shard0"), (2, "r2", "shard1")]
+            (0, "r0", "shard0"),
+            (2, "r2", "shard1"),
+        ]
         assert group.by_dp("who", [{"payload": "a"}, {"payload": "b"}]) == [
-            (0, "r0", "a"), (1, "r1", "a"), (2, "r2", "b"), (3, "r3", "b")]
+            (0, "r0", "a"),
+            (1, "r1", "a"),
+            (2, "r2", "b"),
+            (3, "r3", "b"),
+        ]
         with pytest.raises(ValueError, match="one part per data-parallel replica"):
             group.by_dp("who", [{"payload": "a"}])
         addr, port = group.rendezvous()

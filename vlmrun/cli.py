@@ -28,7 +28,9 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     rich_markup_mode=None,
 )
-data_app = typer.Typer(help="Make data sets. Example: vlmrun data clevr data/clevr --train 1024 --val 128", no_args_is_help=True)
+data_app = typer.Typer(
+    help="Make data sets. Example: vlmrun data clevr data/clevr --train 1024 --val 128", no_args_is_help=True
+)
 app.add_typer(data_app, name="data")
 
 SetOpt = typer.Option(None, "--set", help="override a recipe field, e.g. --set train.max_steps=400 (repeatable)")
@@ -55,8 +57,15 @@ def submit(
     """
     from vlmrun.launch.submit import submit_run
 
-    result = submit_run(recipe, set_ or [], cluster=cluster, run_dir=run_dir, dry_run=dry_run, wait=wait,
-                        echo=None if json_out else typer.echo)
+    result = submit_run(
+        recipe,
+        set_ or [],
+        cluster=cluster,
+        run_dir=run_dir,
+        dry_run=dry_run,
+        wait=wait,
+        echo=None if json_out else typer.echo,
+    )
     if json_out:
         _print_json(result.summary())
     elif dry_run:
@@ -160,7 +169,9 @@ def compare(
     recipe: Path | None = typer.Option(None, "--recipe", help="recipe to run through both loops"),
     steps: int | None = typer.Option(None, "--steps", min=1, help="steps of each loop run (sets train.max_steps)"),
     set_: list[str] | None = SetOpt,
-    out: Path | None = typer.Option(None, "--out", help="folder for the runs and the plot (default runs/compare-<time>)"),
+    out: Path | None = typer.Option(
+        None, "--out", help="folder for the runs and the plot (default runs/compare-<time>)"
+    ),
     rtol: float = typer.Option(0.0, "--rtol", min=0.0, help="relative tolerance per metric; 0 = bitwise identical"),
     json_out: bool = JsonOpt,
 ):
@@ -174,8 +185,16 @@ def compare(
     """
     from vlmrun.launch.compare import compare_targets
 
-    result = compare_targets(a, b, recipe=recipe, steps=steps, overrides=set_ or [], out=out, rtol=rtol,
-                             echo=None if json_out else typer.echo)
+    result = compare_targets(
+        a,
+        b,
+        recipe=recipe,
+        steps=steps,
+        overrides=set_ or [],
+        out=out,
+        rtol=rtol,
+        echo=None if json_out else typer.echo,
+    )
     if json_out:
         _print_json(result)
     else:
@@ -189,10 +208,15 @@ def compare(
 def bench_loader(
     recipe: Path = typer.Argument(Path("recipes/tiny-clevr-cpu.yaml"), help="recipe whose data path to measure"),
     workers: str = typer.Option("0,1,2", "--workers", help="comma-separated loader worker counts to try"),
-    batches: int = typer.Option(600, "--batches", min=1, help="measured micro-batches per row (in chunks of 60, "
-                                "interleaved with the other rows)"),
-    image_size: int | None = typer.Option(None, "--image-size", min=32, max=1024,
-                                          help="image side of the (generated) data set; default 224"),
+    batches: int = typer.Option(
+        600,
+        "--batches",
+        min=1,
+        help="measured micro-batches per row (in chunks of 60, interleaved with the other rows)",
+    ),
+    image_size: int | None = typer.Option(
+        None, "--image-size", min=32, max=1024, help="image side of the (generated) data set; default 224"
+    ),
     set_: list[str] | None = SetOpt,
     json_out: bool = JsonOpt,
 ):
@@ -212,8 +236,7 @@ def bench_loader(
     loaded = load_recipe(recipe, set_ or [])
     # Energon prints a line to stdout for every sample it skips; during the run (and in the workers
     # forked during it) stdout goes to stderr, so stdout carries only the table or the JSON.
-    with progress_bar("measuring loaders", enabled=not json_out) as progress, \
-            contextlib.redirect_stdout(sys.stderr):
+    with progress_bar("measuring loaders", enabled=not json_out) as progress, contextlib.redirect_stdout(sys.stderr):
         result = run_bench(loaded, workers=counts, batches=batches, image_size=image_size, progress=progress)
     if json_out:
         _print_json(result)
@@ -243,8 +266,9 @@ def data_clevr(
     if image_format not in ("jpg", "png"):
         raise InputError("--format", image_format, "use jpg or png")
     with progress_bar("drawing scenes", enabled=not json_out) as progress:
-        summary = generate_clevr(out, train=train, val=val, image_size=image_size, seed=seed,
-                                 image_format=image_format, progress=progress)
+        summary = generate_clevr(
+            out, train=train, val=val, image_size=image_size, seed=seed, image_format=image_format, progress=progress
+        )
     if json_out:
         _print_json(summary.to_json())
     else:

@@ -37,8 +37,9 @@ class LimitRunner:
         t0 = time.perf_counter()
         self.samples = read_samples([Path(d.path) / name for name, _ in split_shards(d.path, d.split)])
         self._read_ms = (time.perf_counter() - t0) * 1000 / max(1, len(self.samples))
-        self.encoder = ConversationEncoder(load_processor(processor_dir, recipe.family),
-                                           family_spec(recipe.family), d.max_seq_len)
+        self.encoder = ConversationEncoder(
+            load_processor(processor_dir, recipe.family), family_spec(recipe.family), d.max_seq_len
+        )
         self.cook = COOK_FUNCTIONS[d.cookers[0]]
         self.micro_batch_size = recipe.train.micro_batch_size
         self.transfer_samples = d.transfer_samples
@@ -51,8 +52,14 @@ class LimitRunner:
         self._loader = None
         self._pool = SlotPool(num_workers=num_workers)
         if num_workers:
-            self._loader = DataLoader(_InMemoryGroups(self), batch_size=None, num_workers=num_workers,
-                                      prefetch_factor=2, persistent_workers=True, multiprocessing_context="fork")
+            self._loader = DataLoader(
+                _InMemoryGroups(self),
+                batch_size=None,
+                num_workers=num_workers,
+                prefetch_factor=2,
+                persistent_workers=True,
+                multiprocessing_context="fork",
+            )
 
     def next_batch(self):
         """The next micro-batch (timed by stage when there are no workers)."""

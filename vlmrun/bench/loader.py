@@ -36,8 +36,16 @@ _CHUNK_BATCHES = 60
 _SETTLE_S = 0.2
 
 
-def run_bench(recipe, *, workers: list[int] = (0, 1, 2), batches: int = 600, image_size: int | None = None,
-              rounds: int | None = None, processor_dir: str | None = None, progress=None) -> dict:
+def run_bench(
+    recipe,
+    *,
+    workers: list[int] = (0, 1, 2),
+    batches: int = 600,
+    image_size: int | None = None,
+    rounds: int | None = None,
+    processor_dir: str | None = None,
+    progress=None,
+) -> dict:
     """Measure the three loaders on `recipe` (see module doc); returns the JSON-ready result dict.
 
     `batches` is the number of measured micro-batches per row, spread over `rounds` chunks
@@ -85,7 +93,7 @@ def _measure_interleaved(runners: list, chunk: int, rounds: int, progress) -> No
     """Every row measures one chunk per round; the order rotates so no row always follows another."""
     done, previous = 0, None
     for r in range(rounds):
-        for runner in runners[r % len(runners):] + runners[: r % len(runners)]:
+        for runner in runners[r % len(runners) :] + runners[: r % len(runners)]:
             if previous is not None and previous.num_workers:
                 time.sleep(_SETTLE_S)
             runner.drain()
@@ -151,8 +159,9 @@ class _Runner:
         if kind == "energon":
             from vlmrun.data.loader import open_loader_shard
 
-            self._shard = open_loader_shard(r, processor_dir=processor_dir, shard=0, num_shards=1,
-                                            placement_hash="bench", split=r.data.split)
+            self._shard = open_loader_shard(
+                r, processor_dir=processor_dir, shard=0, num_shards=1, placement_hash="bench", split=r.data.split
+            )
             self._next = self._shard.next_batch
         elif kind == "reference":
             from vlmrun.bench.reference import reference_loader
@@ -263,7 +272,7 @@ def _summary(recipe, data_path: Path, size, workers, batches, rounds, rows) -> d
             "energon": "vlmrun LoaderShard (Energon savable loader, shard 0 of 1), as in training",
             "reference": "WebDataset + torch DataLoader, same cooker and encoder, one micro-batch per item",
             "limit": "samples in memory, cook+encode+collate, no loader; with k workers k processes "
-                     "delivering to the caller like the Energon shard",
+            "delivering to the caller like the Energon shard",
         },
         "target_met": bool(vs_ref >= TARGET_VS_REFERENCE and vs_limit >= TARGET_VS_LIMIT),
     }

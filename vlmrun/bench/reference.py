@@ -32,19 +32,31 @@ def reference_loader(recipe, *, processor_dir: str, split: str, num_workers: int
 
     d, t = recipe.data, recipe.train
     urls = [str(Path(d.path) / name) for name, _ in split_shards(d.path, split)]
-    encoder = ConversationEncoder(load_processor(processor_dir, recipe.family), family_spec(recipe.family),
-                                  d.max_seq_len)
+    encoder = ConversationEncoder(
+        load_processor(processor_dir, recipe.family), family_spec(recipe.family), d.max_seq_len
+    )
     cook = COOK_FUNCTIONS[d.cookers[0]]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # webdataset warns about defaults we set on purpose
-        pipeline = wds.WebDataset(urls, shardshuffle=len(urls), repeat=True, seed=t.seed,
-                                  workersplitter=wds.split_by_worker, empty_check=False)
+        pipeline = wds.WebDataset(
+            urls,
+            shardshuffle=len(urls),
+            repeat=True,
+            seed=t.seed,
+            workersplitter=wds.split_by_worker,
+            empty_check=False,
+        )
     if d.shuffle_buffer > 1:
         pipeline = pipeline.shuffle(d.shuffle_buffer, seed=t.seed)
     pipeline = pipeline.map(lambda raw: _encode_or_skip(encoder, cook, raw)).select(lambda e: e is not None)
     pipeline = pipeline.batched(t.micro_batch_size, collation_fn=encoder.collate, partial=False)
-    loader = DataLoader(pipeline, batch_size=None, num_workers=num_workers,
-                        persistent_workers=num_workers > 0, prefetch_factor=2 if num_workers else None)
+    loader = DataLoader(
+        pipeline,
+        batch_size=None,
+        num_workers=num_workers,
+        persistent_workers=num_workers > 0,
+        prefetch_factor=2 if num_workers else None,
+    )
     while True:
         yield from loader
 

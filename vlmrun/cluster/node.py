@@ -54,9 +54,14 @@ def main(argv: list[str] | None = None) -> int:
     log.info("%s: %s", outcome.state, outcome.reason)
     val = outcome.final_val
     if val and val.get("val_samples"):
-        log.info("validation at step %d: accuracy %.3f vs majority-class baseline %.3f on %d val samples (val loss %.4f)",
-                 outcome.last_step, val["val_accuracy"], val["val_majority_baseline"], val["val_samples"],
-                 val["val_loss"])
+        log.info(
+            "validation at step %d: accuracy %.3f vs majority-class baseline %.3f on %d val samples (val loss %.4f)",
+            outcome.last_step,
+            val["val_accuracy"],
+            val["val_majority_baseline"],
+            val["val_samples"],
+            val["val_loss"],
+        )
     return EXIT_STOPPED if outcome.state is State.STOPPED else EXIT_COMPLETED
 
 
@@ -121,8 +126,15 @@ def _run(rd: RunDirectory, attempt: int, job_id: str, started_at: float, alloc=N
 
         # The same step count the controller uses (train.max_steps capped by epochs), so the ETA is right.
         progress = ProgressLine(plan_steps(recipe, split_size(recipe.data.path, recipe.data.split)).max_steps)
-        return run_sft(rd, recipe, attempt=attempt, model_dir=model_dir, stop=stop, started_at=started_at,
-                       on_row=lambda row: log.info("%s", progress(row)))
+        return run_sft(
+            rd,
+            recipe,
+            attempt=attempt,
+            model_dir=model_dir,
+            stop=stop,
+            started_at=started_at,
+            on_row=lambda row: log.info("%s", progress(row)),
+        )
 
 
 def _parse(argv):

@@ -23,14 +23,14 @@ from vlmrun.run.directory import RunDirectory
 from vlmrun.run.job import Attempt, JobRecord, RequeueCause, require_job, write_job
 from vlmrun.run.state import State
 
-TICK_SLACK_S = 60                 # slurmctld checks time-limit signals every 30 s, plus job launch time
+TICK_SLACK_S = 60  # slurmctld checks time-limit signals every 30 s, plus job launch time
 CAUSES: tuple[RequeueCause, ...] = get_args(RequeueCause)
 
 
 @dataclass(frozen=True)
 class RequeueDecision:
     requeue: bool
-    state: State     # the job's state after this attempt: REQUEUED, BUDGET_EXHAUSTED, STOPPED, CANCELLED, ...
+    state: State  # the job's state after this attempt: REQUEUED, BUDGET_EXHAUSTED, STOPPED, CANCELLED, ...
     cause: RequeueCause | None
     reason: str
 
@@ -61,17 +61,22 @@ def decide(job: JobRecord, *, job_id: str, cause: RequeueCause, budget, cancelle
     if cancelled:
         return RequeueDecision(False, State.CANCELLED, None, "cancelled by `vlmrun cancel`; checkpointed, not requeued")
     if last.stop_signal != "SIGUSR2" and cause != "requested":
-        return RequeueDecision(False, State.STOPPED, None,
-                               f"stopped by {last.stop_signal or 'a request'}; only SIGUSR2 requeues")
+        return RequeueDecision(
+            False, State.STOPPED, None, f"stopped by {last.stop_signal or 'a request'}; only SIGUSR2 requeues"
+        )
     if cause == "requested":
         return RequeueDecision(True, State.REQUEUED, cause, "requeue requested with `vlmrun requeue`")
     allowed = budget.timeouts if cause == "timeout" else budget.preemptions
     used = used_budget(job.attempts, job_id)[cause]
     if used >= allowed:
         field = "timeouts" if cause == "timeout" else "preemptions"
-        return RequeueDecision(False, State.BUDGET_EXHAUSTED, cause,
-                               f"{cause} #{used + 1} of job {job_id} exceeds checkpoint.requeue.{field}={allowed}; "
-                               "continue with `vlmrun resume`")
+        return RequeueDecision(
+            False,
+            State.BUDGET_EXHAUSTED,
+            cause,
+            f"{cause} #{used + 1} of job {job_id} exceeds checkpoint.requeue.{field}={allowed}; "
+            "continue with `vlmrun resume`",
+        )
     return RequeueDecision(True, State.REQUEUED, cause, f"{cause} {used + 1}/{allowed}: requeued")
 
 

@@ -71,8 +71,10 @@ class NodeEntrypoint:
             for name in (REQUEUE_REQUEST, CANCEL_REQUEST):
                 take_request(rd, name, alloc.job_id, alloc.restart_count)
         if code not in (EXIT_COMPLETED, EXIT_STOPPED):
-            raise NodeFailed(f"node {alloc.nodename} (rank {alloc.node_rank}): the node entrypoint exited with code "
-                             f"{code}; see {rd.job_file} and `vlmrun logs {alloc.job_id}`")
+            raise NodeFailed(
+                f"node {alloc.nodename} (rank {alloc.node_rank}): the node entrypoint exited with code "
+                f"{code}; see {rd.job_file} and `vlmrun logs {alloc.job_id}`"
+            )
         return code
 
     def checkpoint(self, *args, **kwargs):
@@ -87,8 +89,9 @@ class NodeEntrypoint:
         requested = take_request(rd, REQUEUE_REQUEST, alloc.job_id, alloc.restart_count)
         cancelled = take_request(rd, CANCEL_REQUEST, alloc.job_id, alloc.restart_count)
         cause = requeue.classify_stop(elapsed_s, c.time_limit, c.signal_delay_s, requested=requested)
-        decision = requeue.decide(require_job(rd), job_id=alloc.job_id, cause=cause, budget=recipe.checkpoint.requeue,
-                                  cancelled=cancelled)
+        decision = requeue.decide(
+            require_job(rd), job_id=alloc.job_id, cause=cause, budget=recipe.checkpoint.requeue, cancelled=cancelled
+        )
         requeue.record(rd, decision)
         log.info("job %s after %.0fs: %s (%s)", alloc.job_id, elapsed_s, decision.state, decision.reason)
         if not decision.requeue:
@@ -101,8 +104,10 @@ class NodeEntrypoint:
 
 
 def attempt_marker(alloc: SlurmAllocation) -> str:
-    return (f"{ATTEMPT_MARKER} job={alloc.job_id} restart={alloc.restart_count} node={alloc.nodename} "
-            f"rank={alloc.node_rank}/{alloc.num_nodes} time={now()} <==")
+    return (
+        f"{ATTEMPT_MARKER} job={alloc.job_id} restart={alloc.restart_count} node={alloc.nodename} "
+        f"rank={alloc.node_rank}/{alloc.num_nodes} time={now()} <=="
+    )
 
 
 def requeue_through_submitit(*, timed_out: bool) -> NoReturn:

@@ -44,18 +44,24 @@ class SlurmAllocation:
         if env.get("SLURM_ARRAY_JOB_ID") and env.get("SLURM_ARRAY_TASK_ID"):
             job_id = f"{env['SLURM_ARRAY_JOB_ID']}_{env['SLURM_ARRAY_TASK_ID']}"
         nodename = env.get("SLURMD_NODENAME") or socket.gethostname()
-        return cls(job_id=job_id, node_rank=int(env["SLURM_NODEID"]),
-                   num_nodes=int(env.get("SLURM_JOB_NUM_NODES") or env.get("SLURM_NNODES") or 1),
-                   nodename=nodename, nodelist=env.get("SLURM_JOB_NODELIST", nodename),
-                   restart_count=int(env.get("SLURM_RESTART_COUNT") or 0),
-                   cpus_on_node=int(env.get("SLURM_CPUS_ON_NODE") or 1), gpus_on_node=_visible_gpus(env))
+        return cls(
+            job_id=job_id,
+            node_rank=int(env["SLURM_NODEID"]),
+            num_nodes=int(env.get("SLURM_JOB_NUM_NODES") or env.get("SLURM_NNODES") or 1),
+            nodename=nodename,
+            nodelist=env.get("SLURM_JOB_NODELIST", nodename),
+            restart_count=int(env.get("SLURM_RESTART_COUNT") or 0),
+            cpus_on_node=int(env.get("SLURM_CPUS_ON_NODE") or 1),
+            gpus_on_node=_visible_gpus(env),
+        )
 
     def hostnames(self) -> list[str]:
         """Node names of the job, node 0 first (`scontrol show hostnames`)."""
         if self.num_nodes == 1:
             return [self.nodename]
-        out = subprocess.run(["scontrol", "show", "hostnames", self.nodelist], capture_output=True, text=True,
-                             timeout=30, check=True).stdout
+        out = subprocess.run(
+            ["scontrol", "show", "hostnames", self.nodelist], capture_output=True, text=True, timeout=30, check=True
+        ).stdout
         return out.split()
 
     def rendezvous(self, root: Path) -> Path:

@@ -30,9 +30,15 @@ class DataConfig(BaseModel):
     num_workers: int = Field(1, ge=0, le=64)
     shuffle_buffer: int = Field(64, ge=0)
     max_samples_per_sequence: int = Field(64, ge=1)
-    transfer_samples: int = Field(8, ge=1, le=256, description=(
-        "samples per trip from a loader worker to the training process, rounded down to whole micro-batches: "
-        "more spreads the per-trip cost; each worker keeps 4 trips of shared memory"))
+    transfer_samples: int = Field(
+        8,
+        ge=1,
+        le=256,
+        description=(
+            "samples per trip from a loader worker to the training process, rounded down to whole micro-batches: "
+            "more spreads the per-trip cost; each worker keeps 4 trips of shared memory"
+        ),
+    )
     virtual_epoch_length: int = Field(0, ge=0, description="samples per epoch per shard; 0 = the split's size")
     max_seq_len: int = Field(1024, ge=16)
     error_tolerance: int = Field(16, ge=0, description="corrupt samples skipped per shard before failing")

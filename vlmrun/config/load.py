@@ -41,7 +41,9 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
     except UnicodeDecodeError:
         raise InputError("RECIPE", str(path), message=f"{path}: not a text (UTF-8) file") from None
     if not isinstance(data, dict):
-        raise InputError("RECIPE", str(path), message=f"{path}: a recipe is a YAML mapping of sections, got {type(data).__name__}")
+        raise InputError(
+            "RECIPE", str(path), message=f"{path}: a recipe is a YAML mapping of sections, got {type(data).__name__}"
+        )
     return data
 
 
@@ -118,7 +120,9 @@ def _unknown_key(loc: tuple[str, ...]) -> str:
     for part in loc[:-1]:
         field = model.model_fields.get(part) if model else None
         ann = getattr(field, "annotation", None)
-        model = next((a for a in getattr(ann, "__args__", (ann,)) if isinstance(a, type) and issubclass(a, BaseModel)), None)
+        model = next(
+            (a for a in getattr(ann, "__args__", (ann,)) if isinstance(a, type) and issubclass(a, BaseModel)), None
+        )
     valid = sorted(model.model_fields) if model else []
     prefix = ".".join(loc[:-1])
     name = ".".join(loc)

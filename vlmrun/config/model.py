@@ -25,5 +25,3 @@ class ModelConfig(BaseModel):
         if self.tiny == (self.path is not None):
             raise ValueError("set exactly one of model.path (a local model directory) or model.tiny: true")
         return self
-
-

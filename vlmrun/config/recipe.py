@@ -39,7 +39,8 @@ class Recipe(BaseModel):
         t, p = self.train, self.parallel
         if t.global_batch_size % (p.dp * t.micro_batch_size):
             raise CrossFieldError(
-                "train.global_batch_size", t.global_batch_size,
+                "train.global_batch_size",
+                t.global_batch_size,
                 f"must be divisible by parallel.dp x train.micro_batch_size = {p.dp} x {t.micro_batch_size}",
             )
         if self.data.family is not None and self.data.family != self.model.family:
@@ -51,13 +52,15 @@ class Recipe(BaseModel):
         c = self.cluster
         if c.gpus_per_node and p.world_size != c.gpus:
             raise CrossFieldError(
-                "parallel.dp", p.dp,
+                "parallel.dp",
+                p.dp,
                 f"dp x tp x pp x cp = {p.world_size} must equal the allocation's GPUs: "
                 f"cluster.nodes x cluster.gpus_per_node = {c.nodes} x {c.gpus_per_node} = {c.gpus}",
             )
         if not c.gpus_per_node and p.world_size > c.nodes * c.cpus_per_node:
             raise CrossFieldError(
-                "parallel.dp", p.dp,
+                "parallel.dp",
+                p.dp,
                 f"a CPU run needs one CPU per rank: at most cluster.nodes x cluster.cpus_per_node = "
                 f"{c.nodes * c.cpus_per_node} ranks",
             )

@@ -93,7 +93,7 @@ class ConversationEncoder:
             prompt = _without_media(prompt)
             text = self._render(prompt, generation_prompt=True)
             ids, tokens, media = self._process(text, [], first=True)
-            ids, tokens = ids[-self.max_seq_len:], {k: v[-self.max_seq_len:] for k, v in tokens.items()}
+            ids, tokens = ids[-self.max_seq_len :], {k: v[-self.max_seq_len :] for k, v in tokens.items()}
         return EncodedPrompt(key=conv.__key__, input_ids=ids, token_inputs=tokens, media=media, answer=conv.answer)
 
     def _encode_messages(self, conv: Conversation, messages: list[dict], *, train: bool) -> Encoded:
@@ -203,8 +203,14 @@ class ConversationEncoder:
                 k = name.removeprefix("media.")
                 torch.cat([s.media[k] for s in samples if s.media], dim=0, out=out[name])
                 media[k] = out[name]
-        return Batch(sample_ids=[s.key for s in samples], input_ids=input_ids, attention_mask=mask, labels=labels,
-                     media=media, token_inputs=tokens)
+        return Batch(
+            sample_ids=[s.key for s in samples],
+            input_ids=input_ids,
+            attention_mask=mask,
+            labels=labels,
+            media=media,
+            token_inputs=tokens,
+        )
 
     def collate_prompts(self, prompts: list[EncodedPrompt]) -> PromptBatch:
         """Left-padded prompts (generation appends on the right), answers in the same order."""
@@ -214,9 +220,9 @@ class ConversationEncoder:
         tokens = {k: torch.zeros((len(prompts), width), dtype=torch.long) for k in self.family.token_keys}
         for row, p in enumerate(prompts):
             n = p.input_ids.numel()
-            input_ids[row, width - n:], mask[row, width - n:] = p.input_ids, 1
+            input_ids[row, width - n :], mask[row, width - n :] = p.input_ids, 1
             for k in tokens:
-                tokens[k][row, width - n:] = p.token_inputs[k]
+                tokens[k][row, width - n :] = p.token_inputs[k]
         return PromptBatch(
             sample_ids=[p.key for p in prompts],
             input_ids=input_ids,
@@ -241,10 +247,7 @@ def _pieces(length: int, spans: list[tuple[int, int]]) -> list[tuple[int, int, b
 
 
 def _without_media(messages: list[dict]) -> list[dict]:
-    return [
-        {**m, "content": [p for p in m["content"] if p["type"] == "text"]}
-        for m in messages
-    ]
+    return [{**m, "content": [p for p in m["content"] if p["type"] == "text"]} for m in messages]
 
 
 def _cat_media(parts: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:

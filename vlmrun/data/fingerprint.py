@@ -35,8 +35,16 @@ class LoaderStateRefused(InputError):
     """A saved loader state that this shard must not load: another identity, or too late."""
 
 
-def loader_fingerprint(recipe, *, processor_dir: str, chat_template: str | None, shard: int, num_shards: int,
-                       placement_hash: str, split: str) -> dict[str, object]:
+def loader_fingerprint(
+    recipe,
+    *,
+    processor_dir: str,
+    chat_template: str | None,
+    shard: int,
+    num_shards: int,
+    placement_hash: str,
+    split: str,
+) -> dict[str, object]:
     """The fingerprint of one loader shard, a flat dict of JSON values keyed by dotted path."""
     import megatron.energon
 

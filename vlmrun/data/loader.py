@@ -47,8 +47,11 @@ def load_processor(processor_dir: str, family: str):
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # loader workers fork after it is loaded
     processor = AutoProcessor.from_pretrained(processor_dir)
     if type(processor).__name__ != spec.processor_class:
-        raise InputError("model.family", family, f"{processor_dir} holds a {type(processor).__name__}, "
-                         f"but family {family!r} needs a {spec.processor_class}")
+        raise InputError(
+            "model.family",
+            family,
+            f"{processor_dir} holds a {type(processor).__name__}, but family {family!r} needs a {spec.processor_class}",
+        )
     return processor
 
 
@@ -70,8 +73,7 @@ class LoaderShard:
     split do not fit.
     """
 
-    def __init__(self, recipe, *, processor_dir: str, shard: int, num_shards: int, placement_hash: str,
-                 split: str):
+    def __init__(self, recipe, *, processor_dir: str, shard: int, num_shards: int, placement_hash: str, split: str):
         from megatron.energon import WorkerConfig, get_savable_loader, get_train_dataset
 
         from vlmrun.data.components import check_components
@@ -86,23 +88,44 @@ class LoaderShard:
         split_size(d.path, split)  # refuses a missing dataset or split with an InputError
         processor = load_processor(processor_dir, recipe.family)
         self.fingerprint = loader_fingerprint(
-            recipe, processor_dir=processor_dir, chat_template=processor.chat_template, shard=shard,
-            num_shards=num_shards, placement_hash=placement_hash, split=split)
+            recipe,
+            processor_dir=processor_dir,
+            chat_template=processor.chat_template,
+            shard=shard,
+            num_shards=num_shards,
+            placement_hash=placement_hash,
+            split=split,
+        )
         self._budget = ErrorBudget(shard=shard, num_shards=num_shards, split=split, tolerance=d.error_tolerance)
-        worker_config = WorkerConfig(rank=shard, world_size=num_shards, num_workers=d.num_workers,
-                                     seed_offset=t.seed, global_error_handler=self._budget)
-        task_encoder = make_task_encoder(d.task_encoder, processor=processor, family=recipe.family,
-                                         cookers=d.cookers, max_seq_len=d.max_seq_len,
-                                         micro_batch_size=t.micro_batch_size)
+        worker_config = WorkerConfig(
+            rank=shard,
+            world_size=num_shards,
+            num_workers=d.num_workers,
+            seed_offset=t.seed,
+            global_error_handler=self._budget,
+        )
+        task_encoder = make_task_encoder(
+            d.task_encoder,
+            processor=processor,
+            family=recipe.family,
+            cookers=d.cookers,
+            max_seq_len=d.max_seq_len,
+            micro_batch_size=t.micro_batch_size,
+        )
         self._pool = task_encoder.slot_pool = SlotPool(num_workers=d.num_workers)
         retain_freed_memory()  # in this process and the workers it forks (see vlmrun.data.malloc)
         group_samples = t.micro_batch_size * transfer_group(t.micro_batch_size, d.transfer_samples)
         epoch_groups = max(1, d.virtual_epoch_length // group_samples) if d.virtual_epoch_length else 0
         dataset = get_train_dataset(
-            d.path, split_part=split, worker_config=worker_config, batch_size=group_samples,
+            d.path,
+            split_part=split,
+            worker_config=worker_config,
+            batch_size=group_samples,
             shuffle_buffer_size=d.shuffle_buffer if d.shuffle_buffer > 1 else None,
-            max_samples_per_sequence=d.max_samples_per_sequence, virtual_epoch_length=epoch_groups,
-            task_encoder=task_encoder)
+            max_samples_per_sequence=d.max_samples_per_sequence,
+            virtual_epoch_length=epoch_groups,
+            task_encoder=task_encoder,
+        )
         # Workers keep an internal checkpoint at least every 15 s (a restore replays at most that
         # much); Energon's forced gc.collect() runs every 50 transfer groups, not every 10 (~3% CPU).
         self._loader = get_savable_loader(dataset, checkpoint_every_sec=15, gc_collect_every_n_steps=50)
@@ -137,8 +160,9 @@ class LoaderShard:
 
     def _fetch(self, taken: int = 0, packed=None) -> _HeldGroup:
         packed = self._next_group() if packed is None else packed
-        return _HeldGroup(key=packed.__restore_key__, size=len(packed),
-                          batches=collections.deque(self._pool.unpack(packed)[taken:]))
+        return _HeldGroup(
+            key=packed.__restore_key__, size=len(packed), batches=collections.deque(self._pool.unpack(packed)[taken:])
+        )
 
     def _rebuild_held_groups(self) -> None:
         """Rebuild the groups a loaded state was in the middle of (see `load_state_dict`).
@@ -188,11 +212,16 @@ class LoaderShard:
             raise RuntimeError(f"loader shard {self.shard} is closed")
         if self._iter is not None:
             raise LoaderStateRefused(
-                "loader state", message=f"loader shard {self.shard}: a state can only be loaded before the "
-                f"first batch ({self._batches} batches were already taken)")
+                "loader state",
+                message=f"loader shard {self.shard}: a state can only be loaded before the "
+                f"first batch ({self._batches} batches were already taken)",
+            )
         if not isinstance(state, dict) or "fingerprint" not in state or "energon" not in state:
-            raise LoaderStateRefused("loader state", message=f"loader shard {self.shard}: not a loader state "
-                                     f"(keys: {sorted(state) if isinstance(state, dict) else type(state).__name__})")
+            raise LoaderStateRefused(
+                "loader state",
+                message=f"loader shard {self.shard}: not a loader state "
+                f"(keys: {sorted(state) if isinstance(state, dict) else type(state).__name__})",
+            )
         check_same_identity(state["fingerprint"], self.fingerprint, shard=self.shard)
         self._loader.restore_state_rank(from_plain(state["energon"]))
         self._batches = int(state.get("batches", 0))
@@ -213,15 +242,21 @@ class LoaderShard:
         self._loader = None
 
 
-def open_loader_shard(recipe, *, processor_dir: str, shard: int, num_shards: int, placement_hash: str,
-                      split: str) -> LoaderShard:
+def open_loader_shard(
+    recipe, *, processor_dir: str, shard: int, num_shards: int, placement_hash: str, split: str
+) -> LoaderShard:
     """Open loader shard `shard` of `num_shards` over `split` of `recipe.data.path` (see LoaderShard)."""
-    return LoaderShard(recipe, processor_dir=processor_dir, shard=shard, num_shards=num_shards,
-                       placement_hash=placement_hash, split=split)
+    return LoaderShard(
+        recipe,
+        processor_dir=processor_dir,
+        shard=shard,
+        num_shards=num_shards,
+        placement_hash=placement_hash,
+        split=split,
+    )
 
 
-def val_batches(recipe, *, processor_dir: str, samples: int, batch_size: int
-                ) -> tuple[list[Batch], list[PromptBatch]]:
+def val_batches(recipe, *, processor_dir: str, samples: int, batch_size: int) -> tuple[list[Batch], list[PromptBatch]]:
     """The first `samples` of `recipe.data.val_split` in a fixed order, as loss and prompt batches.
 
     Loss batches hold full conversations with labels; prompt batches the same samples' prompts,
@@ -240,10 +275,17 @@ def val_batches(recipe, *, processor_dir: str, samples: int, batch_size: int
     processor = load_processor(processor_dir, recipe.family)
     budget = ErrorBudget(shard=0, num_shards=1, split=d.val_split, tolerance=d.error_tolerance)
     worker_config = WorkerConfig(rank=0, world_size=1, num_workers=0, global_error_handler=budget)
-    task_encoder = make_task_encoder(d.task_encoder, processor=processor, family=recipe.family, cookers=d.cookers,
-                                     max_seq_len=d.max_seq_len, val=True)
-    dataset = get_val_dataset(d.path, split_part=d.val_split, worker_config=worker_config, batch_size=batch_size,
-                              task_encoder=task_encoder)
+    task_encoder = make_task_encoder(
+        d.task_encoder,
+        processor=processor,
+        family=recipe.family,
+        cookers=d.cookers,
+        max_seq_len=d.max_seq_len,
+        val=True,
+    )
+    dataset = get_val_dataset(
+        d.path, split_part=d.val_split, worker_config=worker_config, batch_size=batch_size, task_encoder=task_encoder
+    )
     pairs = []
     with _quiet_pin_memory():
         for group in get_loader(dataset):
@@ -252,9 +294,11 @@ def val_batches(recipe, *, processor_dir: str, samples: int, batch_size: int
                 break
     pairs = pairs[:samples]
     encoder = task_encoder.encoder
-    chunks = [pairs[i:i + batch_size] for i in range(0, len(pairs), batch_size)]
-    return ([encoder.collate([s.encoded for s in c]) for c in chunks],
-            [encoder.collate_prompts([s.prompt for s in c]) for c in chunks])
+    chunks = [pairs[i : i + batch_size] for i in range(0, len(pairs), batch_size)]
+    return (
+        [encoder.collate([s.encoded for s in c]) for c in chunks],
+        [encoder.collate_prompts([s.prompt for s in c]) for c in chunks],
+    )
 
 
 @contextlib.contextmanager

@@ -27,8 +27,12 @@ def to_plain(value: Any) -> Any:
     if value is None or isinstance(value, (bool, int, float, str, bytes, torch.Tensor)):
         return value
     if isinstance(value, np.ndarray):
-        return {_TYPE: "numpy.ndarray", "dtype": value.dtype.str, "shape": list(value.shape),
-                "data": np.ascontiguousarray(value).tobytes()}
+        return {
+            _TYPE: "numpy.ndarray",
+            "dtype": value.dtype.str,
+            "shape": list(value.shape),
+            "data": np.ascontiguousarray(value).tobytes(),
+        }
     if isinstance(value, np.generic):
         return {_TYPE: "numpy.generic", "dtype": value.dtype.str, "data": value.tobytes()}
     if isinstance(value, tuple):

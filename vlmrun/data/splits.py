@@ -24,8 +24,11 @@ def split_shards(path: str | Path, split: str) -> list[tuple[str, int]]:
         counts = json.loads((meta / ".info.json").read_text())["shard_counts"]
         splits = yaml.safe_load((meta / "split.yaml").read_text())
     except (OSError, ValueError, KeyError, TypeError):
-        raise InputError("data.path", str(path), "must be an Energon-prepared dataset folder "
-                         "(.nv-meta/ with .info.json and split.yaml)") from None
+        raise InputError(
+            "data.path",
+            str(path),
+            "must be an Energon-prepared dataset folder (.nv-meta/ with .info.json and split.yaml)",
+        ) from None
     parts = splits.get("split_parts") or {}
     if split not in parts:
         raise InputError("data.split", split, f"{path} has the splits: {', '.join(parts) or 'none'}")

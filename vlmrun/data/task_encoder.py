@@ -56,7 +56,7 @@ class ChatSftTaskEncoder(DefaultTaskEncoder):
     def batch(self, samples: list[EncodedSample]) -> PackedBatches:
         """The samples of one transfer group as micro-batches of `micro_batch_size`, packed (see transport)."""
         size = self.micro_batch_size
-        groups = [[s.encoded for s in samples[i:i + size]] for i in range(0, len(samples), size)]
+        groups = [[s.encoded for s in samples[i : i + size]] for i in range(0, len(samples), size)]
         return collate_packed(self.encoder, groups, self.slot_pool)
 
 
@@ -80,9 +80,18 @@ class ChatSftValTaskEncoder(ChatSftTaskEncoder):
 _ENCODERS = {"chat_sft": (ChatSftTaskEncoder, ChatSftValTaskEncoder)}
 
 
-def make_task_encoder(name: str, *, processor, family: str, cookers: list[str], max_seq_len: int,
-                      micro_batch_size: int = 1, val: bool = False):
+def make_task_encoder(
+    name: str,
+    *,
+    processor,
+    family: str,
+    cookers: list[str],
+    max_seq_len: int,
+    micro_batch_size: int = 1,
+    val: bool = False,
+):
     """The task encoder registered as `name` (train or validation variant)."""
     cls = _ENCODERS[name][1 if val else 0]
-    return cls(processor=processor, family=family, cookers=cookers, max_seq_len=max_seq_len,
-               micro_batch_size=micro_batch_size)
+    return cls(
+        processor=processor, family=family, cookers=cookers, max_seq_len=max_seq_len, micro_batch_size=micro_batch_size
+    )

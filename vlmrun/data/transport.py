@@ -133,8 +133,10 @@ def collate_packed(encoder, groups: list[list], pool: SlotPool | None = None) ->
     ids = [[e.key for e in g] for g in groups]
     if torch.utils.data.get_worker_info() is None:
         blocks = [torch.empty(max(n, 1), dtype=torch.uint8) for _, n in placed]
-        parts = [Part(sample_ids=i, fields=f, block=k, start=0, end=n)
-                 for k, (i, (f, n)) in enumerate(zip(ids, placed, strict=True))]
+        parts = [
+            Part(sample_ids=i, fields=f, block=k, start=0, end=n)
+            for k, (i, (f, n)) in enumerate(zip(ids, placed, strict=True))
+        ]
         slot = None
     else:
         parts, offset = [], 0
@@ -144,7 +146,7 @@ def collate_packed(encoder, groups: list[list], pool: SlotPool | None = None) ->
         block, slot = pool.block(offset) if pool is not None else (_shared(offset), None)
         blocks = [block]
     for group, part in zip(groups, parts, strict=True):
-        base = blocks[part.block][part.start: part.end]
+        base = blocks[part.block][part.start : part.end]
         encoder.collate(group, out={f.name: _view(base, f) for f in part.fields})
     return PackedBatches(blocks=blocks, parts=parts, slot=slot)
 
@@ -155,7 +157,7 @@ def unpack(packed: PackedBatches) -> list[Batch]:
     e.g. Ray, must not drag the others along); small tensors are cloned, media stay views."""
     batches = []
     for part in packed.parts:
-        base = packed.blocks[part.block][part.start: part.end]
+        base = packed.blocks[part.block][part.start : part.end]
         if base.is_shared() or part.start or part.end != packed.blocks[part.block].numel():
             base = base.clone()
         batches.append(_batch(part.sample_ids, {f.name: _view(base, f, clone_small=True) for f in part.fields}))
@@ -181,14 +183,20 @@ def _batch(sample_ids: list[str], tensors: dict[str, torch.Tensor]) -> Batch:
         group, _, key = name.partition(".")
         if key:
             groups[group][key] = tensor
-    return Batch(sample_ids=sample_ids, input_ids=tensors["input_ids"], attention_mask=tensors["attention_mask"],
-                 labels=tensors["labels"], media=groups["media"], token_inputs=groups["token_inputs"])
+    return Batch(
+        sample_ids=sample_ids,
+        input_ids=tensors["input_ids"],
+        attention_mask=tensors["attention_mask"],
+        labels=tensors["labels"],
+        media=groups["media"],
+        token_inputs=groups["token_inputs"],
+    )
 
 
 def _view(block: torch.Tensor, field: Field, *, clone_small: bool = False) -> torch.Tensor:
     dtype = getattr(torch, field.dtype)
     nbytes = _nbytes(field.shape, dtype)
-    view = block[field.offset: field.offset + nbytes].view(dtype).view(field.shape)
+    view = block[field.offset : field.offset + nbytes].view(dtype).view(field.shape)
     return view.clone() if clone_small and nbytes < _KEEP_AS_VIEW_BYTES else view
 
 

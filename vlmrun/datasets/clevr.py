@@ -64,9 +64,7 @@ class ClevrParams:
             allowed = f"must be between {_MIN_IMAGE_SIZE} and {_MAX_IMAGE_SIZE} pixels"
             raise InputError("image_size", self.image_size, allowed)
         if self.image_format not in IMAGE_FORMATS:
-            raise InputError(
-                "image_format", self.image_format, f"allowed: {', '.join(IMAGE_FORMATS)}"
-            )
+            raise InputError("image_format", self.image_format, f"allowed: {', '.join(IMAGE_FORMATS)}")
 
 
 @dataclass(frozen=True)
@@ -176,9 +174,7 @@ def ensure_clevr(
     the others wait: concurrent callers still end with one complete set, but may replace each
     other's copy while it is being read.
     """
-    params = ClevrParams(
-        train=train, val=val, image_size=image_size, seed=seed, image_format=image_format
-    )
+    params = ClevrParams(train=train, val=val, image_size=image_size, seed=seed, image_format=image_format)
     params.validate()
     out = Path(out)
     found = read_complete(out)
@@ -219,9 +215,7 @@ def _write_split(
     templates: Counter[str] = Counter()
     per_shard = params.samples_per_shard
     for shard_index, start in enumerate(range(0, count, per_shard)):
-        with tarfile.open(
-            out / shard_name(split, shard_index), "w", format=tarfile.USTAR_FORMAT
-        ) as tar:
+        with tarfile.open(out / shard_name(split, shard_index), "w", format=tarfile.USTAR_FORMAT) as tar:
             for index in range(start, min(start + per_shard, count)):
                 members, question = _render_sample(split, index, params)
                 for name, data in sorted(members.items()):
@@ -234,9 +228,7 @@ def _write_split(
     return SplitSummary.from_counts(answers, templates)
 
 
-def _render_sample(
-    split: str, index: int, params: ClevrParams
-) -> tuple[dict[str, bytes], Question]:
+def _render_sample(split: str, index: int, params: ClevrParams) -> tuple[dict[str, bytes], Question]:
     # A string seed is hashed with SHA-512 by `random`, independent of PYTHONHASHSEED.
     rng = random.Random(f"vlmrun-clevr/{params.seed}/{split}/{index}")
     objects = sample_scene(rng, params.image_size)
@@ -321,14 +313,11 @@ def _check_replaceable(out: Path) -> None:
     if not out.exists():
         return
     ours = out.is_dir() and all(
-        p.name in (MARKER, META_FOLDER)
-        or (p.name.startswith(SPLITS) and p.name.endswith((".tar", ".tar.idx")))
+        p.name in (MARKER, META_FOLDER) or (p.name.startswith(SPLITS) and p.name.endswith((".tar", ".tar.idx")))
         for p in out.iterdir()
     )
     if not ours:
-        raise InputError(
-            "out", str(out), "exists and is not a CLEVR data set; choose another directory"
-        )
+        raise InputError("out", str(out), "exists and is not a CLEVR data set; choose another directory")
 
 
 def _generate_and_rename(out: Path, params: ClevrParams, progress: Progress | None) -> ClevrSummary:

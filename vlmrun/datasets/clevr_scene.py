@@ -109,12 +109,7 @@ def _place(
 
 def boxes_touch(a: tuple[int, int, int, int], b: tuple[int, int, int, int], margin: int) -> bool:
     """True when the boxes overlap or come closer than `margin` pixels."""
-    return not (
-        a[2] + margin <= b[0]
-        or b[2] + margin <= a[0]
-        or a[3] + margin <= b[1]
-        or b[3] + margin <= a[1]
-    )
+    return not (a[2] + margin <= b[0] or b[2] + margin <= a[0] or a[3] + margin <= b[1] or b[3] + margin <= a[1])
 
 
 def draw_scene(objects: list[SceneObject], image_size: int) -> Image.Image:
@@ -156,9 +151,7 @@ def sample_question(rng: random.Random, objects: list[SceneObject]) -> Question:
         (color, shape), count = _pick_by_answer(rng, pair_counts)
         return Question(template, f"How many {color} {shape}s are there?", str(count))
     answer = "yes" if rng.random() < 0.5 else "no"
-    color, shape = rng.choice(
-        [pair for pair, n in pair_counts.items() if (n > 0) == (answer == "yes")]
-    )
+    color, shape = rng.choice([pair for pair, n in pair_counts.items() if (n > 0) == (answer == "yes")])
     return Question("exist_color_shape", f"Is there a {color} {shape}?", answer)
 
 

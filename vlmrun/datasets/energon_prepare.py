@@ -26,9 +26,7 @@ META_FOLDER = ".nv-meta"
 _MAX_INDEX_WORKERS = 4
 
 
-def prepare_crude_webdataset(
-    folder: Path, *, split_patterns: dict[str, str], subflavors: dict[str, Any]
-) -> None:
+def prepare_crude_webdataset(folder: Path, *, split_patterns: dict[str, str], subflavors: dict[str, Any]) -> None:
     """Index every `*.tar` directly in `folder` and write `.nv-meta/` for a `CrudeWebdataset`.
 
     `split_patterns` maps a split part ("train", "val") to a regex that Energon matches against

@@ -16,7 +16,10 @@ def ensure_dataset(data, progress=None) -> Path:
         s = data.synthetic
         ensure_clevr(path, train=s.train, val=s.val, image_size=s.image_size, seed=s.seed, progress=progress)
     elif not (path / ".nv-meta").is_dir():
-        raise InputError("data.path", str(path),
-                         "must be an Energon-prepared dataset folder (with .nv-meta/); "
-                         "make one with `vlmrun data clevr` or `energon prepare`, or set data.synthetic")
+        raise InputError(
+            "data.path",
+            str(path),
+            "must be an Energon-prepared dataset folder (with .nv-meta/); "
+            "make one with `vlmrun data clevr` or `energon prepare`, or set data.synthetic",
+        )
     return path

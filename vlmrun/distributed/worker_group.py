@@ -64,8 +64,15 @@ class WorkerGroup:
     (their `shutdown` method) and frees the placement group.
     """
 
-    def __init__(self, actor_cls: type, plan: PlacementPlan, placement: Placement,
-                 init: Callable[[int], dict[str, Any]], *, ready_timeout_s: float = 300.0):
+    def __init__(
+        self,
+        actor_cls: type,
+        plan: PlacementPlan,
+        placement: Placement,
+        init: Callable[[int], dict[str, Any]],
+        *,
+        ready_timeout_s: float = 300.0,
+    ):
         import ray
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -76,8 +83,12 @@ class WorkerGroup:
         ray.get(self.pg.ready(), timeout=ready_timeout_s)
         remote = ray.remote(actor_cls)
         self.workers = [
-            remote.options(num_cpus=1, num_gpus=placement.gpus_per_rank, scheduling_strategy=(
-                PlacementGroupSchedulingStrategy(placement_group=self.pg, placement_group_bundle_index=rank))
+            remote.options(
+                num_cpus=1,
+                num_gpus=placement.gpus_per_rank,
+                scheduling_strategy=(
+                    PlacementGroupSchedulingStrategy(placement_group=self.pg, placement_group_bundle_index=rank)
+                ),
             ).remote(**init(rank))
             for rank in range(world)
         ]
@@ -116,17 +127,19 @@ class WorkerGroup:
 
     def submit_replica(self, shard: int, method: str, **kwargs) -> list:
         """`method(**kwargs)` on every rank of data-parallel replica `shard` (its part of a batch)."""
-        return [getattr(self.workers[rank], method).remote(**kwargs)
-                for rank in self.plan.shards[shard].delivery_ranks]
+        return [getattr(self.workers[rank], method).remote(**kwargs) for rank in self.plan.shards[shard].delivery_ranks]
 
     def by_dp(self, method: str, parts: Sequence[dict[str, Any]]) -> list:
         """Every rank gets `parts[its dp index]` as keyword arguments; the results in shard, then rank order."""
         import ray
 
         if len(parts) != len(self.plan.shards):
-            raise ValueError(f"by_dp needs one part per data-parallel replica ({len(self.plan.shards)}), "
-                             f"got {len(parts)}")
-        return ray.get([ref for s in self.plan.shards for ref in self.submit_replica(s.shard, method, **parts[s.shard])])
+            raise ValueError(
+                f"by_dp needs one part per data-parallel replica ({len(self.plan.shards)}), got {len(parts)}"
+            )
+        return ray.get(
+            [ref for s in self.plan.shards for ref in self.submit_replica(s.shard, method, **parts[s.shard])]
+        )
 
     def per_rank(self, method: str, kwargs_of: Callable[[int], dict[str, Any]]) -> list:
         """`method(**kwargs_of(rank))` on every rank (each its own share); the results in rank order."""

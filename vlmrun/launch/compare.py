@@ -12,8 +12,17 @@ from vlmrun.run.directory import RunDirectory
 LOOPS = ("v1", "v2")
 
 
-def compare_targets(a: str, b: str, *, recipe: Path | None, steps: int | None, overrides: list[str],
-                    out: Path | None, rtol: float, echo: Callable[[str], None] | None = None) -> dict:
+def compare_targets(
+    a: str,
+    b: str,
+    *,
+    recipe: Path | None,
+    steps: int | None,
+    overrides: list[str],
+    out: Path | None,
+    rtol: float,
+    echo: Callable[[str], None] | None = None,
+) -> dict:
     """Two loop names (runs them first) or two run directories."""
     from vlmrun.observe.compare import compare_sides, load_side
 
@@ -36,8 +45,9 @@ def compare_targets(a: str, b: str, *, recipe: Path | None, steps: int | None, o
             rd = RunDirectory(target)
             if not rd.exists():
                 raise InputError(label, target, "must be v1/v2 (with --recipe) or a vlmrun run directory")
-            sides.append(load_side(rd.path.name if rd.path.name != "" else label, rd.path,
-                                   rd.load_recipe().logger.metrics_file))
+            sides.append(
+                load_side(rd.path.name if rd.path.name != "" else label, rd.path, rd.load_recipe().logger.metrics_file)
+            )
         if sides[0].label == sides[1].label:
             sides[0].label, sides[1].label = f"A-{sides[0].label}", f"B-{sides[1].label}"
     return compare_sides(sides[0], sides[1], rtol=rtol, out_dir=out)

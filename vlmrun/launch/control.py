@@ -81,8 +81,11 @@ def requeue(target: str) -> dict:
         return {"run_dir": str(rd.path), "job_id": job_id, "signalled": "SIGUSR2", "pid": pid}
     state = (slurm_state(job_id) or {}).get("state")
     if state != State.RUNNING.value:
-        raise InputError("JOBID", job_id, message=f"job {job_id} is {state or 'not known to SLURM'}; only a RUNNING "
-                         "job can checkpoint and requeue")
+        raise InputError(
+            "JOBID",
+            job_id,
+            message=f"job {job_id} is {state or 'not known to SLURM'}; only a RUNNING job can checkpoint and requeue",
+        )
     write_request(rd, REQUEUE_REQUEST, job_id, _running_restart(job, job_id))
     rc, _, err = run_tool(["scancel", "--signal=USR2", job_id])
     if rc != 0:

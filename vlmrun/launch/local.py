@@ -30,8 +30,9 @@ def start_local(rd: RunDirectory, recipe, *, wait: bool, echo: Callable[[str], N
     rd.logs.mkdir(exist_ok=True)  # a copied or pruned run dir may lack it
     if not wait:
         with open(rd.attempt_log(attempt), "ab") as log:
-            proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                    start_new_session=True)
+            proc = subprocess.Popen(
+                cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            )
         job_id = f"local-{proc.pid}"
         _record(rd, job_id, recipe)
         if echo:
@@ -40,8 +41,13 @@ def start_local(rd: RunDirectory, recipe, *, wait: bool, echo: Callable[[str], N
     if echo:
         echo(f"run dir {rd.path}")
     # The job's output goes to our stderr: stdout stays clean for `--json`.
-    proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=sys.stderr.fileno(), stderr=sys.stderr.fileno(),
-                            env=env | {"VLMRUN_TEE_LOG": str(rd.attempt_log(attempt))})
+    proc = subprocess.Popen(
+        cmd,
+        stdin=subprocess.DEVNULL,
+        stdout=sys.stderr.fileno(),
+        stderr=sys.stderr.fileno(),
+        env=env | {"VLMRUN_TEE_LOG": str(rd.attempt_log(attempt))},
+    )
     job_id = f"local-{proc.pid}"
     _record(rd, job_id, recipe)
     code = _wait_forwarding_signals(proc)
@@ -49,8 +55,9 @@ def start_local(rd: RunDirectory, recipe, *, wait: bool, echo: Callable[[str], N
     if echo and code == EXIT_STOPPED:
         echo(f"stopped at a checkpoint; continue with: vlmrun resume {rd.path} --wait")
     passed_on = (EXIT_COMPLETED, EXIT_STOPPED, EXIT_BAD_INPUT)
-    return SubmitResult(rd.path, "local", False, job_id=job_id, state=state.value,
-                        exit_code=code if code in passed_on else EXIT_FAILED)
+    return SubmitResult(
+        rd.path, "local", False, job_id=job_id, state=state.value, exit_code=code if code in passed_on else EXIT_FAILED
+    )
 
 
 def _record(rd: RunDirectory, job_id: str, recipe) -> None:

@@ -25,8 +25,11 @@ def logs(target: str, attempt: int | None = None, follow: bool = False, *, poll_
     job = job_record.read_job(rd)
     attempts = job.attempts if job else []
     if attempt is not None and not -len(attempts) <= attempt < len(attempts):
-        raise InputError("--attempt", attempt, f"this run has attempts 0..{len(attempts) - 1}" if attempts
-                         else "this run has not started an attempt yet")
+        raise InputError(
+            "--attempt",
+            attempt,
+            f"this run has attempts 0..{len(attempts) - 1}" if attempts else "this run has not started an attempt yet",
+        )
     index = (attempt if attempt is not None else -1) % len(attempts) if attempts else 0
     if job is None or job.cluster != "slurm":
         yield from _read_lines(rd.attempt_log(index), follow, lambda: _running_here(rd), poll_s)

@@ -49,8 +49,9 @@ def check_data(data, *, val: bool) -> None:
         except InputError as e:
             if e.field != "data.split":
                 raise
-            raise InputError("data.val_split", data.val_split, f"{e.allowed}; or set train.val_samples=0 "
-                             "to train without validation") from None
+            raise InputError(
+                "data.val_split", data.val_split, f"{e.allowed}; or set train.val_samples=0 to train without validation"
+            ) from None
 
 
 def _check_synthetic(data, *, val: bool) -> None:
@@ -62,16 +63,23 @@ def _check_synthetic(data, *, val: bool) -> None:
             raise InputError(field, split, f"a synthetic (data.synthetic) set has the splits {', '.join(SPLITS)}")
     path = Path(data.path)
     if path.exists() and not path.is_dir():
-        raise InputError("data.path", str(path), message=f"data.path: {path} is a file; a synthetic set needs a "
-                         "directory there, or nothing yet")
+        raise InputError(
+            "data.path",
+            str(path),
+            message=f"data.path: {path} is a file; a synthetic set needs a directory there, or nothing yet",
+        )
     if read_complete(path) is not None:
         return
     # The set is generated in a hidden sibling of data.path, created with its parents, then renamed.
     parent = nearest_existing(path.parent)
     if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
         why = "is not a directory" if not parent.is_dir() else "is not writable"
-        raise InputError("data.path", str(path), message=f"data.path: {path} is generated on first use "
-                         f"(data.synthetic), but {parent} {why}; choose a data.path under a writable directory")
+        raise InputError(
+            "data.path",
+            str(path),
+            message=f"data.path: {path} is generated on first use "
+            f"(data.synthetic), but {parent} {why}; choose a data.path under a writable directory",
+        )
 
 
 def nearest_existing(path: Path) -> Path:
@@ -89,9 +97,13 @@ def check_local_gpus(wanted: int) -> None:
     if found < wanted:
         mask = os.environ.get("CUDA_VISIBLE_DEVICES")
         seen = f" (CUDA_VISIBLE_DEVICES={mask!r})" if mask is not None else ""
-        raise InputError("cluster.gpus_per_node", wanted, message=f"cluster.gpus_per_node: {wanted} GPUs wanted, but "
-                         f"this machine has {found}{seen} and --cluster local runs here; use a machine with {wanted} "
-                         "GPUs, --cluster slurm, or a CPU recipe (cluster.gpus_per_node=0)")
+        raise InputError(
+            "cluster.gpus_per_node",
+            wanted,
+            message=f"cluster.gpus_per_node: {wanted} GPUs wanted, but "
+            f"this machine has {found}{seen} and --cluster local runs here; use a machine with {wanted} "
+            "GPUs, --cluster slurm, or a CPU recipe (cluster.gpus_per_node=0)",
+        )
 
 
 def visible_gpus(env: dict[str, str] | None = None) -> int:

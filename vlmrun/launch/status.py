@@ -21,8 +21,13 @@ def status(target: str | None = None) -> dict:
     """State of one run (job id or run dir), or of the registered jobs when `target` is None."""
     if target is None:
         entries = sorted(jobs_dir().glob("*"), key=lambda p: p.stat().st_mtime, reverse=True)[:20]
-        return {"jobs": [_summary(RunDirectory(p.read_text().strip()), p.name) for p in entries
-                         if RunDirectory(p.read_text().strip()).exists()]}
+        return {
+            "jobs": [
+                _summary(RunDirectory(p.read_text().strip()), p.name)
+                for p in entries
+                if RunDirectory(p.read_text().strip()).exists()
+            ]
+        }
     rd, job_id = find_run(target)
     return _summary(rd, job_id)
 
@@ -31,11 +36,17 @@ def _summary(rd: RunDirectory, job_id: str | None) -> dict:
     job = job_record.read_job(rd)
     recorded = job.state if job else None
     attempts = job.attempts if job else []
-    out = {"run_dir": str(rd.path), "cluster": job.cluster if job else "local", "job_id": job_id,
-           "job_ids": list(job.job_ids) if job else [], "recorded_state": _value(recorded),
-           "reason": (job.reason if job else None) or "", "attempts": len(attempts),
-           "restarts": max([a.restart_count for a in attempts if a.job_id == job_id] or [0]),
-           "requeues": requeue_policy.used_budget(attempts, job_id) if job_id else {}}
+    out = {
+        "run_dir": str(rd.path),
+        "cluster": job.cluster if job else "local",
+        "job_id": job_id,
+        "job_ids": list(job.job_ids) if job else [],
+        "recorded_state": _value(recorded),
+        "reason": (job.reason if job else None) or "",
+        "attempts": len(attempts),
+        "restarts": max([a.restart_count for a in attempts if a.job_id == job_id] or [0]),
+        "requeues": requeue_policy.used_budget(attempts, job_id) if job_id else {},
+    }
     out |= last_metrics(rd)
     if out["cluster"] == "slurm" and job_id:
         out["slurm"] = slurm_state(job_id)

@@ -22,8 +22,16 @@ def resolve_cluster(cluster: str) -> str:
     return cluster
 
 
-def submit_run(recipe_path: Path, overrides: list[str], *, cluster: str = "auto", run_dir: Path | None = None,
-               dry_run: bool = False, wait: bool = False, echo: Callable[[str], None] | None = None) -> SubmitResult:
+def submit_run(
+    recipe_path: Path,
+    overrides: list[str],
+    *,
+    cluster: str = "auto",
+    run_dir: Path | None = None,
+    dry_run: bool = False,
+    wait: bool = False,
+    echo: Callable[[str], None] | None = None,
+) -> SubmitResult:
     """Validate everything first, so a bad recipe or argument starts and submits nothing.
 
     Raises InputError (before a run dir is created or data generated) for a bad recipe, argument, a
@@ -35,8 +43,11 @@ def submit_run(recipe_path: Path, overrides: list[str], *, cluster: str = "auto"
     chosen = resolve_cluster(cluster)
     rd = RunDirectory(run_dir or default_run_dir(recipe.name))
     if rd.exists():
-        raise InputError("--run-dir", str(rd.path),
-                         f"already holds a run; continue it with `vlmrun resume {rd.path}` or choose another --run-dir")
+        raise InputError(
+            "--run-dir",
+            str(rd.path),
+            f"already holds a run; continue it with `vlmrun resume {rd.path}` or choose another --run-dir",
+        )
     preflight_run(recipe, runs_here=chosen == "local")  # a dry run reports the same errors as a submit
     if chosen == "slurm":
         from vlmrun.launch.slurm.submit import submit_slurm

@@ -20,8 +20,9 @@ def find_run(target: str) -> tuple[RunDirectory, str | None]:
     if path.is_dir():
         rd = RunDirectory(path)
         if not rd.exists():
-            raise InputError("JOBID|RUN_DIR", target,
-                             message=f"{target} is not a vlmrun run directory (no recipe.yaml)")
+            raise InputError(
+                "JOBID|RUN_DIR", target, message=f"{target} is not a vlmrun run directory (no recipe.yaml)"
+            )
         job = read_job(rd)
         return rd, job.job_ids[-1] if job and job.job_ids else None
     rd = registered_run(target)
@@ -31,8 +32,11 @@ def find_run(target: str) -> tuple[RunDirectory, str | None]:
         found = _run_dir_from_scontrol(target)
         if found:
             return found, target
-    raise InputError("JOBID|RUN_DIR", target, message=f"{target}: neither a run directory nor a job id known to vlmrun "
-                     f"(registry {jobs_dir()}) or to SLURM")
+    raise InputError(
+        "JOBID|RUN_DIR",
+        target,
+        message=f"{target}: neither a run directory nor a job id known to vlmrun (registry {jobs_dir()}) or to SLURM",
+    )
 
 
 def _run_dir_from_scontrol(job_id: str) -> RunDirectory | None:

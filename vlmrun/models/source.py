@@ -18,8 +18,12 @@ def check_model_source(model) -> None:
     path = Path(model.path)
     if not (path / "config.json").is_file():
         found = "has no config.json" if path.is_dir() else "does not exist"
-        raise InputError("model.path", str(path), message=f"model.path: {path} {found}; vlmrun never downloads "
-                         "weights: point model.path at a local Hugging Face model directory with config.json")
+        raise InputError(
+            "model.path",
+            str(path),
+            message=f"model.path: {path} {found}; vlmrun never downloads "
+            "weights: point model.path at a local Hugging Face model directory with config.json",
+        )
 
 
 def ensure_model(model, cache_dir: Path, seed: int) -> Path:

@@ -74,9 +74,11 @@ def _throughput(side: Side) -> dict:
     steady = rows[1:] or rows  # the first step carries start-up costs
     sps = [r["samples_per_s"] for r in steady if r.get("samples_per_s")]
     tps = [r["tokens_per_s"] for r in steady if r.get("tokens_per_s")]
-    return {"samples_per_s": round(statistics.median(sps), 3) if sps else None,
-            "tokens_per_s": round(statistics.median(tps), 2) if tps else None,
-            "step_time_s": round(statistics.median(r["step_time_s"] for r in steady), 4)}
+    return {
+        "samples_per_s": round(statistics.median(sps), 3) if sps else None,
+        "tokens_per_s": round(statistics.median(tps), 2) if tps else None,
+        "step_time_s": round(statistics.median(r["step_time_s"] for r in steady), 4),
+    }
 
 
 def plot(a: Side, b: Side, path: Path) -> Path:

@@ -17,8 +17,15 @@ def progress_bar(description: str, *, enabled: bool = True) -> Iterator[Callable
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
     console = Console(stderr=True)
-    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
-                  console=console, transient=True, disable=not console.is_terminal) as bar:
+    with Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeRemainingColumn(),
+        console=console,
+        transient=True,
+        disable=not console.is_terminal,
+    ) as bar:
         task = bar.add_task(description, total=None)
 
         def update(done: int, total: int) -> None:
@@ -40,11 +47,15 @@ class ProgressLine:
         done = step - self.first
         rate = (time.time() - self.t0) / done if done > 0 else row.get("step_time_s", 0.0)
         eta = max(0.0, (self.max_steps - step) * rate)
-        text = (f"step {step}/{self.max_steps} | loss {row['loss']:.4f} | grad_norm {row['grad_norm']:.3f} | "
-                f"{row.get('tokens_per_s', 0):.0f} tok/s | ETA {_fmt(eta)}")
+        text = (
+            f"step {step}/{self.max_steps} | loss {row['loss']:.4f} | grad_norm {row['grad_norm']:.3f} | "
+            f"{row.get('tokens_per_s', 0):.0f} tok/s | ETA {_fmt(eta)}"
+        )
         if "val_accuracy" in row:
-            text += (f" | val_loss {row['val_loss']:.4f} val_acc {row['val_accuracy']:.3f}"
-                     f" (majority baseline {row['val_majority_baseline']:.3f})")
+            text += (
+                f" | val_loss {row['val_loss']:.4f} val_acc {row['val_accuracy']:.3f}"
+                f" (majority baseline {row['val_majority_baseline']:.3f})"
+            )
         return text
 
 

@@ -18,8 +18,10 @@ def print_clevr_summary(summary, out: Path) -> None:
     console = _console()
     console.print(f"wrote {out}")
     for split, s in data["splits"].items():
-        console.print(f"{split}: {s['samples']} samples; majority answer {s['majority_answer']!r}, "
-                      f"majority-class baseline accuracy {s['majority_accuracy']:.3f}")
+        console.print(
+            f"{split}: {s['samples']} samples; majority answer {s['majority_answer']!r}, "
+            f"majority-class baseline accuracy {s['majority_accuracy']:.3f}"
+        )
         table = Table()
         table.add_column("answer")
         table.add_column("count", justify="right")
@@ -40,16 +42,24 @@ def print_comparison(result: dict) -> None:
     table.add_column("max rel diff", justify="right")
     for m, d in result["max_abs_diff"].items():
         table.add_row(m, f"{d:.3e}", f"{result['max_rel_diff'][m]:.3e}")
-    table.add_row("sample ids", "identical" if result["sample_ids_identical"] else
-                  f"differ from step {result['first_sample_id_mismatch']}", "")
+    table.add_row(
+        "sample ids",
+        "identical" if result["sample_ids_identical"] else f"differ from step {result['first_sample_id_mismatch']}",
+        "",
+    )
     console.print(table)
     perf = Table(title="throughput and memory")
     for col in ("run", "samples/s", "tokens/s", "step time s", "peak RSS MB"):
         perf.add_column(col, justify="right" if col != "run" else "left")
     for label in labels:
         t = result["throughput"][label]
-        perf.add_row(label, str(t["samples_per_s"]), str(t["tokens_per_s"]), str(t["step_time_s"]),
-                     str(result["peak_rss_mb"][label]))
+        perf.add_row(
+            label,
+            str(t["samples_per_s"]),
+            str(t["tokens_per_s"]),
+            str(t["step_time_s"]),
+            str(result["peak_rss_mb"][label]),
+        )
     console.print(perf)
     if result.get("plot"):
         console.print(f"plot: {result['plot']}")
@@ -61,23 +71,43 @@ def print_bench(result: dict) -> None:
     from rich.table import Table
 
     console = _console()
-    table = Table(title=f"bench-loader: {result['dataset']} ({result['image_size']} px, "
-                        f"micro-batch {result['micro_batch_size']}, {result['batches']} batches per row)")
-    for col in ("loader", "workers", "samples/s", "chunks IQR", "MB/s", "p50 ms", "p95 ms", "peak RSS MB",
-                "USS/worker MB"):
+    table = Table(
+        title=f"bench-loader: {result['dataset']} ({result['image_size']} px, "
+        f"micro-batch {result['micro_batch_size']}, {result['batches']} batches per row)"
+    )
+    for col in (
+        "loader",
+        "workers",
+        "samples/s",
+        "chunks IQR",
+        "MB/s",
+        "p50 ms",
+        "p95 ms",
+        "peak RSS MB",
+        "USS/worker MB",
+    ):
         table.add_column(col, justify="left" if col == "loader" else "right")
     for r in result["results"]:
         iqr = r.get("samples_per_s_iqr")
         uss = r.get("uss_per_worker_mb") or []
-        table.add_row(r["loader"], str(r["num_workers"]), f"{r['samples_per_s']:.1f}",
-                      f"{iqr[0]:.0f}-{iqr[1]:.0f}" if iqr else "-", _fmt(r.get("mb_per_s")),
-                      _fmt(r.get("p50_batch_ms")), _fmt(r.get("p95_batch_ms")), _fmt(r.get("peak_rss_mb")),
-                      _fmt(max(uss)) if uss else "-")
+        table.add_row(
+            r["loader"],
+            str(r["num_workers"]),
+            f"{r['samples_per_s']:.1f}",
+            f"{iqr[0]:.0f}-{iqr[1]:.0f}" if iqr else "-",
+            _fmt(r.get("mb_per_s")),
+            _fmt(r.get("p50_batch_ms")),
+            _fmt(r.get("p95_batch_ms")),
+            _fmt(r.get("peak_rss_mb")),
+            _fmt(max(uss)) if uss else "-",
+        )
     console.print(table)
     target = result.get("target", {})
-    console.print(f"energon / reference: {result['ratio_energon_vs_reference']:.2f}x "
-                  f"(target >= {target.get('energon_vs_reference', '-')}), energon / limit: "
-                  f"{result['ratio_energon_vs_limit']:.2f}x (target >= {target.get('energon_vs_limit', '-')})")
+    console.print(
+        f"energon / reference: {result['ratio_energon_vs_reference']:.2f}x "
+        f"(target >= {target.get('energon_vs_reference', '-')}), energon / limit: "
+        f"{result['ratio_energon_vs_limit']:.2f}x (target >= {target.get('energon_vs_limit', '-')})"
+    )
 
 
 def _fmt(value) -> str:
@@ -93,9 +123,14 @@ def print_status(result: dict) -> None:
         table.add_column(col)
     for r in rows:
         loss = r.get("loss")
-        table.add_row(str(r.get("job_id") or "-"), str(r.get("state") or "-"), str(r.get("restarts", "-")),
-                      str(r.get("last_step") if r.get("last_step") is not None else "-"),
-                      f"{loss:.4f}" if isinstance(loss, float) else "-", str(r.get("run_dir", "-")))
+        table.add_row(
+            str(r.get("job_id") or "-"),
+            str(r.get("state") or "-"),
+            str(r.get("restarts", "-")),
+            str(r.get("last_step") if r.get("last_step") is not None else "-"),
+            f"{loss:.4f}" if isinstance(loss, float) else "-",
+            str(r.get("run_dir", "-")),
+        )
     _console().print(table)
     if len(rows) == 1 and rows[0].get("reason"):
         _console().print(f"reason: {rows[0]['reason']}")

@@ -20,8 +20,15 @@ class WandbSink:
         try:
             import wandb
 
-            self.run = wandb.init(mode=mode, project=project, dir=str(run_dir), name=name, id=run_id, resume="allow",
-                                  settings=wandb.Settings(console="off", x_disable_stats=True, silent=True))
+            self.run = wandb.init(
+                mode=mode,
+                project=project,
+                dir=str(run_dir),
+                name=name,
+                id=run_id,
+                resume="allow",
+                settings=wandb.Settings(console="off", x_disable_stats=True, silent=True),
+            )
         except Exception as e:  # noqa: BLE001 - logging must not end the run
             log.warning("wandb disabled for this attempt: %s", e)
 

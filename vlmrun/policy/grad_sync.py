@@ -23,7 +23,7 @@ def all_reduce_gradients(params: list[torch.nn.Parameter]) -> None:
     offset = 0
     for p in params:
         n = p.numel()
-        p.grad = flat[offset: offset + n].view_as(p).clone()
+        p.grad = flat[offset : offset + n].view_as(p).clone()
         offset += n
 
 

@@ -38,8 +38,13 @@ class HfPolicy(PolicyBackend):
 
         t = self.train
         if self.world_size > 1:
-            dist.init_process_group("gloo", init_method=f"tcp://{master_addr}:{master_port}", rank=self.rank,
-                                    world_size=self.world_size, timeout=timedelta(minutes=10))
+            dist.init_process_group(
+                "gloo",
+                init_method=f"tcp://{master_addr}:{master_port}",
+                rank=self.rank,
+                world_size=self.world_size,
+                timeout=timedelta(minutes=10),
+            )
         rng.seed_all(t.seed + self.rank)
         dtype = torch.bfloat16 if self.dtype == "bfloat16" else torch.float32
         self.model = AutoModelForImageTextToText.from_pretrained(self.model_dir, dtype=dtype)
@@ -47,13 +52,17 @@ class HfPolicy(PolicyBackend):
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         if t.optimizer == "adamw":
-            self.optimizer = torch.optim.AdamW(self.params, lr=t.lr, betas=t.betas, weight_decay=t.weight_decay,
-                                               foreach=False)
+            self.optimizer = torch.optim.AdamW(
+                self.params, lr=t.lr, betas=t.betas, weight_decay=t.weight_decay, foreach=False
+            )
         else:
             self.optimizer = torch.optim.SGD(self.params, lr=t.lr, weight_decay=t.weight_decay, foreach=False)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda s: lr_factor(s, max_steps=max_steps, warmup_steps=t.warmup_steps,
-                                                schedule=t.lr_schedule, min_lr_ratio=t.min_lr_ratio))
+            self.optimizer,
+            lambda s: lr_factor(
+                s, max_steps=max_steps, warmup_steps=t.warmup_steps, schedule=t.lr_schedule, min_lr_ratio=t.min_lr_ratio
+            ),
+        )
         return {"rank": self.rank, "params": sum(p.numel() for p in self.params)}
 
     def train_step(self, micro_batches: list) -> StepResult:
@@ -75,8 +84,14 @@ class HfPolicy(PolicyBackend):
         self.optimizer.step()
         self.scheduler.step()
         (total_nll,) = all_reduce_sum([local_nll])
-        return StepResult(loss=total_nll / denom, grad_norm=float(grad_norm), lr=lr, valid_tokens=int(global_tokens),
-                          compute_s=time.perf_counter() - t0, peak_rss_mb=peak_rss_mb())
+        return StepResult(
+            loss=total_nll / denom,
+            grad_norm=float(grad_norm),
+            lr=lr,
+            valid_tokens=int(global_tokens),
+            compute_s=time.perf_counter() - t0,
+            peak_rss_mb=peak_rss_mb(),
+        )
 
     @torch.no_grad()
     def logprobs(self, batch) -> torch.Tensor:
@@ -93,8 +108,10 @@ class HfPolicy(PolicyBackend):
         return score_batches(self.model, self.tokenizer, loss_batches, prompt_batches, max_new_tokens=max_new_tokens)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"model": self.model.state_dict(),
-                "optimizer": {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}}
+        return {
+            "model": self.model.state_dict(),
+            "optimizer": {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()},
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.model.load_state_dict(state["model"])

@@ -28,12 +28,12 @@ CHECKPOINT_PARTS = ("model", "optimizer")
 class StepResult:
     """One optimizer step as every rank saw it (identical on all ranks)."""
 
-    loss: float          # summed NLL over the step's valid tokens / global valid tokens
-    grad_norm: float     # before clipping
-    lr: float            # the LR this step's update used
-    valid_tokens: int    # global, all ranks
-    compute_s: float     # this rank's forward + backward + step time
-    peak_rss_mb: float   # this rank's process and its children
+    loss: float  # summed NLL over the step's valid tokens / global valid tokens
+    grad_norm: float  # before clipping
+    lr: float  # the LR this step's update used
+    valid_tokens: int  # global, all ranks
+    compute_s: float  # this rank's forward + backward + step time
+    peak_rss_mb: float  # this rank's process and its children
 
 
 class PolicyBackend(abc.ABC):

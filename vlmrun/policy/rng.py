@@ -19,8 +19,13 @@ def rng_state() -> dict:
     np_state = np.random.get_state()
     return {
         "python": _to_lists(random.getstate()),
-        "numpy": {"name": np_state[0], "keys": torch.from_numpy(np_state[1].astype(np.int64)),
-                  "pos": int(np_state[2]), "has_gauss": int(np_state[3]), "cached": float(np_state[4])},
+        "numpy": {
+            "name": np_state[0],
+            "keys": torch.from_numpy(np_state[1].astype(np.int64)),
+            "pos": int(np_state[2]),
+            "has_gauss": int(np_state[3]),
+            "cached": float(np_state[4]),
+        },
         "torch": torch.get_rng_state(),
     }
 

@@ -1,12 +1,12 @@
 """The run directory: the contract between submit, the job, resume, status and compare.
 
-    <run dir>/recipe.yaml     fully resolved recipe; the job reads only this
-              job.json        lineage (job ids, attempts, states); read and written by run/job.py
-              metrics.jsonl   one row per optimizer step; a resumed attempt appends
-              checkpoints/    complete checkpoints only (step_<N>)
-              logs/           one log per attempt
-              cache/          tiny models and other things the run builds for itself
-              wandb/          offline wandb run
+<run dir>/recipe.yaml     fully resolved recipe; the job reads only this
+          job.json        lineage (job ids, attempts, states); read and written by run/job.py
+          metrics.jsonl   one row per optimizer step; a resumed attempt appends
+          checkpoints/    complete checkpoints only (step_<N>)
+          logs/           one log per attempt
+          cache/          tiny models and other things the run builds for itself
+          wandb/          offline wandb run
 """
 
 from __future__ import annotations
@@ -65,7 +65,8 @@ class RunDirectory:
         """Make a new run directory holding the resolved recipe; refuses one that holds a run."""
         if self.exists():
             raise InputError(
-                "--run-dir", str(self.path),
+                "--run-dir",
+                str(self.path),
                 f"already holds a run; continue it with `vlmrun resume {self.path}` or choose another --run-dir",
             )
         self.path.mkdir(parents=True, exist_ok=True)
@@ -76,7 +77,9 @@ class RunDirectory:
         from vlmrun.config.load import validate
 
         if not self.exists():
-            raise InputError("RUN_DIR", str(self.path), message=f"{self.path} is not a vlmrun run directory (no recipe.yaml)")
+            raise InputError(
+                "RUN_DIR", str(self.path), message=f"{self.path} is not a vlmrun run directory (no recipe.yaml)"
+            )
         return validate(yaml.safe_load(self.recipe_file.read_text()))
 
     def task_log(self, job_id: str, task: int = 0) -> Path:

@@ -168,8 +168,17 @@ def begin_attempt(rd: RunDirectory, job_id: str, restart_count: int, pid: int | 
         if a.state is State.RUNNING:
             a.state, a.ended, a.reason = State.KILLED, a.ended or now(), "ended without recording an outcome"
     index = len(job.attempts)
-    job.attempts.append(Attempt(attempt=index, job_id=job_id, restart_count=restart_count, pid=pid or os.getpid(),
-                                host=os.uname().nodename, started=now(), state=State.RUNNING))
+    job.attempts.append(
+        Attempt(
+            attempt=index,
+            job_id=job_id,
+            restart_count=restart_count,
+            pid=pid or os.getpid(),
+            host=os.uname().nodename,
+            started=now(),
+            state=State.RUNNING,
+        )
+    )
     if job_id not in job.job_ids:
         job.job_ids.append(job_id)
     job.state = State.RUNNING
@@ -181,8 +190,13 @@ def end_attempt(rd: RunDirectory, index: int, outcome: RunOutcome) -> None:
     """Record how attempt `index` ended (state, reason, last step, stop signal and the outcome's details)."""
     job = require_job(rd)
     a = job.attempts[index]
-    fields = outcome.details() | {"state": outcome.state, "reason": outcome.reason, "last_step": outcome.last_step,
-                                  "stop_signal": outcome.stop_signal, "ended": now()}
+    fields = outcome.details() | {
+        "state": outcome.state,
+        "reason": outcome.reason,
+        "last_step": outcome.last_step,
+        "stop_signal": outcome.stop_signal,
+        "ended": now(),
+    }
     for key, value in fields.items():
         setattr(a, key, value)
     job.state, job.reason = outcome.state, outcome.reason

@@ -51,8 +51,14 @@ PARTS = {
 REQUIRED = ("controller", "model", "optimizer")
 # Format 1: file per part, and the key a part sat under when two parts shared one file.
 _V1_MANIFEST = "meta.json"
-_V1_PARTS = {"controller": "controller.pt", "model": "model.pt", "optimizer": "optim.pt", "rng": "rng/rank_{index}.pt",
-             "loader": "loader/shard_{index}.pt", "plane": "loader/shard_{index}.pt"}
+_V1_PARTS = {
+    "controller": "controller.pt",
+    "model": "model.pt",
+    "optimizer": "optim.pt",
+    "rng": "rng/rank_{index}.pt",
+    "loader": "loader/shard_{index}.pt",
+    "plane": "loader/shard_{index}.pt",
+}
 _V1_KEYS = {"loader": "loader", "plane": "plane"}
 
 
@@ -138,8 +144,13 @@ class CheckpointStore:
         missing = [p for p in REQUIRED if part_file(p) not in files]
         if missing:
             raise ValueError(f"checkpoint step {pending.step} lacks the parts {missing}")
-        manifest = dict(meta, format=FORMAT, step=pending.step, saved_at=time.time(),
-                        files={f: {"size": (tmp / f).stat().st_size, "sha256": _sha256(tmp / f)} for f in sorted(files)})
+        manifest = dict(
+            meta,
+            format=FORMAT,
+            step=pending.step,
+            saved_at=time.time(),
+            files={f: {"size": (tmp / f).stat().st_size, "sha256": _sha256(tmp / f)} for f in sorted(files)},
+        )
         with open(tmp / MANIFEST, "w") as f:
             json.dump(manifest, f, indent=1, sort_keys=True)
             f.flush()

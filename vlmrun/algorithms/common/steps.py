@@ -34,5 +34,10 @@ def plan_steps(recipe, train_samples: int) -> StepPlan:
     """`train_samples` is the size of the training split (all shards together)."""
     t = recipe.train
     per_epoch = recipe.data.virtual_epoch_length or max(1, train_samples // t.global_batch_size)
-    return StepPlan(max_steps=min(t.max_steps, t.epochs * per_epoch), steps_per_epoch=per_epoch,
-                    dp=recipe.parallel.dp, global_batch_size=t.global_batch_size, micro_batch_size=t.micro_batch_size)
+    return StepPlan(
+        max_steps=min(t.max_steps, t.epochs * per_epoch),
+        steps_per_epoch=per_epoch,
+        dp=recipe.parallel.dp,
+        global_batch_size=t.global_batch_size,
+        micro_batch_size=t.micro_batch_size,
+    )

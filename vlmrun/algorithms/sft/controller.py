@@ -38,8 +38,16 @@ log = logging.getLogger(__name__)
 
 
 class SftController:
-    def __init__(self, *, recipe_json: str, run_dir: str, attempt: int, model_dir: str, worker_threads: int = 1,
-                 started_at: float | None = None):
+    def __init__(
+        self,
+        *,
+        recipe_json: str,
+        run_dir: str,
+        attempt: int,
+        model_dir: str,
+        worker_threads: int = 1,
+        started_at: float | None = None,
+    ):
         from vlmrun.config.recipe import Recipe
 
         self.recipe = Recipe.model_validate_json(recipe_json)
@@ -64,8 +72,13 @@ class SftController:
         self.steps = plan_steps(r, split_size(r.data.path, r.data.split))
         self.store = CheckpointStore(self.rd.checkpoints(r), r.checkpoint.keep)
         self.metrics = MetricsLog(self.rd.metrics_file(r))
-        self.wandb = WandbSink(mode=r.logger.wandb_mode, project=r.logger.wandb_project, run_dir=self.rd.path,
-                               name=self.rd.path.name, run_id=_wandb_id(self.rd.path))
+        self.wandb = WandbSink(
+            mode=r.logger.wandb_mode,
+            project=r.logger.wandb_project,
+            run_dir=self.rd.path,
+            name=self.rd.path.name,
+            run_id=_wandb_id(self.rd.path),
+        )
         self._start_workers()
         self._open_loaders()
         start_step, counters, notes = self._resume()
@@ -75,8 +88,9 @@ class SftController:
             if self._stop.is_set():
                 step -= 1
                 self._save(step, counters)
-                return self._outcome(State.STOPPED, step,
-                                     f"stop requested ({self.stop_reason}); checkpointed at step {step}", notes)
+                return self._outcome(
+                    State.STOPPED, step, f"stop requested ({self.stop_reason}); checkpointed at step {step}", notes
+                )
             row = self._train_step(step, counters)
             if first_step_at is None:
                 first_step_at = time.time()
@@ -101,20 +115,32 @@ class SftController:
         for loader in self.loaders.values():
             loader.close()
         signal = self.stop_reason if state is State.STOPPED and self.stop_reason.startswith("SIG") else None
-        return RunOutcome(state=state, last_step=step, reason=reason, stop_signal=signal,
-                          max_steps=self.steps.max_steps, checkpoint_save_s=self.save_times,
-                          worker_nodes=self.worker_nodes,
-                          ray_alive_nodes=sum(1 for n in ray.nodes() if n["Alive"]), **notes)
+        return RunOutcome(
+            state=state,
+            last_step=step,
+            reason=reason,
+            stop_signal=signal,
+            max_steps=self.steps.max_steps,
+            checkpoint_save_s=self.save_times,
+            worker_nodes=self.worker_nodes,
+            ray_alive_nodes=sum(1 for n in ray.nodes() if n["Alive"]),
+            **notes,
+        )
 
     # ---- set-up ----------------------------------------------------------------------------------
     def _start_workers(self) -> None:
         """One SftWorker per rank (the worker group places them), joined in one process group."""
         c = self.recipe.cluster
         world = self.plan.layout.world_size
-        init = dict(world_size=world, recipe_json=self.recipe_json, model_dir=self.model_dir,
-                    threads=self.worker_threads)
-        self.group = WorkerGroup(SftWorker, self.plan, Placement(nodes=c.nodes, gpus_per_rank=1 if c.gpus_per_node else 0),
-                                 init=lambda rank: dict(init, rank=rank))
+        init = dict(
+            world_size=world, recipe_json=self.recipe_json, model_dir=self.model_dir, threads=self.worker_threads
+        )
+        self.group = WorkerGroup(
+            SftWorker,
+            self.plan,
+            Placement(nodes=c.nodes, gpus_per_rank=1 if c.gpus_per_node else 0),
+            init=lambda rank: dict(init, rank=rank),
+        )
         self.worker_nodes = self.group.node_addresses()
         addr, port = self.group.rendezvous()
         self.group.all_ranks("setup", addr, port, self.steps.max_steps)
@@ -122,15 +148,24 @@ class SftController:
     def _open_loaders(self) -> None:
         self.loaders = {}
         if self.recipe.train.loop == "v2":
-            self.group.replica_owners("attach_loader", lambda shard: dict(
-                shard=shard, num_shards=self.plan.layout.dp, placement_hash=self.plan.placement_hash))
+            self.group.replica_owners(
+                "attach_loader",
+                lambda shard: dict(
+                    shard=shard, num_shards=self.plan.layout.dp, placement_hash=self.plan.placement_hash
+                ),
+            )
             return
         from vlmrun.data.loader import open_loader_shard
 
         for s in self.plan.shards:
-            self.loaders[s.shard] = open_loader_shard(self.recipe, processor_dir=self.model_dir, shard=s.shard,
-                                                      num_shards=s.num_shards, placement_hash=self.plan.placement_hash,
-                                                      split=self.recipe.data.split)
+            self.loaders[s.shard] = open_loader_shard(
+                self.recipe,
+                processor_dir=self.model_dir,
+                shard=s.shard,
+                num_shards=s.num_shards,
+                placement_hash=self.plan.placement_hash,
+                split=self.recipe.data.split,
+            )
 
     def _resume(self) -> tuple[int, dict, dict]:
         rng.seed_all(self.recipe.train.seed)
@@ -141,10 +176,13 @@ class SftController:
             return 0, counters, notes
         meta = found.manifest
         if meta["placement_hash"] != self.plan.placement_hash:
-            raise InputError("parallel", self.plan.describe(),
-                             f"checkpoint {found.path} was written with layout {meta['layout']} "
-                             f"(placement {meta['placement_hash']}), this run has {self.plan.describe()} "
-                             f"(placement {self.plan.placement_hash}); resume with the same layout")
+            raise InputError(
+                "parallel",
+                self.plan.describe(),
+                f"checkpoint {found.path} was written with layout {meta['layout']} "
+                f"(placement {meta['placement_hash']}), this run has {self.plan.describe()} "
+                f"(placement {self.plan.placement_hash}); resume with the same layout",
+            )
         self.group.all_ranks("load", found)
         for shard, loader in self.loaders.items():
             loader.load_state_dict(found.read("loader", index=shard))
@@ -176,13 +214,21 @@ class SftController:
         counters["consumed_samples"] += samples
         counters["total_valid_tokens"] += head["valid_tokens"]
         return {
-            "step": step, "attempt": self.attempt, "epoch": self.steps.epoch_of(step),
-            "loss": head["loss"], "grad_norm": head["grad_norm"], "lr": head["lr"],
-            "valid_tokens": head["valid_tokens"], "consumed_samples": counters["consumed_samples"],
+            "step": step,
+            "attempt": self.attempt,
+            "epoch": self.steps.epoch_of(step),
+            "loss": head["loss"],
+            "grad_norm": head["grad_norm"],
+            "lr": head["lr"],
+            "valid_tokens": head["valid_tokens"],
+            "consumed_samples": counters["consumed_samples"],
             "sample_ids": [i for r in results for i in r["sample_ids"]],
-            "step_time_s": round(dt, 4), "loader_latency_max_s": round(loader_s, 4),
-            "tokens_per_s": round(head["valid_tokens"] / dt, 2), "samples_per_s": round(samples / dt, 2),
-            "peak_rss_mb": max(r["peak_rss_mb"] for r in results), "time": round(time.time(), 3),
+            "step_time_s": round(dt, 4),
+            "loader_latency_max_s": round(loader_s, 4),
+            "tokens_per_s": round(head["valid_tokens"] / dt, 2),
+            "samples_per_s": round(samples / dt, 2),
+            "peak_rss_mb": max(r["peak_rss_mb"] for r in results),
+            "time": round(time.time(), 3),
         }
 
     def _validate(self) -> dict:
@@ -192,15 +238,24 @@ class SftController:
         if not hasattr(self, "_val"):
             from vlmrun.data.loader import val_batches
 
-            self._val = val_batches(r, processor_dir=self.model_dir, samples=r.train.val_samples,
-                                    batch_size=max(1, r.train.micro_batch_size))
+            self._val = val_batches(
+                r,
+                processor_dir=self.model_dir,
+                samples=r.train.val_samples,
+                batch_size=max(1, r.train.micro_batch_size),
+            )
         loss_b, prompt_b = self._val
         n = self.group.world_size
-        parts = self.group.per_rank("validate", lambda rank: dict(loss_batches=loss_b[rank::n],
-                                                                  prompt_batches=prompt_b[rank::n]))
+        parts = self.group.per_rank(
+            "validate", lambda rank: dict(loss_batches=loss_b[rank::n], prompt_batches=prompt_b[rank::n])
+        )
         nll, tokens, correct, answered = [sum(p[k] for p in parts) for k in range(4)]
-        return {"val_loss": nll / max(tokens, 1), "val_accuracy": correct / max(answered, 1), "val_samples": int(answered),
-                "val_majority_baseline": majority_share([a for b in prompt_b for a in b.answers])}
+        return {
+            "val_loss": nll / max(tokens, 1),
+            "val_accuracy": correct / max(answered, 1),
+            "val_samples": int(answered),
+            "val_majority_baseline": majority_share([a for b in prompt_b for a in b.answers]),
+        }
 
     def _save(self, step: int, counters: dict) -> None:
         if step <= 0 or self.store.newest_step() == step:
@@ -210,8 +265,13 @@ class SftController:
         files = [f for part in self.group.all_ranks("save", pending) for f in part]
         files += [pending.write("loader", loader.state_dict(), index=shard) for shard, loader in self.loaders.items()]
         files.append(pending.write("controller", {"rng": rng.rng_state(), "counters": counters}))
-        meta = {"placement_hash": self.plan.placement_hash, "layout": self.plan.describe(),
-                "loop": self.recipe.train.loop, "attempt": self.attempt, "counters": counters}
+        meta = {
+            "placement_hash": self.plan.placement_hash,
+            "layout": self.plan.describe(),
+            "loop": self.recipe.train.loop,
+            "attempt": self.attempt,
+            "counters": counters,
+        }
         path = self.store.finish(pending, files, meta)
         self.save_times.append(round(time.perf_counter() - t0, 4))
         log.info("saved %s in %.2fs", path, self.save_times[-1])

@@ -17,15 +17,32 @@ from vlmrun.run.metrics import RowFollower
 log = logging.getLogger(__name__)
 
 
-def run_sft(rd: RunDirectory, recipe, *, attempt: int, model_dir: Path, stop: StopFlag,
-            on_row: Callable[[dict], None] | None = None, worker_threads: int = 1,
-            started_at: float | None = None) -> dict:
+def run_sft(
+    rd: RunDirectory,
+    recipe,
+    *,
+    attempt: int,
+    model_dir: Path,
+    stop: StopFlag,
+    on_row: Callable[[dict], None] | None = None,
+    worker_threads: int = 1,
+    started_at: float | None = None,
+) -> dict:
     """Run (or continue) the SFT loop of `recipe` in the Ray instance this process is connected to."""
     from vlmrun.algorithms.sft.controller import SftController
 
-    controller = ray.remote(SftController).options(num_cpus=0, max_concurrency=2).remote(
-        recipe_json=recipe.model_dump_json(), run_dir=str(rd.path), attempt=attempt, model_dir=str(model_dir),
-        worker_threads=worker_threads, started_at=started_at)
+    controller = (
+        ray.remote(SftController)
+        .options(num_cpus=0, max_concurrency=2)
+        .remote(
+            recipe_json=recipe.model_dump_json(),
+            run_dir=str(rd.path),
+            attempt=attempt,
+            model_dir=str(model_dir),
+            worker_threads=worker_threads,
+            started_at=started_at,
+        )
+    )
     ref = controller.run.remote()
     follower = RowFollower(rd.metrics_file(recipe))
     done = threading.Event()
@@ -55,5 +72,3 @@ def _forward_stop(stop: StopFlag, done: threading.Event, controller) -> None:
             log.info("stop requested (%s): checkpointing at the next step boundary", stop.signal_name)
             controller.request_stop.remote(stop.signal_name or "signal")
             return
-
-

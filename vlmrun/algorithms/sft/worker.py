@@ -29,8 +29,13 @@ class SftWorker(RankActor):
         self.rank = rank
         self.recipe = Recipe.model_validate_json(recipe_json)
         self.model_dir = model_dir
-        self.policy: PolicyBackend = HfPolicy(rank=rank, world_size=world_size, model_dir=model_dir,
-                                              train=self.recipe.train, dtype=self.recipe.model.dtype)
+        self.policy: PolicyBackend = HfPolicy(
+            rank=rank,
+            world_size=world_size,
+            model_dir=model_dir,
+            train=self.recipe.train,
+            dtype=self.recipe.model.dtype,
+        )
         self.loader = None
         self.plane: DataPlane = LocalDataPlane()
 
@@ -41,8 +46,14 @@ class SftWorker(RankActor):
         """SFT v2: this rank owns loader shard `shard` of its replica."""
         from vlmrun.data.loader import open_loader_shard
 
-        self.loader = open_loader_shard(self.recipe, processor_dir=self.model_dir, shard=shard, num_shards=num_shards,
-                                        placement_hash=placement_hash, split=self.recipe.data.split)
+        self.loader = open_loader_shard(
+            self.recipe,
+            processor_dir=self.model_dir,
+            shard=shard,
+            num_shards=num_shards,
+            placement_hash=placement_hash,
+            split=self.recipe.data.split,
+        )
 
     def train_step(self, step: int, micro_batches: list | None = None, n_micro: int = 0) -> dict:
         """One optimizer step. v1 passes `micro_batches`; v2 passes `n_micro` and the owned loader fills the plane."""
@@ -52,9 +63,16 @@ class SftWorker(RankActor):
             micro_batches = self._batches_through_plane(f"step-{step}", n_micro)
             loader_s = time.perf_counter() - t0
         result = self.policy.train_step(micro_batches)
-        return {"loss": result.loss, "grad_norm": result.grad_norm, "lr": result.lr, "valid_tokens": result.valid_tokens,
-                "sample_ids": [i for b in micro_batches for i in b.sample_ids], "loader_s": loader_s,
-                "compute_s": result.compute_s, "peak_rss_mb": result.peak_rss_mb}
+        return {
+            "loss": result.loss,
+            "grad_norm": result.grad_norm,
+            "lr": result.lr,
+            "valid_tokens": result.valid_tokens,
+            "sample_ids": [i for b in micro_batches for i in b.sample_ids],
+            "loader_s": loader_s,
+            "compute_s": result.compute_s,
+            "peak_rss_mb": result.peak_rss_mb,
+        }
 
     def _batches_through_plane(self, partition: str, n_micro: int) -> list:
         try:

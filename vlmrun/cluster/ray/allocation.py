@@ -71,12 +71,24 @@ class RayAllocationInfo:
     ports: PortBlock
 
 
-def _node_args(alloc: SlurmAllocation, ip: str, ports: PortBlock, temp: Path, *, head: bool,
-               num_cpus: int | None, num_gpus: int | None) -> list[str]:
-    return [f"--node-ip-address={ip}", f"--temp-dir={temp}",
-            f"--num-cpus={num_cpus if num_cpus is not None else alloc.cpus_on_node}",
-            f"--num-gpus={num_gpus if num_gpus is not None else alloc.gpus_on_node}",
-            f"--resources={json.dumps({node_resource(alloc.nodename): 1})}", *ports.start_args(head)]
+def _node_args(
+    alloc: SlurmAllocation,
+    ip: str,
+    ports: PortBlock,
+    temp: Path,
+    *,
+    head: bool,
+    num_cpus: int | None,
+    num_gpus: int | None,
+) -> list[str]:
+    return [
+        f"--node-ip-address={ip}",
+        f"--temp-dir={temp}",
+        f"--num-cpus={num_cpus if num_cpus is not None else alloc.cpus_on_node}",
+        f"--num-gpus={num_gpus if num_gpus is not None else alloc.gpus_on_node}",
+        f"--resources={json.dumps({node_resource(alloc.nodename): 1})}",
+        *ports.start_args(head),
+    ]
 
 
 def _tail(path: Path, lines: int = 3) -> str:
@@ -88,9 +100,16 @@ def _tail(path: Path, lines: int = 3) -> str:
 
 # ---------------------------------------------------------------- node 0: head + driver
 
+
 @contextlib.contextmanager
-def ray_head(alloc: SlurmAllocation, rendezvous_root: Path, *, deadline_s: float = 180.0,
-             num_cpus: int | None = None, num_gpus: int | None = None) -> Iterator[RayAllocationInfo]:
+def ray_head(
+    alloc: SlurmAllocation,
+    rendezvous_root: Path,
+    *,
+    deadline_s: float = 180.0,
+    num_cpus: int | None = None,
+    num_gpus: int | None = None,
+) -> Iterator[RayAllocationInfo]:
     """Start the head on node 0, wait for every node, connect this process (`ray.init`), yield.
 
     Raises RayBringUpError (a node did not join within `deadline_s`, naming it; a port is taken) and,
@@ -113,8 +132,10 @@ def ray_head(alloc: SlurmAllocation, rendezvous_root: Path, *, deadline_s: float
         proc = start_ray_node(args, dict(os.environ), log_path)
         address = f"{ip}:{ports.port('gcs')}"
         _wait_for_head(proc, ip, ports.port("gcs"), log_path, t0 + deadline_s)
-        write_atomic(rdv / "head.json", json.dumps({"address": address, "port_base": ports.base,
-                                                    "node": alloc.nodename, "time": time.time()}))
+        write_atomic(
+            rdv / "head.json",
+            json.dumps({"address": address, "port_base": ports.base, "node": alloc.nodename, "time": time.time()}),
+        )
         import ray
 
         ray.init(address=address, _node_ip_address=ip, log_to_driver=True, configure_logging=False)
@@ -140,17 +161,21 @@ def _free_block(ports: PortBlock, alloc: SlurmAllocation, ip: str, *, head: bool
     busy = taken_ports(ip, ports.fixed_ports(head=head))
     if busy:
         last = ports.base + BLOCK_SIZE - 1
-        raise RayBringUpError(f"job {alloc.job_id}: Ray ports {busy} (block {ports.base}-{last}) are in use on "
-                              f"{alloc.nodename} ({ip}); another job uses this block")
+        raise RayBringUpError(
+            f"job {alloc.job_id}: Ray ports {busy} (block {ports.base}-{last}) are in use on "
+            f"{alloc.nodename} ({ip}); another job uses this block"
+        )
     return ports
 
 
 def _checked_address(alloc: SlurmAllocation, n_nodes: int) -> str:
     ip = node_address(alloc.nodename)
     if n_nodes > 1 and ip.startswith("127."):
-        raise RayBringUpError(f"node {alloc.nodename} has address {ip}: Ray across {n_nodes} nodes needs each "
-                              "node's own address (SLURM NodeAddr); on the local cluster start it with "
-                              "SLURM_NNODES=2 SLURM_NETNS=1 tools/slurm/up.sh")
+        raise RayBringUpError(
+            f"node {alloc.nodename} has address {ip}: Ray across {n_nodes} nodes needs each "
+            "node's own address (SLURM NodeAddr); on the local cluster start it with "
+            "SLURM_NNODES=2 SLURM_NETNS=1 tools/slurm/up.sh"
+        )
     return ip
 
 
@@ -167,8 +192,9 @@ def _wait_for_head(proc: subprocess.Popen, ip: str, port: int, log_path: Path, d
 def _wait_for_nodes(nodes: list[str], rdv: Path, cpus: int, gpus: int, deadline: float, deadline_s: float) -> None:
     while True:
         found = registered_nodes(nodes)
-        short = {n: e for n, e in found.items()
-                 if e["Resources"].get("CPU", 0) < cpus or e["Resources"].get("GPU", 0) < gpus}
+        short = {
+            n: e for n, e in found.items() if e["Resources"].get("CPU", 0) < cpus or e["Resources"].get("GPU", 0) < gpus
+        }
         failed = {n: s for n in nodes if (s := read_status(rdv / f"worker-{n}.json")) and s.get("state") == "failed"}
         if failed:
             said = "; ".join(f"{n}: {s.get('reason')}" for n, s in failed.items())
@@ -185,15 +211,18 @@ def _missing_message(nodes, found, short, rdv: Path, cpus: int, gpus: int, deadl
     for n in nodes:
         if n in short:
             r = short[n]["Resources"]
-            parts.append(f"{n} joined with CPU={r.get('CPU', 0):g} GPU={r.get('GPU', 0):g}, "
-                         f"expected CPU={cpus} GPU={gpus}")
+            parts.append(
+                f"{n} joined with CPU={r.get('CPU', 0):g} GPU={r.get('GPU', 0):g}, expected CPU={cpus} GPU={gpus}"
+            )
         elif n not in found:
             status = read_status(rdv / f"worker-{n}.json")
             said = f"last said: {status.get('state')}" if status else "its node entrypoint never reported"
             parts.append(f"{n} did not join ({said})")
     missing = [n for n in nodes if n not in found or n in short]
-    return (f"Ray did not come up within {deadline_s:g}s: {len(missing)} of {len(nodes)} node(s) missing "
-            f"[{', '.join(missing)}]: " + "; ".join(parts))
+    return (
+        f"Ray did not come up within {deadline_s:g}s: {len(missing)} of {len(nodes)} node(s) missing "
+        f"[{', '.join(missing)}]: " + "; ".join(parts)
+    )
 
 
 def _shutdown_driver() -> None:
@@ -213,9 +242,17 @@ def _remove_tree(path: Path) -> None:
 
 # ---------------------------------------------------------------- nodes 1..N-1: join and wait
 
-def serve_worker(alloc: SlurmAllocation, rendezvous_root: Path, *, deadline_s: float = 180.0,
-                 num_cpus: int | None = None, num_gpus: int | None = None, head_lost_s: float = 30.0,
-                 linger_s: float = 20.0) -> int:
+
+def serve_worker(
+    alloc: SlurmAllocation,
+    rendezvous_root: Path,
+    *,
+    deadline_s: float = 180.0,
+    num_cpus: int | None = None,
+    num_gpus: int | None = None,
+    head_lost_s: float = 30.0,
+    linger_s: float = 20.0,
+) -> int:
     """Join the head of this job and block until node 0 says done; returns 0, raises on failure.
 
     Raises RayBringUpError (no head within `deadline_s`, ports taken, `ray start` died) and
@@ -243,8 +280,10 @@ def serve_worker(alloc: SlurmAllocation, rendezvous_root: Path, *, deadline_s: f
         become_subreaper()
         temp = job_temp_dir(alloc.job_id, alloc.nodename)
         log_path = rdv / f"ray-{alloc.nodename}.log"
-        args = [f"--address={head['address']}", *_node_args(alloc, ip, ports, temp, head=False, num_cpus=num_cpus,
-                                                              num_gpus=num_gpus)]
+        args = [
+            f"--address={head['address']}",
+            *_node_args(alloc, ip, ports, temp, head=False, num_cpus=num_cpus, num_gpus=num_gpus),
+        ]
         proc = start_ray_node(args, dict(os.environ), log_path)
         report("started")
         _block_until_done(rdv, proc, head["address"], log_path, head_lost_s)
@@ -297,15 +336,23 @@ def _block_until_done(rdv: Path, proc: subprocess.Popen, address: str, log_path:
             if reachable(host, int(port)):
                 last_seen = now
             elif now - last_seen > head_lost_s:
-                raise RayNodeLost(f"the Ray head {address} stopped answering {head_lost_s:.0f}s ago "
-                                  "without saying done")
+                raise RayNodeLost(
+                    f"the Ray head {address} stopped answering {head_lost_s:.0f}s ago without saying done"
+                )
         time.sleep(POLL_S)
 
 
 # ---------------------------------------------------------------- every node, one call
 
-def run_on_allocation(payload: Callable[[RayAllocationInfo], T], rendezvous_root: Path, *,
-                      deadline_s: float = 180.0, num_cpus: int | None = None, num_gpus: int | None = None) -> T | None:
+
+def run_on_allocation(
+    payload: Callable[[RayAllocationInfo], T],
+    rendezvous_root: Path,
+    *,
+    deadline_s: float = 180.0,
+    num_cpus: int | None = None,
+    num_gpus: int | None = None,
+) -> T | None:
     """Run `payload(info)` on node 0 with Ray up on every node of the job; other nodes serve and get None."""
     alloc = SlurmAllocation.from_env()
     if alloc is None:
@@ -327,6 +374,10 @@ def probe_nodes(info: RayAllocationInfo) -> dict:
 
     alive = [n for n in ray.nodes() if n.get("Alive")]
     refs = {n: where.options(resources={node_resource(n): 0.001}).remote() for n in info.nodes}
-    return {"alive_nodes": len(alive), "addresses": sorted(n["NodeManagerAddress"] for n in alive),
-            "ran_on": {n: ray.get(r, timeout=120) for n, r in refs.items()}, "ready_s": round(info.ready_s, 2),
-            "address": info.address}
+    return {
+        "alive_nodes": len(alive),
+        "addresses": sorted(n["NodeManagerAddress"] for n in alive),
+        "ran_on": {n: ray.get(r, timeout=120) for n, r in refs.items()},
+        "ready_s": round(info.ready_s, 2),
+        "address": info.address,
+    }

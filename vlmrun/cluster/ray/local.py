@@ -33,6 +33,13 @@ def start_local_ray(job_id: str, num_cpus: int) -> Path:
 
     temp = Path(tempfile.gettempdir()) / "vlmrun-ray" / job_id.replace("/", "_")[:40]
     temp.mkdir(parents=True, exist_ok=True)
-    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, _temp_dir=str(temp),
-             object_store_memory=256 * 1024 * 1024, log_to_driver=True, configure_logging=False)
+    ray.init(
+        address="local",
+        num_cpus=num_cpus,
+        include_dashboard=False,
+        _temp_dir=str(temp),
+        object_store_memory=256 * 1024 * 1024,
+        log_to_driver=True,
+        configure_logging=False,
+    )
     return temp

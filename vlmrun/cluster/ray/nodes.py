@@ -27,11 +27,19 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-PORT_BASE = 10240          # below the Linux ephemeral range (32768+), above well-known services
+PORT_BASE = 10240  # below the Linux ephemeral range (32768+), above well-known services
 PORT_END = 32768
-BLOCK_SIZE = 256           # 16 fixed ports + 240 worker ports per node
-_FIXED = ("gcs", "node_manager", "object_manager", "dashboard_agent_listen", "dashboard_agent_grpc",
-          "runtime_env_agent", "metrics_export", "ray_client_server")
+BLOCK_SIZE = 256  # 16 fixed ports + 240 worker ports per node
+_FIXED = (
+    "gcs",
+    "node_manager",
+    "object_manager",
+    "dashboard_agent_listen",
+    "dashboard_agent_grpc",
+    "runtime_env_agent",
+    "metrics_export",
+    "ray_client_server",
+)
 _WORKER_OFFSET = 16
 
 
@@ -53,16 +61,22 @@ class PortBlock:
         return [self.port(n) for n in names]
 
     def start_args(self, head: bool) -> list[str]:
-        args = [f"--node-manager-port={self.port('node_manager')}",
-                f"--object-manager-port={self.port('object_manager')}",
-                f"--dashboard-agent-listen-port={self.port('dashboard_agent_listen')}",
-                f"--dashboard-agent-grpc-port={self.port('dashboard_agent_grpc')}",
-                f"--runtime-env-agent-port={self.port('runtime_env_agent')}",
-                f"--metrics-export-port={self.port('metrics_export')}",
-                f"--min-worker-port={self.worker_ports.start}", f"--max-worker-port={self.worker_ports.stop - 1}"]
+        args = [
+            f"--node-manager-port={self.port('node_manager')}",
+            f"--object-manager-port={self.port('object_manager')}",
+            f"--dashboard-agent-listen-port={self.port('dashboard_agent_listen')}",
+            f"--dashboard-agent-grpc-port={self.port('dashboard_agent_grpc')}",
+            f"--runtime-env-agent-port={self.port('runtime_env_agent')}",
+            f"--metrics-export-port={self.port('metrics_export')}",
+            f"--min-worker-port={self.worker_ports.start}",
+            f"--max-worker-port={self.worker_ports.stop - 1}",
+        ]
         if head:
-            args += [f"--port={self.port('gcs')}", f"--ray-client-server-port={self.port('ray_client_server')}",
-                     "--include-dashboard=false"]
+            args += [
+                f"--port={self.port('gcs')}",
+                f"--ray-client-server-port={self.port('ray_client_server')}",
+                "--include-dashboard=false",
+            ]
         return args
 
 
@@ -103,12 +117,27 @@ def _ignore_stop_in_child() -> None:
 
 def start_ray_node(args: list[str], env: dict[str, str], log_path: Path) -> subprocess.Popen:
     """`ray start ... --block` as a child in its own process group, output to `log_path`."""
-    cmd = [sys.executable, "-m", "ray.scripts.scripts", "start", *args, "--block", "--disable-usage-stats",
-           "--log-style=record"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "ray.scripts.scripts",
+        "start",
+        *args,
+        "--block",
+        "--disable-usage-stats",
+        "--log-style=record",
+    ]
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "ab") as out:
-        return subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=env,
-                                process_group=0, preexec_fn=_ignore_stop_in_child)
+        return subprocess.Popen(
+            cmd,
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
+            process_group=0,
+            preexec_fn=_ignore_stop_in_child,
+        )
 
 
 def stop_ray_node(proc: subprocess.Popen | None, timeout_s: float = 10.0) -> int:
@@ -153,8 +182,11 @@ def ray_env(ip: str) -> dict[str, str]:
     """Environment for our Ray processes and the driver: private cluster, no telemetry, gloo on `ip`'s interface."""
     # "0" keeps a one-node Ray on loopback (FACTS: else Ray rewrites 127.0.0.1 to the outward address);
     # "1" (Linux's default) is required to join nodes, even where the local default said "0"
-    env = {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0",
-           "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0" if ip.startswith("127.") else "1"}
+    env = {
+        "RAY_AUTH_MODE": "disabled",
+        "RAY_USAGE_STATS_ENABLED": "0",
+        "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0" if ip.startswith("127.") else "1",
+    }
     iface = interface_of(ip)
     if iface:
         env["GLOO_SOCKET_IFNAME"] = iface  # collectives between nodes go where the node address lives

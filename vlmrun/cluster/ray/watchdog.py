@@ -50,8 +50,9 @@ class NodeWatchdog:
     ends our Ray processes and exits the process with code 1.
     """
 
-    def __init__(self, nodes: list[str], rdv: Path, head_proc: subprocess.Popen,
-                 period_s: float = 2.0, hard_exit_s: float = 60.0):
+    def __init__(
+        self, nodes: list[str], rdv: Path, head_proc: subprocess.Popen, period_s: float = 2.0, hard_exit_s: float = 60.0
+    ):
         self.nodes, self.rdv, self.head_proc = nodes, rdv, head_proc
         self.period_s, self.hard_exit_s = period_s, hard_exit_s
         self.failure: str | None = None

@@ -25,8 +25,9 @@ def preflight(run_dir: Path, recipe) -> list[str]:
     c = recipe.cluster
     for tool in ("sbatch", "srun", "scontrol", "squeue"):
         if not shutil.which(tool):
-            raise InputError("--cluster", "slurm",
-                             f"`{tool}` is not on PATH: run on a SLURM login node or use --cluster local")
+            raise InputError(
+                "--cluster", "slurm", f"`{tool}` is not on PATH: run on a SLURM login node or use --cluster local"
+            )
     nodes = partition_nodes(c.partition)
     if nodes is None:
         return ["sinfo did not answer: the recipe was not checked against the partition"]
@@ -43,8 +44,13 @@ def partition_nodes(partition: str | None) -> list[dict] | None:
     names = sorted({r["partition"] for r in rows})
     chosen = partition or next((r["partition"] for r in rows if r["default"]), None)
     if chosen not in names:
-        raise InputError("cluster.partition", partition, f"partitions here: {', '.join(names) or 'none'}"
-                         if partition else "no default partition here: set cluster.partition")
+        raise InputError(
+            "cluster.partition",
+            partition,
+            f"partitions here: {', '.join(names) or 'none'}"
+            if partition
+            else "no default partition here: set cluster.partition",
+        )
     picked = [r for r in rows if r["partition"] == chosen]
     rc, out, _ = run_tool(["scontrol", "show", "node", "-o"])
     parsed = (parse_scontrol_job(line) for line in out.splitlines()) if rc == 0 else ()
@@ -60,15 +66,21 @@ def check_fits(recipe, nodes: list[dict]) -> None:
     part = nodes[0]["partition"] if nodes else c.partition
     if len(nodes) < c.nodes:
         raise InputError("cluster.nodes", c.nodes, f"partition {part} has {len(nodes)} node(s)")
-    for field, want, key, unit in [("cluster.cpus_per_node", c.cpus_per_node, "cpus", "CPUs"),
-                                   ("cluster.gpus_per_node", c.gpus_per_node, "gpus", "GPUs"),
-                                   ("cluster.mem_gb", (c.mem_gb or 0) * 1024, "mem_mb", "MB of memory")]:
+    for field, want, key, unit in [
+        ("cluster.cpus_per_node", c.cpus_per_node, "cpus", "CPUs"),
+        ("cluster.gpus_per_node", c.gpus_per_node, "gpus", "GPUs"),
+        ("cluster.mem_gb", (c.mem_gb or 0) * 1024, "mem_mb", "MB of memory"),
+    ]:
         fitting = [n for n in nodes if n[key] >= want]
         if len(fitting) < c.nodes:
             best = max(n[key] for n in nodes)
             shown = c.mem_gb if key == "mem_mb" else want
-            raise InputError(field, shown, f"{c.nodes} node(s) of partition {part} must have {want} {unit} each; "
-                             f"{len(fitting)} have, the largest has {best}")
+            raise InputError(
+                field,
+                shown,
+                f"{c.nodes} node(s) of partition {part} must have {want} {unit} each; "
+                f"{len(fitting)} have, the largest has {best}",
+            )
     limits = [n["max_minutes"] for n in nodes if n["max_minutes"] is not None]
     if limits and c.time_limit > max(limits):
         raise InputError("cluster.time_limit", c.time_limit, f"partition {part} allows at most {max(limits)} minutes")
@@ -80,29 +92,39 @@ def check_nodes_see_run_dir(run_dir: Path, n_nodes: int, nodes: list[dict]) -> l
         return []
     addrs = [n.get("addr") for n in nodes if n.get("addr")]
     if addrs and len(set(addrs)) < min(n_nodes, len(addrs)):
-        raise InputError("cluster.nodes", n_nodes, f"the nodes share address(es) {sorted(set(addrs))}: Ray across "
-                         "nodes needs one address per node (local cluster: SLURM_NETNS=1 tools/slurm/up-2node.sh)")
+        raise InputError(
+            "cluster.nodes",
+            n_nodes,
+            f"the nodes share address(es) {sorted(set(addrs))}: Ray across "
+            "nodes needs one address per node (local cluster: SLURM_NETNS=1 tools/slurm/up-2node.sh)",
+        )
     if not any(str(run_dir) == p or str(run_dir).startswith(p + "/") for p in NODE_LOCAL):
         return []
     here = _short_hostname()
     if nodes and all((n.get("host") or "").split(".")[0] == here for n in nodes):
-        return [f"run dir {run_dir} is node-local storage; it works here only because every node of this "
-                "cluster runs on this machine. On a real cluster use a shared filesystem."]
-    raise InputError("--run-dir", str(run_dir), f"with cluster.nodes={n_nodes} the run dir must be on a filesystem "
-                     "every node sees (not /tmp, /var/tmp, /dev/shm)")
+        return [
+            f"run dir {run_dir} is node-local storage; it works here only because every node of this "
+            "cluster runs on this machine. On a real cluster use a shared filesystem."
+        ]
+    raise InputError(
+        "--run-dir",
+        str(run_dir),
+        f"with cluster.nodes={n_nodes} the run dir must be on a filesystem "
+        "every node sees (not /tmp, /var/tmp, /dev/shm)",
+    )
 
 
 def _short_hostname() -> str:
     return subprocess.run(["hostname", "-s"], capture_output=True, text=True).stdout.strip()
 
 
-_STEP_S = {"tiny": 10, "gpu": 60, "cpu": 30}   # assumed seconds per optimizer step
+_STEP_S = {"tiny": 10, "gpu": 60, "cpu": 30}  # assumed seconds per optimizer step
 
 
-_BYTES_PER_PARAM = 16             # bf16 weights 2 + fp32 master 4 + two fp32 Adam moments 8, rounded up
+_BYTES_PER_PARAM = 16  # bf16 weights 2 + fp32 master 4 + two fp32 Adam moments 8, rounded up
 
 
-_WRITE_BPS_PER_NODE = 1e9         # assumed checkpoint write speed per node (shared filesystem)
+_WRITE_BPS_PER_NODE = 1e9  # assumed checkpoint write speed per node (shared filesystem)
 
 
 def signal_delay_warnings(recipe) -> list[str]:
@@ -110,8 +132,10 @@ def signal_delay_warnings(recipe) -> list[str]:
     c = recipe.cluster
     out = []
     if c.signal_delay_s >= c.time_limit * 60:
-        out.append(f"cluster.signal_delay_s={c.signal_delay_s} is not shorter than cluster.time_limit="
-                   f"{c.time_limit} min: USR2 arrives as soon as the job starts")
+        out.append(
+            f"cluster.signal_delay_s={c.signal_delay_s} is not shorter than cluster.time_limit="
+            f"{c.time_limit} min: USR2 arrives as soon as the job starts"
+        )
     kind = "tiny" if recipe.model.tiny else ("gpu" if c.gpus_per_node else "cpu")
     step_s = _STEP_S[kind]
     params = estimate_params(recipe.model)
@@ -119,9 +143,11 @@ def signal_delay_warnings(recipe) -> list[str]:
     need = math.ceil(step_s + ckpt_s)
     if c.signal_delay_s < need:
         size = f"{params / 1e9:g}B parameters x {_BYTES_PER_PARAM} bytes" if params else "a small checkpoint (5 s)"
-        out.append(f"cluster.signal_delay_s={c.signal_delay_s} may not fit one step plus a checkpoint: assumed "
-                   f"{step_s} s per step ({kind}) and {size} written at {_WRITE_BPS_PER_NODE / 1e9:g} GB/s per node "
-                   f"over {c.nodes} node(s) = {need} s; raise it to at least {need}")
+        out.append(
+            f"cluster.signal_delay_s={c.signal_delay_s} may not fit one step plus a checkpoint: assumed "
+            f"{step_s} s per step ({kind}) and {size} written at {_WRITE_BPS_PER_NODE / 1e9:g} GB/s per node "
+            f"over {c.nodes} node(s) = {need} s; raise it to at least {need}"
+        )
     return out
 
 

@@ -62,9 +62,14 @@ def slurm_state(job_id: str) -> dict | None:
     rc, out, _ = run_tool(["scontrol", "show", "job", "-o", job_id])
     info = parse_scontrol_job(out) if rc == 0 else {}
     if info.get("JobState"):
-        return {"state": info["JobState"], "reason": info.get("Reason", ""), "elapsed": info.get("RunTime", ""),
-                "exit_code": info.get("ExitCode", ""), "restarts": int(info.get("Restarts", 0) or 0),
-                "source": "scontrol"}
+        return {
+            "state": info["JobState"],
+            "reason": info.get("Reason", ""),
+            "elapsed": info.get("RunTime", ""),
+            "exit_code": info.get("ExitCode", ""),
+            "restarts": int(info.get("Restarts", 0) or 0),
+            "source": "scontrol",
+        }
     rc, out, _ = run_tool(["sacct", "-n", "-P", "-X", "-j", job_id, "-o", "JobID,State,ExitCode,Elapsed"])
     row = parse_sacct(out).get(job_id) if rc == 0 else None
     return row | {"source": "sacct"} if row else None
@@ -91,9 +96,17 @@ def parse_sinfo(text: str) -> list[dict]:
         if len(parts) != 6:
             continue
         node, part, cpus, mem, gres, limit = parts
-        rows.append({"node": node, "partition": part.rstrip("*"), "default": part.endswith("*"),
-                     "cpus": int(cpus.rstrip("+") or 0), "mem_mb": int(re.sub(r"\D", "", mem) or 0),
-                     "gpus": gres_gpus(gres), "max_minutes": parse_limit(limit)})
+        rows.append(
+            {
+                "node": node,
+                "partition": part.rstrip("*"),
+                "default": part.endswith("*"),
+                "cpus": int(cpus.rstrip("+") or 0),
+                "mem_mb": int(re.sub(r"\D", "", mem) or 0),
+                "gpus": gres_gpus(gres),
+                "max_minutes": parse_limit(limit),
+            }
+        )
     return rows
 
 

@@ -31,16 +31,30 @@ from vlmrun.errors import InputError
 # Package data (pyproject.toml), so a non-editable install renders too; `sbatch_templates/` at the
 # repository's top is a link to this folder.
 TEMPLATES = Path(os.environ.get("VLMRUN_SBATCH_TEMPLATES") or Path(__file__).resolve().parent / "templates")
-CONTAINER_PYTHON = "python3"   # the interpreter inside the container image (container/Dockerfile)
+CONTAINER_PYTHON = "python3"  # the interpreter inside the container image (container/Dockerfile)
 # append: a requeued attempt adds to its task log instead of truncating it; kill-on-bad-exit: when a
 # node's entrypoint fails, the other tasks end too (a node that never joins Ray cannot hang the job)
 SRUN_ALWAYS = ("--open-mode=append", "--kill-on-bad-exit=1")
-SRUN_MARK = "#--- srun arguments ---"   # separates the template's setup lines from its srun arguments
+SRUN_MARK = "#--- srun arguments ---"  # separates the template's setup lines from its srun arguments
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 _SBATCH_OPTION = re.compile(r"^[a-z][a-z0-9-]*$")
 # Options submitit or vlmrun set for their own contract (log layout, USR2, one task per node).
-RESERVED_SBATCH = frozenset({"output", "error", "open-mode", "signal", "array", "wrap", "ntasks-per-node",
-                             "nodes", "job-name", "time", "requeue", "no-requeue"})
+RESERVED_SBATCH = frozenset(
+    {
+        "output",
+        "error",
+        "open-mode",
+        "signal",
+        "array",
+        "wrap",
+        "ntasks-per-node",
+        "nodes",
+        "job-name",
+        "time",
+        "requeue",
+        "no-requeue",
+    }
+)
 
 
 def submitit_folder(run_dir: Path) -> Path:
@@ -114,8 +128,14 @@ def render_preamble(recipe, run_dir: Path) -> tuple[list[str], list[str]]:
     if c.container_image and not any(m.split(":")[0] == str(run_dir) for m in mounts):
         mounts.append(f"{run_dir}:{run_dir}")
     template = _load_template(template_name(recipe))
-    setup, _, srun = template.render(env=dict(c.env), modules=list(c.modules), container_image=c.container_image,
-                                     container_mounts=mounts, run_dir=str(run_dir), nodes=c.nodes).partition(SRUN_MARK)
+    setup, _, srun = template.render(
+        env=dict(c.env),
+        modules=list(c.modules),
+        container_image=c.container_image,
+        container_mounts=mounts,
+        run_dir=str(run_dir),
+        nodes=c.nodes,
+    ).partition(SRUN_MARK)
     return [line for line in setup.splitlines() if line.strip()], shlex.split(srun)
 
 
@@ -133,11 +153,20 @@ def _load_template(name: str):
         file = f"{name}.sh.j2"
         if not (TEMPLATES / file).is_file():
             known = sorted(p.name.removesuffix(".sh.j2") for p in TEMPLATES.glob("*.sh.j2"))
-            raise InputError("cluster.sbatch_template", name,
-                             f"choose one of {', '.join(known)} (in {TEMPLATES}) or a path to a .j2 file")
-    env = jinja2.Environment(loader=jinja2.FileSystemLoader(dirs), undefined=jinja2.StrictUndefined,
-                             trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True,
-                             autoescape=False, finalize=_shell_quote)
+            raise InputError(
+                "cluster.sbatch_template",
+                name,
+                f"choose one of {', '.join(known)} (in {TEMPLATES}) or a path to a .j2 file",
+            )
+    env = jinja2.Environment(
+        loader=jinja2.FileSystemLoader(dirs),
+        undefined=jinja2.StrictUndefined,
+        trim_blocks=True,
+        lstrip_blocks=True,
+        keep_trailing_newline=True,
+        autoescape=False,
+        finalize=_shell_quote,
+    )
     try:
         return env.get_template(file)
     except jinja2.TemplateError as e:

@@ -34,8 +34,16 @@ log = logging.getLogger(__name__)
 _EXIT = {State.COMPLETED: EXIT_COMPLETED, State.STOPPED: EXIT_STOPPED, State.BUDGET_EXHAUSTED: EXIT_STOPPED}
 
 
-def submit_slurm(rd: RunDirectory, recipe, *, dry_run: bool, wait: bool, echo: Callable[[str], None] | None = None,
-                 entrypoint: Callable[[], int] | None = None, poll_s: float = 2.0):
+def submit_slurm(
+    rd: RunDirectory,
+    recipe,
+    *,
+    dry_run: bool,
+    wait: bool,
+    echo: Callable[[str], None] | None = None,
+    entrypoint: Callable[[], int] | None = None,
+    poll_s: float = 2.0,
+):
     """Submit `recipe` as a SLURM job writing into `rd` (created here when it does not exist yet).
 
     `entrypoint` replaces NodeEntrypoint(rd.path) (tests submit trivial payloads). Raises InputError
@@ -78,8 +86,12 @@ def resume_slurm(rd: RunDirectory, recipe, *, wait: bool, echo: Callable[[str], 
     job = job_record.read_job(rd)
     last = job.job_ids[-1] if job and job.job_ids else None
     if last and not str(last).startswith("local-") and is_live(str(last)):
-        raise InputError("RUN_DIR", str(rd.path), message=f"job {last} of {rd.path} is still in the queue; "
-                         f"wait for it or `vlmrun cancel {last}` before resuming")
+        raise InputError(
+            "RUN_DIR",
+            str(rd.path),
+            message=f"job {last} of {rd.path} is still in the queue; "
+            f"wait for it or `vlmrun cancel {last}` before resuming",
+        )
     return submit_slurm(rd, recipe, dry_run=False, wait=wait, echo=echo)
 
 
@@ -111,12 +123,13 @@ def wait_for_job(rd: RunDirectory, job_id: str, *, echo: Callable[[str], None] |
     if state is None or not state.ended:
         slurm = slurm_state(job_id) or {}
         state = State.FAILED
-        say(f"job {job_id} ended ({slurm.get('state', 'state unknown')}) without recording an outcome; "
-            f"see {rd.task_log(job_id)}")
-    return SubmitResult(rd.path, "slurm", False, job_id=job_id, state=state.value,
-                        exit_code=_EXIT.get(state, EXIT_FAILED))
+        say(
+            f"job {job_id} ended ({slurm.get('state', 'state unknown')}) without recording an outcome; "
+            f"see {rd.task_log(job_id)}"
+        )
+    return SubmitResult(
+        rd.path, "slurm", False, job_id=job_id, state=state.value, exit_code=_EXIT.get(state, EXIT_FAILED)
+    )
 
 
 # ---------------------------------------------------------------- checks before submitting
-
-
