@@ -27,8 +27,10 @@ lint: setup
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/lint-imports
 
+# pytest exits 5 when it collected no tests: that is a failure here, said in words.
 test: lint
-	$(VENV)/bin/python -m pytest -q -ra --durations=15
+	@$(VENV)/bin/python -m pytest -q -ra --durations=15; rc=$$?; \
+	if [ $$rc = 5 ]; then echo "make test: pytest collected no tests"; fi; exit $$rc
 
 test-fast: lint
 	$(VENV)/bin/python -m pytest -q -m "not slow and not slurm"
