@@ -8,9 +8,22 @@ TORCH  := torch==2.14.1 torchvision==0.29.1
 export HF_HUB_OFFLINE := 1
 export WANDB_MODE ?= offline
 
-.PHONY: setup demo lint test test-fast clean
+.PHONY: setup system-libs demo lint test test-fast clean
 
-setup: $(VENV)/.installed
+setup: system-libs $(VENV)/.installed
+
+# Mooncake (the data plane's `backend: mooncake`) links Debian's libibverbs1 even for TCP. Installed with
+# apt-get when missing and we are root; otherwise said, and the Mooncake tests skip with that reason.
+system-libs:
+	@$(PYTHON) -c "import ctypes; ctypes.CDLL('libibverbs.so.1')" 2>/dev/null || \
+	if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	  echo "make setup: installing libibverbs1 (Mooncake links it)"; \
+	  apt-get install -y -qq libibverbs1 >/dev/null 2>&1 || \
+	  { apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq libibverbs1 >/dev/null 2>&1; } || \
+	  echo "make setup: apt-get could not install libibverbs1; the Mooncake tests will skip"; \
+	else \
+	  echo "make setup: libibverbs.so.1 is missing (Debian: sudo apt-get install libibverbs1); the Mooncake tests will skip"; \
+	fi
 
 $(VENV)/.installed: pyproject.toml requirements/tested.txt
 	$(PYTHON) -m venv $(VENV)

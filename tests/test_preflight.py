@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from vlmrun.launch import preflight
+from vlmrun.cluster import preflight
 
 ROOT = Path(__file__).resolve().parents[1]
 OMNI = str(ROOT / "recipes" / "omni-clevr-1n8g.yaml")
@@ -222,7 +222,7 @@ def test_the_checks_import_nothing_heavy():
         [
             sys.executable,
             "-c",
-            "import sys, vlmrun.launch.submit, vlmrun.launch.preflight; "
+            "import sys, vlmrun.launch.submit, vlmrun.cluster.preflight; "
             "print(sorted(m for m in ('torch', 'ray', 'transformers', 'megatron.energon') if m in sys.modules))",
         ],
         capture_output=True,

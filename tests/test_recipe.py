@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import typing
 from pathlib import Path
 
 import pytest
 import yaml
 
 from vlmrun.config.cluster import parse_time_limit
-from vlmrun.config.load import load_recipe, parse_override
+from vlmrun.config.load import load_recipe, parse_override, read_yaml, set_dotted
 from vlmrun.errors import InputError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -47,7 +48,7 @@ STABLE_KEYS = [
     ("checkpoint.keep", 2, ["checkpoint.keep=5"], 5),
     ("cluster.nodes", 1, ["cluster.nodes=2"], 2),
     ("cluster.time_limit", 30, ["cluster.time_limit=01:30:00"], 90),
-    # one implementation today (transfer_queue is refused with a message, see below): the keys and defaults hold
+    # SFT runs the local plane only (transfer_queue is refused for it with a message, see below)
     ("data_plane.impl", "local", ["data_plane.impl=local"], "local"),
     ("data_plane.backend", "simple", ["data_plane.backend=simple"], "simple"),
 ]
@@ -93,7 +94,7 @@ def test_overrides_coerce_types():
         ("name=x\ny", "name", "pattern"),
         ("cluster.time_limit=soon", "cluster.time_limit", "HH:MM:SS"),
         ("model.path=/m", "model", "exactly one of model.path"),
-        ("train.algorithm=grpo", "train.algorithm", "'sft' only"),
+        ("data_plane.impl=transfer_queue", "data_plane.impl", "SFT runs with 'local'"),
         ("cluster.gpus_per_node=4", "parallel.dp", "must equal the allocation's GPUs"),
         ("data.family=nemotron_omni", "data.family", "must match model.family"),
         ("train.max_steps.x=1", "train.max_steps.x", "is a value, not a section"),
@@ -152,3 +153,157 @@ def test_time_limit(text, minutes):
 def test_time_limit_rejects_zero():
     with pytest.raises(ValueError, match="at least 1 minute"):
         parse_time_limit(0)
+
+
+# --- typing rules that hold for every field of every section (config/section.py) ---
+
+
+def _leaves(model=None, prefix=""):
+    """(dotted name, the plain types it accepts, is a tuple) of every leaf field of the recipe."""
+    from pydantic import BaseModel
+
+    from vlmrun.config.recipe import Recipe
+
+    for name, info in (model or Recipe).model_fields.items():
+        args = typing.get_args(info.annotation) or (info.annotation,)
+        sub = next((a for a in args if isinstance(a, type) and issubclass(a, BaseModel)), None)
+        if sub is not None:
+            yield from _leaves(sub, f"{prefix}{name}.")
+            continue
+        is_tuple = typing.get_origin(info.annotation) is tuple
+        flat = {typing.get_args(a)[0] if typing.get_origin(a) is typing.Annotated else a for a in args}
+        yield f"{prefix}{name}", flat, is_tuple
+
+
+def _fields_of(*kinds):
+    return [(name, is_tuple) for name, flat, is_tuple in _leaves() if flat & set(kinds)]
+
+
+FLOATS = _fields_of(float)
+NUMBERS = _fields_of(int, float)
+BOOLS = _fields_of(bool)
+
+
+def test_the_field_walk_sees_every_kind():
+    names = [n for n, _ in FLOATS]
+    assert {"train.lr", "train.betas", "train.min_lr_ratio"} <= set(names)
+    assert len(NUMBERS) > 20 and ("model.tiny", False) in BOOLS
+
+
+def _refused(override: str) -> InputError:
+    with pytest.raises(InputError) as e:
+        load_recipe(TINY, [override])
+    assert len(str(e.value).splitlines()) <= 2
+    return e.value
+
+
+@pytest.mark.parametrize("dotted, is_tuple", FLOATS, ids=[n for n, _ in FLOATS])
+@pytest.mark.parametrize("bad", [".inf", "-.inf", ".nan", "1e400"])
+def test_every_float_is_finite(dotted, is_tuple, bad):
+    e = _refused(f"{dotted}=[{bad}, 0.5]" if is_tuple else f"{dotted}={bad}")
+    assert e.field.startswith(dotted) and "finite" in str(e)
+
+
+@pytest.mark.parametrize("dotted, is_tuple", NUMBERS, ids=[n for n, _ in NUMBERS])
+@pytest.mark.parametrize("bad", ["true", "false"])
+def test_booleans_are_not_numbers(dotted, is_tuple, bad):
+    e = _refused(f"{dotted}=[0.5, {bad}]" if is_tuple else f"{dotted}={bad}")
+    assert e.field.startswith(dotted)
+
+
+@pytest.mark.parametrize("dotted, is_tuple", BOOLS, ids=[n for n, _ in BOOLS])
+@pytest.mark.parametrize("bad", ["1", "0", "1.0", "'true'"])
+def test_numbers_are_not_booleans(dotted, is_tuple, bad):
+    e = _refused(f"{dotted}={bad}")
+    assert e.field.startswith(dotted) and "boolean" in str(e)
+
+
+@pytest.mark.parametrize("betas", ["[1.0, 0.9]", "[0.9, 1]", "[-0.1, 0.9]", "[0.9, 1.5]", "[0.9]", "[0.1, 0.2, 0.3]"])
+def test_betas_are_two_numbers_in_zero_one(betas):
+    assert _refused(f"train.betas={betas}").field.startswith("train.betas")
+
+
+def test_betas_in_range_and_exponent_floats_are_numbers():
+    r = load_recipe(TINY, ["train.betas=[0, 0.999]", "train.lr=3e-4", "train.weight_decay=1E-2"])
+    assert r.train.betas == (0.0, 0.999) and r.train.lr == 3e-4 and r.train.weight_decay == 0.01
+
+
+def test_a_section_given_whole_is_merged_key_by_key():
+    r = load_recipe(TINY, ["train={max_steps: 5}", "cluster={nodes: 1}", "checkpoint={requeue: {timeouts: 1}}"])
+    assert r.train.max_steps == 5
+    assert (r.train.lr, r.train.warmup_steps, r.train.global_batch_size) == (2.0e-3, 10, 8)  # the recipe's
+    assert (r.cluster.time_limit, r.cluster.signal_delay_s) == (30, 60)
+    assert (r.checkpoint.requeue.timeouts, r.checkpoint.requeue.preemptions) == (1, 3)
+    assert load_recipe(TINY, ["data.synthetic=null"]).data.synthetic is None  # a value still replaces
+
+
+def test_overrides_never_change_a_mapping_yaml_aliases_share(tmp_path):
+    text = TINY.read_text().replace("synthetic: {", "synthetic: &syn {") + "logger: {wandb_project: x}\nextra: *syn\n"
+    raw = read_yaml(write(tmp_path, text))
+    set_dotted(raw, "data.synthetic.seed", 7)
+    set_dotted(raw, "data.synthetic", {"train": 5})
+    assert raw["extra"] == {"train": 2048, "val": 128, "image_size": 112, "seed": 0}
+    assert raw["data"]["synthetic"] == {"train": 5, "val": 128, "image_size": 112, "seed": 7}
+
+
+# --- bounded parsing: hostile YAML fails in well under a second, naming the file ---
+
+LAUGHS = "a: &a [lol, lol, lol, lol, lol, lol, lol, lol, lol]\n" + "".join(
+    f"{c}: &{c} [{', '.join([f'*{p}'] * 9)}]\n" for p, c in zip("abcdefgh", "bcdefghi", strict=True)
+)
+
+
+@pytest.mark.parametrize(
+    "text, words",
+    [
+        (LAUGHS + "name: *i\n", "expands to more than"),
+        (
+            "l0: &l0 {x: 1, y: 2}\n"
+            + "".join(f"l{i}: &l{i} {{<<: [*l{i - 1}, *l{i - 1}], k{i}: 1}}\n" for i in range(1, 40))
+            + "name: x\n",
+            "expands to more than",
+        ),
+        ("name: &a [*a]\n", "contains it"),
+        ("name: " + "[" * 40 + "]" * 40 + "\n", "nested deeper than"),
+        ("name: " + "[" * 20000 + "]" * 20000 + "\n", "nested deeper than"),
+        ("name: x\ntrain: {max_steps: " + "9" * 5000 + "}\n", "cannot be built"),
+        ("name: 2024-13-45\n", "cannot be built"),
+    ],
+    ids=["billion-laughs", "merge-keys", "cycle", "deep", "very-deep", "huge-int", "bad-date"],
+)
+def test_unbounded_yaml_is_refused_fast(tmp_path, text, words):
+    import time
+
+    path = write(tmp_path, text)
+    t0 = time.monotonic()
+    with pytest.raises(InputError) as e:
+        load_recipe(path)
+    assert time.monotonic() - t0 < 3
+    msg = str(e.value)
+    assert str(path) in msg and words in msg and len(msg) < 300
+
+
+def test_a_huge_recipe_file_is_refused(tmp_path):
+    path = write(tmp_path, "name: x\n" + "# padding\n" * 120_000)
+    with pytest.raises(InputError, match="larger than"):
+        load_recipe(path)
+
+
+def test_a_bomb_in_a_set_value_is_refused():
+    bomb = "{" + LAUGHS.replace("\n", ", ").rstrip(", ") + ", z: *i}"
+    with pytest.raises(InputError, match="cluster.env: expands to more than"):
+        load_recipe(TINY, [f"cluster.env={bomb}"])
+
+
+def test_error_values_are_formatted_from_a_bounded_prefix():
+    import time
+
+    from vlmrun.errors import short_repr
+
+    value: list = ["lol"] * 9
+    for _ in range(40):  # 9**40 leaves, shared: the full repr could never be built
+        value = [value] * 9
+    t0 = time.monotonic()
+    text = str(InputError("name", value, "a string"))
+    assert time.monotonic() - t0 < 0.5 and len(text) < 120
+    assert short_repr(10**5000).startswith("<integer of") and len(short_repr("x" * 10**7)) <= 80

@@ -188,4 +188,4 @@ def test_resume_refuses_another_layout(tmp_path, sets, uninterrupted):
     (run / "recipe.yaml").write_text(recipe)
     out = vlmrun("resume", str(run), "--set", "train.max_steps=6", "--wait")
     assert out.returncode == 2
-    assert "dp=2" in out.stderr and "dp=1" in out.stderr
+    assert "parallel.dp: 2 -> 1" in out.stderr

@@ -13,7 +13,7 @@ import torch
 from vlmrun.algorithms.common.steps import plan_steps
 from vlmrun.algorithms.common.stop import StopFlag
 from vlmrun.config.load import load_recipe
-from vlmrun.plane.interface import DataPlaneError
+from vlmrun.plane.interface import DataPlaneError, PartitionSpec
 from vlmrun.plane.local import LocalDataPlane
 from vlmrun.policy.lr_schedule import lr_factor
 from vlmrun.policy.rng import rng_state, seed_all, set_rng_state
@@ -21,23 +21,19 @@ from vlmrun.policy.rng import rng_state, seed_all, set_rng_state
 TINY = Path(__file__).resolve().parents[1] / "recipes" / "tiny-clevr-cpu.yaml"
 
 
-def test_data_plane_one_write_commit_abort():
+def test_data_plane_one_write_per_field_then_clear():
     plane = LocalDataPlane()
-    plane.put("step-1", [1, 2], ["a", "b"])
-    with pytest.raises(DataPlaneError, match="exactly one write"):
-        plane.put("step-1", [3], ["c"])
-    with pytest.raises(DataPlaneError, match="not committed"):
-        plane.get("step-1")
-    with pytest.raises(DataPlaneError, match="uncommitted"):
-        plane.state_dict()
-    plane.commit("step-1")
-    assert plane.get("step-1") == [1, 2] and plane.list_sample_ids("step-1") == ["a", "b"]
+    plane.register("step-1", PartitionSpec.for_stages("qwen2_5_vl", ["advantage"], 2))
+    plane.put("step-1", ["a", "b"], {"rewards": [torch.tensor(1.0), torch.tensor(2.0)]})
+    with pytest.raises(DataPlaneError, match="already written"):
+        plane.put("step-1", ["a", "b"], {"rewards": [torch.tensor(3.0), torch.tensor(4.0)]})
+    assert plane.get("step-1", ["b"], ["rewards"]).stack("rewards").tolist() == [2.0]
+    assert plane.list_sample_ids("step-1") == ["a", "b"]
     restored = LocalDataPlane()
     restored.load_state_dict(plane.state_dict())
-    assert restored.get("step-1") == [1, 2]
-    plane.put("step-2", [9], ["z"])
-    plane.abort("step-2")
-    assert plane.partitions() == ["step-1"] and plane.in_flight() == []
+    assert restored.get("step-1", ["a", "b"], ["rewards"]).stack("rewards").tolist() == [1.0, 2.0]
+    plane.clear("step-1")
+    assert plane.partitions() == [] and plane.state_dict() == {}
 
 
 def test_lr_schedule_warmup_then_cosine_to_min():

@@ -86,7 +86,9 @@ def resume(
     """Continue an ended run from its newest complete checkpoint (a new attempt in the same run dir).
 
     Only fields that leave the sample stream and placement unchanged may be overridden
-    (train.max_steps, train.loop, checkpoint.*, cluster.*, logger.* ...).
+    (train.max_steps, train.epochs, train.val_*, checkpoint.*, cluster.*, logger.*); a change of what
+    defines the run (batch sizes, layout, seed, data, sequence length, loop, algorithm, model), by --set
+    or by editing recipe.yaml, is refused as `field: old -> new`. A completed run says so and exits 0.
 
     Example: vlmrun resume runs/tiny-clevr-cpu-20261130-101500 --set train.max_steps=400 --wait
     """
@@ -136,7 +138,10 @@ def logs(
 
 @app.command(no_args_is_help=True)
 def cancel(target: str = typer.Argument(..., help="job id or run directory"), json_out: bool = JsonOpt):
-    """Cancel a job (no checkpoint; the run can still be resumed from its last one).
+    """Cancel a job: it checkpoints after the step in flight (killed if it takes too long), no requeue.
+
+    Waits until the job has ended and prints the state it ended in (CANCELLED, or COMPLETED/FAILED
+    when it ended first, KILLED when it had to be killed). The run can be resumed from its last checkpoint.
 
     Example: vlmrun cancel 1234
     """
@@ -202,6 +207,28 @@ def compare(
 
         print_comparison(result)
     raise typer.Exit(0 if result["verdict"] == "match" else 1)
+
+
+@app.command(no_args_is_help=True)
+def export(
+    run_dir: Path = typer.Argument(..., help="run directory with checkpoints"),
+    out: Path = typer.Argument(..., help="new folder for the Hugging Face model (must not exist, or be empty)"),
+    step: int | None = typer.Option(None, "--step", min=1, help="checkpoint step (default: the newest complete one)"),
+    json_out: bool = JsonOpt,
+):
+    """Write a checkpoint of a run as a Hugging Face model directory (config, safetensors weights, processor,
+    tokenizer, chat template) that AutoModelForImageTextToText.from_pretrained loads; a recipe can start
+    from it with --set model.path=OUT --set model.tiny=false.
+
+    Example: vlmrun export runs/tiny-clevr-cpu-20261130-101500 --step 200 exports/tiny-clevr-step200
+    """
+    from vlmrun.launch.export import export_checkpoint
+
+    result = export_checkpoint(run_dir, out, step=step)
+    if json_out:
+        _print_json(result.summary())
+    else:
+        typer.echo(f"exported step {result.step} to {result.out} ({len(result.files)} files)")
 
 
 @app.command("bench-loader")

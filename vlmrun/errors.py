@@ -7,6 +7,7 @@ message in one or two lines and exits 2, with no traceback. `CheckFailed` is a c
 
 from __future__ import annotations
 
+import reprlib
 from typing import Any
 
 EXIT_OK = 0
@@ -28,7 +29,7 @@ class InputError(VlmrunError):
     def __init__(self, field: str, value: Any = None, allowed: str = "", *, message: str | None = None):
         self.field, self.value, self.allowed = field, value, allowed
         if message is None:
-            message = f"{field}: {_short(value)} is not allowed"
+            message = f"{short_repr(field, quote=False)}: {short_repr(value)} is not allowed"
             if allowed:
                 message += f"; {allowed}"
         super().__init__(message)
@@ -38,6 +39,43 @@ class CheckFailed(VlmrunError):
     """The thing checked is not so (exit 1): a comparison diverged, a job failed."""
 
 
-def _short(value: Any, limit: int = 80) -> str:
-    text = repr(value)
+class _BoundedRepr(reprlib.Repr):
+    """A repr that looks at a bounded prefix of a value, never at the whole of it.
+
+    A YAML document with nested aliases is a small graph whose full repr is exponentially long, and
+    an int of 5000 digits has no repr at all (Python refuses it), so neither is ever built.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.maxlevel = 3
+        self.maxtuple = self.maxlist = self.maxarray = self.maxdict = 4
+        self.maxset = self.maxfrozenset = self.maxdeque = 4
+        self.maxstring = self.maxother = 60
+        self.maxlong = 40
+
+    def repr_int(self, x: int, level: int) -> str:
+        if x.bit_length() > 128:
+            return f"<{'-' if x < 0 else ''}integer of {x.bit_length()} bits>"
+        return super().repr_int(x, level)
+
+    def repr_instance(self, x: Any, level: int) -> str:
+        if isinstance(x, (str, bytes, bytearray)):  # subclasses too: cut before the repr, not after
+            return reprlib.Repr.repr_str(self, x, level)
+        return super().repr_instance(x, level)
+
+
+_REPR = _BoundedRepr()
+
+
+def short_repr(value: Any, limit: int = 80, *, quote: bool = True) -> str:
+    """At most `limit` characters showing `value` (its repr; with quote=False a str shows as itself).
+
+    Safe for any size of value: only a bounded prefix is ever formatted.
+    """
+    if not quote and isinstance(value, str):
+        text = value[: limit + 1]
+        text = text.encode("unicode_escape").decode("ascii") if not text.isprintable() else text
+    else:
+        text = _REPR.repr(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -3,6 +3,14 @@
 On the embedded default there is one node: it records the attempt in job.json, makes sure data and
 model exist, starts a private Ray, runs the driver, records the outcome and exits with
 0 (completed), 3 (stopped at a checkpoint, resumable), 1 (failed) or 2 (bad input).
+
+In this order, because each step protects the ones after it:
+1. Stop signals (SIGTERM, SIGUSR2, SIGINT) only set the stop flag from the first instant (stop.py);
+   a stop before the first step ends the attempt STOPPED without training.
+2. Node 0 holds the run lock (run/lock.py) for its life: inherited from the local launcher, or taken
+   here on SLURM; a run dir another attempt holds is refused with exit 2 before anything is written.
+3. The attempt's reaper starts (reaper.py), then the attempt's marker and temp root go into the
+   environment of everything started later: whatever ends this process, its processes end with it.
 """
 
 from __future__ import annotations
@@ -14,43 +22,75 @@ import sys
 import time
 import traceback
 
-from vlmrun.algorithms.common.stop import StopFlag, ignore_stop_signals
+from vlmrun.algorithms.common.stop import StopFlag
+from vlmrun.cluster.failure import failure_reason
+from vlmrun.cluster.reaper import AttemptScope
 from vlmrun.cluster.slurm_env import SlurmAllocation
 from vlmrun.errors import EXIT_BAD_INPUT, VlmrunError
 from vlmrun.run import job as job_record
 from vlmrun.run.directory import RunDirectory
+from vlmrun.run.lock import Holder, RunLock, RunLocked
 from vlmrun.run.outcome import RunOutcome
+from vlmrun.run.requests import CANCEL_REQUEST, take_request
 from vlmrun.run.state import EXIT_COMPLETED, EXIT_FAILED, EXIT_STOPPED, State
 
 RAY_DEADLINE_S = 180.0  # every node must have joined Ray by then
+RECORDED_FD_ENV = "VLMRUN_RECORDED_FD"  # a local launcher closes this pipe once job.json names the job
 
 log = logging.getLogger("vlmrun")
+_HELD: list[RunLock] = []
 
 
 def main(argv: list[str] | None = None) -> int:
     started_at = time.time()
+    stop = StopFlag().watch()  # first: before any thread or child process exists
     args = _parse(argv)
     rd = RunDirectory(args.run_dir)
-    _setup_logging(os.environ.get("VLMRUN_TEE_LOG"))
-    # Before any helper process starts: they inherit SIG_IGN for the stop signals (see stop.py).
-    ignore_stop_signals()
+    _setup_logging()
     alloc = SlurmAllocation.from_env()
-    if alloc is not None and alloc.node_rank != 0:
-        return _serve_ray_worker(rd, alloc)  # nodes 1..N-1 join Ray and wait; only node 0 writes job.json
     job_id = alloc.job_id if alloc else f"local-{os.getpid()}"
+    node0 = alloc is None or alloc.node_rank == 0
+    if node0:
+        try:
+            _hold_run_lock(rd, job_id)
+        except RunLocked as e:
+            log.error("%s", e)
+            if alloc is not None:
+                _tell_workers_done(rd, alloc)
+            return e.exit_code
+        _tee_log(os.environ.get("VLMRUN_TEE_LOG"))
+        _wait_until_recorded()
+    scope = AttemptScope.open()
+    scope.start_reaper(run_dir=rd.path if node0 else None, job_id=job_id)
+    scope.enter()
+    try:
+        if not node0:
+            return _serve_ray_worker(rd, alloc)  # nodes 1..N-1 join Ray and wait; only node 0 writes job.json
+        return _attempt(rd, job_id, alloc, stop, started_at)
+    finally:
+        scope.sweep()  # a normal end leaves nothing behind either
+
+
+def _attempt(rd: RunDirectory, job_id: str, alloc, stop: StopFlag, started_at: float) -> int:
     restart = alloc.restart_count if alloc else 0
     attempt = job_record.begin_attempt(rd, job_id, restart)
     try:
-        outcome = _run(rd, attempt, job_id, started_at, alloc)
+        outcome = _run(rd, attempt, job_id, started_at, alloc, stop)
     except VlmrunError as e:
         log.error("%s", e)
         job_record.fail_attempt(rd, attempt, str(e))
         return e.exit_code
     except BaseException as e:  # noqa: BLE001 - our bug or a crash below us: record it, keep the traceback
-        traceback.print_exc()
-        job_record.fail_attempt(rd, attempt, f"{type(e).__name__}: {e}")
+        reason = failure_reason(e)
+        job_record.fail_attempt(rd, attempt, reason)
+        _report_failure(reason)
         return EXIT_FAILED
     job_record.end_attempt(rd, attempt, outcome)
+    if alloc is None and take_request(rd, CANCEL_REQUEST, job_id, restart) and outcome.state is State.STOPPED:
+        # on SLURM, node 0's requeue decision does this (slurm_entry.py)
+        job_record.set_run_state(
+            rd, State.CANCELLED, f"cancelled by `vlmrun cancel`; checkpointed at step {outcome.last_step}"
+        )
     log.info("%s: %s", outcome.state, outcome.reason)
     val = outcome.final_val
     if val and val.get("val_samples"):
@@ -63,6 +103,46 @@ def main(argv: list[str] | None = None) -> int:
             val["val_loss"],
         )
     return EXIT_STOPPED if outcome.state is State.STOPPED else EXIT_COMPLETED
+
+
+def _report_failure(reason: str) -> None:
+    """One line on the console with where the traceback is; the traceback itself goes to the log file
+    (the attempt's log when the console is attached, else stderr, which is then the log)."""
+    tee = os.environ.get("VLMRUN_TEE_LOG")
+    if tee:
+        with open(tee, "a") as f:
+            traceback.print_exc(file=f)
+        log.error("FAILED: %s (traceback in %s)", reason, tee)
+    else:
+        traceback.print_exc()
+        log.error("FAILED: %s", reason)
+
+
+def _hold_run_lock(rd: RunDirectory, job_id: str) -> None:
+    """Hold the run lock for this process's life: handed over by the local launcher, or taken now (SLURM)."""
+    lock = RunLock.inherited(rd.path) or RunLock.acquire(rd.path)
+    lock.describe(Holder.of(os.getpid(), job_id))
+    _HELD.append(lock)  # never released: the kernel frees it when this process ends
+
+
+def _wait_until_recorded() -> None:
+    """A local launcher records the job in job.json after it started us: begin the attempt only after that."""
+    raw = os.environ.pop(RECORDED_FD_ENV, None)
+    if raw is None:
+        return
+    fd = int(raw)
+    try:
+        while os.read(fd, 64):  # EOF once the launcher closed its end (or died)
+            pass
+    finally:
+        os.close(fd)
+
+
+def _tell_workers_done(rd: RunDirectory, alloc) -> None:
+    """The other nodes of a refused job wait for a Ray head that never comes: let them end now."""
+    from vlmrun.run.directory import write_atomic
+
+    write_atomic(alloc.rendezvous(rd.path / "ray") / "done", '{"outcome": "refused"}\n')
 
 
 def _serve_ray_worker(rd: RunDirectory, alloc) -> int:
@@ -101,40 +181,86 @@ def _ray(job_id: str, cpus: int, alloc, rd: RunDirectory):
     return local()
 
 
-def _run(rd: RunDirectory, attempt: int, job_id: str, started_at: float, alloc=None) -> RunOutcome:
+def _run(rd: RunDirectory, attempt: int, job_id: str, started_at: float, alloc, stop: StopFlag) -> RunOutcome:
+    recipe = rd.load_recipe()
+    log.info("attempt %d of %s (%s, loop %s, dp=%d)", attempt, rd.path, job_id, recipe.train.loop, recipe.parallel.dp)
+    if stop.is_set():
+        return _stopped_before_training(rd, recipe, stop)
     from vlmrun.cluster.ray.local import set_local_environment
 
     set_local_environment()
     from vlmrun.algorithms.sft.driver import run_sft
+    from vlmrun.cluster.preflight import preflight_run
     from vlmrun.datasets.prepare import ensure_dataset
     from vlmrun.models.source import ensure_model
     from vlmrun.observe.progress import ProgressLine
 
-    recipe = rd.load_recipe()
-    log.info("attempt %d of %s (%s, loop %s, dp=%d)", attempt, rd.path, job_id, recipe.train.loop, recipe.parallel.dp)
+    preflight_run(recipe, runs_here=True)  # again at job start: before data is generated or Ray starts
     ensure_dataset(recipe.data)
     model_dir = ensure_model(recipe.model, rd.cache, recipe.train.seed)
     from vlmrun.data.components import check_components
 
     check_components(recipe)
-    stop = StopFlag()
+    chosen = _choose_checkpoint(rd, recipe, attempt)
+    if stop.is_set():
+        return _stopped_before_training(rd, recipe, stop)
     cpus = max(recipe.parallel.world_size, os.cpu_count() or 1)
     with _ray(job_id, cpus, alloc, rd):
-        stop.install()  # after Ray started: its processes keep SIG_IGN for the stop signals
+        if stop.is_set():
+            return _stopped_before_training(rd, recipe, stop)
         from vlmrun.algorithms.common.steps import plan_steps
         from vlmrun.data.splits import split_size
 
         # The same step count the controller uses (train.max_steps capped by epochs), so the ETA is right.
         progress = ProgressLine(plan_steps(recipe, split_size(recipe.data.path, recipe.data.split)).max_steps)
-        return run_sft(
-            rd,
-            recipe,
-            attempt=attempt,
-            model_dir=model_dir,
-            stop=stop,
-            started_at=started_at,
-            on_row=lambda row: log.info("%s", progress(row)),
-        )
+        run = dict(attempt=attempt, model_dir=model_dir, stop=stop, started_at=started_at, chosen=chosen)
+        run["on_row"] = lambda row: log.info("%s", progress(row))
+        if recipe.train.algorithm == "grpo":
+            return _run_grpo(rd, recipe, job_id, run)
+        return run_sft(rd, recipe, **run)
+
+
+def _run_grpo(rd: RunDirectory, recipe, job_id: str, run: dict) -> RunOutcome:
+    """GRPO between the job's data-plane servers (none for `local` or a disabled plane), on node 0."""
+    import ray
+
+    from vlmrun.algorithms.grpo.driver import run_grpo
+    from vlmrun.cluster.mooncake import running_plane_servers
+    from vlmrun.cluster.ray.nodes import port_block
+
+    dp = recipe.data_plane
+    impl = dp.impl if dp.enabled else "local"
+    host = ray.util.get_node_ip_address()
+    with running_plane_servers(impl, dp.backend, block=port_block(job_id), host=host, log_dir=rd.path / "logs") as ep:
+        return run_grpo(rd, recipe, plane_endpoint=ep, **run)
+
+
+def _choose_checkpoint(rd: RunDirectory, recipe, attempt: int):
+    """The newest checkpoint that verifies (verified once, here; the controller resumes from it) and the
+    newer ones skipped. When every checkpoint is invalid, say so plainly, on the console and in
+    job.json, before training starts from step 0."""
+    from vlmrun.algorithms.common.checkpoint import CheckpointStore
+
+    found, skipped = CheckpointStore(rd.checkpoints(recipe), recipe.checkpoint.keep).latest()
+    if found is None and skipped:
+        notice = f"no valid checkpoint left ({'; '.join(skipped)}): training from step 0"
+        log.warning("%s", notice)
+        job_record.note_attempt(rd, attempt, notice)
+    return found, skipped
+
+
+def _stopped_before_training(rd: RunDirectory, recipe, stop: StopFlag) -> RunOutcome:
+    """A stop that came before the first step: nothing trained, the run stays at its newest checkpoint."""
+    from vlmrun.algorithms.common.checkpoint import CheckpointStore
+
+    step = CheckpointStore(rd.checkpoints(recipe), recipe.checkpoint.keep).newest_step() or 0
+    name = stop.signal_name or "requested"
+    return RunOutcome(
+        state=State.STOPPED,
+        last_step=step,
+        reason=f"stop requested ({name}) before training started; the run stays at step {step}",
+        stop_signal=name if name.startswith("SIG") else None,
+    )
 
 
 def _parse(argv):
@@ -143,16 +269,23 @@ def _parse(argv):
     return p.parse_args(argv)
 
 
-def _setup_logging(tee_path: str | None) -> None:
-    fmt = logging.Formatter("%(asctime)s %(levelname)s %(message)s", "%H:%M:%S")
-    handlers = [logging.StreamHandler(sys.stderr)]
-    if tee_path:
-        handlers.append(logging.FileHandler(tee_path))
+def _setup_logging() -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(_FORMAT)
     root = logging.getLogger()
     root.setLevel(logging.INFO)
-    for h in handlers:
-        h.setFormatter(fmt)
-        root.addHandler(h)
+    root.addHandler(handler)
+
+
+def _tee_log(path: str | None) -> None:
+    """Also write the log to the attempt's log file (only once this process holds the run)."""
+    if path:
+        handler = logging.FileHandler(path)
+        handler.setFormatter(_FORMAT)
+        logging.getLogger().addHandler(handler)
+
+
+_FORMAT = logging.Formatter("%(asctime)s %(levelname)s %(message)s", "%H:%M:%S")
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ from typing import NoReturn
 
 from vlmrun.cluster import requeue
 from vlmrun.cluster.slurm_env import SlurmAllocation
-from vlmrun.errors import CheckFailed
+from vlmrun.errors import EXIT_BAD_INPUT, CheckFailed
 from vlmrun.run.directory import RunDirectory
 from vlmrun.run.job import next_attempt, now, require_job
 from vlmrun.run.logs import ATTEMPT_MARKER
@@ -67,7 +67,9 @@ class NodeEntrypoint:
         code = (self.main or _node_main)(["--run-dir", self.run_dir])
         if alloc.node_rank == 0 and code == EXIT_STOPPED:
             self._after_stop(rd, alloc, time.monotonic() - started)
-        elif alloc.node_rank == 0:  # a request that came too late for this attempt must not steer a later one
+        elif alloc.node_rank == 0 and code != EXIT_BAD_INPUT:
+            # a request that came too late for this attempt must not steer a later one (a job refused
+            # because another attempt holds the run dir leaves that attempt's requests be)
             for name in (REQUEUE_REQUEST, CANCEL_REQUEST):
                 take_request(rd, name, alloc.job_id, alloc.restart_count)
         if code not in (EXIT_COMPLETED, EXIT_STOPPED):

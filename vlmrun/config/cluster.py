@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import re
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import Field, field_validator
+
+from vlmrun.config.section import Section
+from vlmrun.errors import short_repr
 
 # SLURM names (partition, account, qos) are plain words; refusing anything else keeps them out of
 # shell and sbatch parsing trouble even before the renderer quotes them.
@@ -40,9 +43,7 @@ def parse_time_limit(value: int | str) -> int:
     return minutes
 
 
-class ClusterConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
+class ClusterConfig(Section):
     nodes: int = Field(1, ge=1)
     gpus_per_node: int = Field(0, ge=0, le=16)
     cpus_per_node: int = Field(2, ge=1)
@@ -71,7 +72,7 @@ class ClusterConfig(BaseModel):
     def _env_keys(cls, value: dict[str, str]) -> dict[str, str]:
         for key in value:
             if not _ENV_KEY.match(key):
-                raise ValueError(f"environment variable name {key!r} must match [A-Za-z_][A-Za-z0-9_]*")
+                raise ValueError(f"environment variable name {short_repr(key)} must match [A-Za-z_][A-Za-z0-9_]*")
         return value
 
     @property

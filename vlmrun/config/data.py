@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from vlmrun.config.families import Family
+from vlmrun.config.section import Section
 
 
-class SyntheticClevr(BaseModel):
+class SyntheticClevr(Section):
     """Generate a synthetic CLEVR-style set at `data.path` on first use when it is missing."""
-
-    model_config = ConfigDict(extra="forbid")
 
     train: int = Field(1024, ge=1)
     val: int = Field(128, ge=1)
@@ -18,9 +17,7 @@ class SyntheticClevr(BaseModel):
     seed: int = 0
 
 
-class DataConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
+class DataConfig(Section):
     path: str = Field(description="Energon dataset directory (prepared: has .nv-meta/)")
     split: str = "train"
     val_split: str = "val"

@@ -4,12 +4,16 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, model_validator
+from pydantic import Field, model_validator
+
+from vlmrun.config.section import Section
 
 
-class DataPlaneConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class DataPlaneConfig(Section):
+    """`enabled: false` runs GRPO with every batch through the driver instead (for A/B runs): no plane
+    servers start, and `impl` and `backend` are not used."""
 
+    enabled: bool = Field(True, description="GRPO: move the rollout through the data plane (false: via the driver)")
     impl: Literal["local", "transfer_queue"] = "local"
     backend: Literal["simple", "mooncake"] = "simple"
 

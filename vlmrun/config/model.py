@@ -4,15 +4,14 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
 
 from vlmrun.config.families import Family
+from vlmrun.config.section import Section
 
 
-class ModelConfig(BaseModel):
+class ModelConfig(Section):
     """The model to train: a local HF directory (`path`) or a tiny one built from config (`tiny`)."""
-
-    model_config = ConfigDict(extra="forbid")
 
     family: Family
     path: str | None = Field(None, description="local HF model directory (weights, processor, chat template)")

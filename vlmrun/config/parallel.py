@@ -3,22 +3,24 @@ the topology mapper, the worker group and the checkpoints use."""
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt
+from pydantic import ConfigDict, Field
+
+from vlmrun.config.section import Section
 
 
-class ParallelConfig(BaseModel):
+class ParallelConfig(Section):
     """Data, tensor, pipeline and context parallel sizes; experts live inside dp x tp.
 
     Frozen and keyword-only; each size is an integer >= 1 (`true` is not 1: a ValidationError names
     the size).
     """
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(frozen=True)
 
-    dp: StrictInt = Field(1, ge=1)
-    tp: StrictInt = Field(1, ge=1)
-    pp: StrictInt = Field(1, ge=1)
-    cp: StrictInt = Field(1, ge=1)
+    dp: int = Field(1, ge=1)
+    tp: int = Field(1, ge=1)
+    pp: int = Field(1, ge=1)
+    cp: int = Field(1, ge=1)
 
     @property
     def world_size(self) -> int:

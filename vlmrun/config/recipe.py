@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
 
 from vlmrun.config.cluster import ClusterConfig
 from vlmrun.config.data import DataConfig
 from vlmrun.config.data_plane import DataPlaneConfig
+from vlmrun.config.grpo import GrpoConfig
 from vlmrun.config.logger import LoggerConfig
 from vlmrun.config.model import ModelConfig
 from vlmrun.config.parallel import ParallelConfig
+from vlmrun.config.section import Section
 from vlmrun.config.train import CheckpointConfig, TrainConfig
 
 
@@ -21,9 +23,7 @@ class CrossFieldError(ValueError):
         super().__init__(allowed)
 
 
-class Recipe(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
+class Recipe(Section):
     name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
     model: ModelConfig
     data: DataConfig
@@ -32,6 +32,7 @@ class Recipe(BaseModel):
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)
     data_plane: DataPlaneConfig = Field(default_factory=DataPlaneConfig)
+    grpo: GrpoConfig = Field(default_factory=GrpoConfig)
     logger: LoggerConfig = Field(default_factory=LoggerConfig)
 
     @model_validator(mode="after")
@@ -64,13 +65,37 @@ class Recipe(BaseModel):
                 f"a CPU run needs one CPU per rank: at most cluster.nodes x cluster.cpus_per_node = "
                 f"{c.nodes * c.cpus_per_node} ranks",
             )
-        # Refuse, by name, what this version cannot run yet, before anything is started.
-        if self.train.algorithm != "sft":
-            raise CrossFieldError("train.algorithm", self.train.algorithm, "this version of vlmrun trains 'sft' only")
-        if self.data_plane.impl != "local":
-            raise CrossFieldError("data_plane.impl", self.data_plane.impl, "this version of vlmrun runs 'local' only")
+        if self.train.algorithm == "grpo":
+            _check_grpo(self)
+        else:
+            _check_sft(self)
         return self
 
     @property
     def family(self) -> str:
         return self.data.family or self.model.family
+
+
+def _check_sft(r: Recipe) -> None:
+    """SFT moves its batches through the process-local plane (loop v2) or the driver (loop v1)."""
+    if r.data_plane.impl != "local":
+        raise CrossFieldError(
+            "data_plane.impl", r.data_plane.impl, "SFT runs with 'local' (the transfer_queue plane serves GRPO)"
+        )
+    if not r.data_plane.enabled:
+        raise CrossFieldError(
+            "data_plane.enabled", False, "SFT chooses its path with train.loop: v1 (driver-fed) or v2 (the plane)"
+        )
+
+
+def _check_grpo(r: Recipe) -> None:
+    t, g = r.train, r.grpo
+    micro = t.global_batch_size // (r.parallel.dp * t.micro_batch_size)
+    if micro % g.inner_steps:
+        raise CrossFieldError(
+            "grpo.inner_steps",
+            g.inner_steps,
+            f"must divide the micro-batches each replica takes per step: train.global_batch_size / "
+            f"(parallel.dp x train.micro_batch_size) = {t.global_batch_size} / "
+            f"({r.parallel.dp} x {t.micro_batch_size}) = {micro}",
+        )

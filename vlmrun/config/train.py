@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
+
+from vlmrun.config.section import Section
+
+# Adam's moment decay rates: 1 would never forget, and torch refuses anything outside [0, 1).
+Beta = Annotated[float, Field(ge=0, lt=1)]
 
 
-class TrainConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
+class TrainConfig(Section):
     algorithm: Literal["sft", "grpo"] = "sft"
     loop: Literal["v1", "v2"] = "v2"
     global_batch_size: int = Field(8, ge=1)
@@ -19,7 +22,7 @@ class TrainConfig(BaseModel):
     optimizer: Literal["adamw", "sgd"] = "adamw"
     lr: float = Field(1e-4, gt=0)
     weight_decay: float = Field(0.0, ge=0)
-    betas: tuple[float, float] = (0.9, 0.95)
+    betas: tuple[Beta, Beta] = (0.9, 0.95)
     grad_clip: float = Field(1.0, ge=0, description="max grad norm; 0 = no clipping")
     lr_schedule: Literal["constant", "cosine", "linear"] = "cosine"
     warmup_steps: int = Field(0, ge=0)
@@ -29,18 +32,14 @@ class TrainConfig(BaseModel):
     val_samples: int = Field(64, ge=0, description="val samples scored per validation; 0 = no validation")
 
 
-class RequeueBudget(BaseModel):
+class RequeueBudget(Section):
     """How many times SLURM may requeue the job, counted separately for time limits and preemptions."""
-
-    model_config = ConfigDict(extra="forbid")
 
     timeouts: int = Field(3, ge=0)
     preemptions: int = Field(3, ge=0)
 
 
-class CheckpointConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
+class CheckpointConfig(Section):
     dir: str | None = Field(None, description="default: <run dir>/checkpoints")
     save_period: int = Field(50, ge=0, description="save every N steps; 0 = only when stopping and at the end")
     keep: int = Field(2, ge=1)

@@ -37,9 +37,10 @@ class Batch:
 
 @dataclass
 class PromptBatch:
-    """Prompts for greedy generation (left-padded) with the reference answers, for validation.
+    """Prompts for generation (left-padded) with the reference answers, for validation and GRPO.
 
-    `token_inputs` are left-padded like `input_ids` (see `Batch`).
+    `token_inputs` are left-padded like `input_ids` (see `Batch`). `templates` names each prompt's
+    question template ("" where the data set names none; empty for a batch built without them).
     """
 
     sample_ids: list[str]
@@ -48,6 +49,7 @@ class PromptBatch:
     answers: list[str]
     media: dict[str, torch.Tensor] = field(default_factory=dict)
     token_inputs: dict[str, torch.Tensor] = field(default_factory=dict)
+    templates: list[str] = field(default_factory=list)
 
     def model_inputs(self) -> dict[str, torch.Tensor]:
         return {"input_ids": self.input_ids, "attention_mask": self.attention_mask, **self.token_inputs, **self.media}

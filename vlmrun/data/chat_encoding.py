@@ -50,6 +50,7 @@ class EncodedPrompt:
     token_inputs: dict[str, torch.Tensor]
     media: dict[str, torch.Tensor]
     answer: str
+    template: str = ""  # the sample's question template, where its record names one (CLEVR)
 
 
 class ConversationEncoder:
@@ -94,7 +95,14 @@ class ConversationEncoder:
             text = self._render(prompt, generation_prompt=True)
             ids, tokens, media = self._process(text, [], first=True)
             ids, tokens = ids[-self.max_seq_len :], {k: v[-self.max_seq_len :] for k, v in tokens.items()}
-        return EncodedPrompt(key=conv.__key__, input_ids=ids, token_inputs=tokens, media=media, answer=conv.answer)
+        return EncodedPrompt(
+            key=conv.__key__,
+            input_ids=ids,
+            token_inputs=tokens,
+            media=media,
+            answer=conv.answer,
+            template=conv.annotations.get("template", ""),
+        )
 
     def _encode_messages(self, conv: Conversation, messages: list[dict], *, train: bool) -> Encoded:
         text, spans = self._render_with_spans(conv.__key__, messages)
@@ -230,6 +238,7 @@ class ConversationEncoder:
             answers=[p.answer for p in prompts],
             media=_cat_media([p.media for p in prompts if p.media]),
             token_inputs=tokens,
+            templates=[p.template for p in prompts],
         )
 
 

@@ -8,7 +8,8 @@ The families themselves are one registry in vlmrun/config/families.py.
 A `ComponentSpec` is a cooker or task encoder: its name, a version that goes into the loader
 fingerprint (bump it when the component would produce different samples), and the families it
 supports. A cooker also says which Energon subflavors it cooks (the format vlmrun's data sets write:
-vlmrun/datasets/formats.py).
+vlmrun/datasets/formats.py); a task encoder says which `train.algorithm` it feeds (conversations
+with labels for SFT, prompts for GRPO; None: any).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ class ComponentSpec:
     version: int
     families: tuple[str, ...]
     subflavors: dict[str, str] = field(default_factory=dict)
+    algorithm: str | None = None
 
     @property
     def tag(self) -> str:
@@ -47,7 +49,12 @@ COOKERS = MappingProxyType(
 
 TASK_ENCODERS = MappingProxyType(
     {
-        "chat_sft": ComponentSpec(name="chat_sft", version=1, families=("qwen2_5_vl", "nemotron_omni")),
+        "chat_sft": ComponentSpec(
+            name="chat_sft", version=1, families=("qwen2_5_vl", "nemotron_omni"), algorithm="sft"
+        ),
+        "chat_grpo": ComponentSpec(
+            name="chat_grpo", version=1, families=("qwen2_5_vl", "nemotron_omni"), algorithm="grpo"
+        ),
     }
 )
 
@@ -56,7 +63,8 @@ def check_components(recipe) -> None:
     """Refuse a recipe whose cookers or task encoder are unknown or do not support its family.
 
     `recipe` is a `vlmrun.config.recipe.Recipe`. Raises `InputError` naming the field
-    (`data.cookers` or `data.task_encoder`), the bad value and the supported families or names.
+    (`data.cookers` or `data.task_encoder`), the bad value and the supported families or names, or
+    the task encoders that feed the recipe's `train.algorithm`.
     """
     family = recipe.family
     family_spec(family)
@@ -64,7 +72,16 @@ def check_components(recipe) -> None:
         raise InputError("data.cookers", [], f"name at least one cooker; known: {', '.join(COOKERS)}")
     for name in recipe.data.cookers:
         _check_one("data.cookers", name, COOKERS, family)
-    _check_one("data.task_encoder", recipe.data.task_encoder, TASK_ENCODERS, family)
+    encoder = _check_one("data.task_encoder", recipe.data.task_encoder, TASK_ENCODERS, family)
+    algorithm = recipe.train.algorithm
+    if encoder.algorithm not in (None, algorithm):
+        fitting = ", ".join(n for n, s in TASK_ENCODERS.items() if s.algorithm == algorithm)
+        raise InputError(
+            "data.task_encoder",
+            encoder.name,
+            message=f"data.task_encoder: {encoder.name!r} feeds train.algorithm {encoder.algorithm!r}, "
+            f"this recipe trains {algorithm!r}: use {fitting}",
+        )
 
 
 def _check_one(field_path: str, name: str, registry, family: str) -> ComponentSpec:

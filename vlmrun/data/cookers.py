@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import io
 import json
+from dataclasses import field
 from typing import Any
 
 import numpy as np
@@ -57,6 +58,8 @@ class Conversation(Sample):
 
     messages: list[dict[str, Any]]
     media: list[MediaItem]
+    #: The record's other top-level text fields (CLEVR: its question `template`), for per-kind metrics.
+    annotations: dict[str, str] = field(default_factory=dict)
 
     @property
     def answer(self) -> str:
@@ -82,6 +85,7 @@ def cook_conversation(sample: dict) -> Conversation:
         __sources__=sample.get("__sources__"),
         messages=messages,
         media=media,
+        annotations={k: v for k, v in record.items() if isinstance(v, str)},
     )
 
 

@@ -3,7 +3,10 @@
 `ChatSftTaskEncoder` (recipe name `chat_sft`) yields groups of micro-batches packed for the trip to
 the loader shard (`vlmrun.data.transport.PackedBatches`; the shard unpacks them into
 `vlmrun.data.batch.Batch`es). Its validation twin `ChatSftValTaskEncoder` yields the encoded
-samples (full conversation and prompt) for `vlmrun.data.loader.val_batches` to collate. Every hook
+samples (full conversation and prompt) for `vlmrun.data.loader.val_batches` to collate.
+`ChatGrpoTaskEncoder` (`chat_grpo`) yields prompts only: the conversation up to the last answer,
+left-padded into `PromptBatch`es with the reference answer (for the reward) and the question
+template; GRPO validates like SFT (the same validation twin). Every hook
 is `@stateless` (a pure function of its input), which is what lets Energon restore a shuffle buffer
 or a group by re-reading samples. `decoder = None`: samples reach the cooker as raw bytes, and the
 cooker decodes images straight to uint8 (Energon's default decoder would make float tensors the
@@ -17,7 +20,7 @@ from megatron.energon import DefaultTaskEncoder, Sample, edataclass, stateless
 from vlmrun.config.families import family_spec
 from vlmrun.data.chat_encoding import ConversationEncoder, Encoded, EncodedPrompt
 from vlmrun.data.cookers import Conversation, decode_media, energon_cookers
-from vlmrun.data.transport import PackedBatches, SlotPool, collate_packed
+from vlmrun.data.transport import PackedBatches, PromptGroup, SlotPool, collate_packed
 
 
 @edataclass
@@ -76,8 +79,33 @@ class ChatSftValTaskEncoder(ChatSftTaskEncoder):
         return list(samples)
 
 
+@edataclass
+class EncodedPromptSample(Sample):
+    prompt: EncodedPrompt
+
+
+class ChatGrpoTaskEncoder(ChatSftTaskEncoder):
+    """GRPO prompts: each sample's prompt with the template's generation prompt, and its answer."""
+
+    @stateless
+    def encode_sample(self, sample: Conversation) -> EncodedPromptSample:
+        return EncodedPromptSample.derive_from(sample, prompt=self.encoder.encode_prompt(sample))
+
+    @stateless
+    def batch(self, samples: list[EncodedPromptSample]) -> PromptGroup:
+        """The samples of one transfer group as prompt micro-batches of `micro_batch_size`."""
+        size = self.micro_batch_size
+        prompts = [s.prompt for s in samples]
+        return PromptGroup(
+            batches=[self.encoder.collate_prompts(prompts[i : i + size]) for i in range(0, len(prompts), size)]
+        )
+
+
 # Names as declared in `vlmrun.data.components.TASK_ENCODERS` (tests/test_data_families.py checks).
-_ENCODERS = {"chat_sft": (ChatSftTaskEncoder, ChatSftValTaskEncoder)}
+_ENCODERS = {
+    "chat_sft": (ChatSftTaskEncoder, ChatSftValTaskEncoder),
+    "chat_grpo": (ChatGrpoTaskEncoder, ChatSftValTaskEncoder),
+}
 
 
 def make_task_encoder(

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from vlmrun.data.batch import Batch
+from vlmrun.data.batch import Batch, PromptBatch
 
 _ALIGN = 64
 _KEEP_AS_VIEW_BYTES = 64 * 1024
@@ -79,6 +79,18 @@ class PackedBatches:
 
 
 @dataclass
+class PromptGroup:
+    """Prompt micro-batches (GRPO's task encoder) as they travel from a loader worker: pickled by torch
+    as they are (prompts are a few hundred tokens and their images; no slot pool)."""
+
+    batches: list[PromptBatch]
+    __restore_key__: tuple = ()
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+
+@dataclass
 class SlotPool:
     """Reusable shared-memory blocks for the workers of one loader (see module doc, 2-3).
 
@@ -112,8 +124,10 @@ class SlotPool:
             return block, slot
         return _shared(nbytes), None
 
-    def unpack(self, packed: PackedBatches) -> list[Batch]:
+    def unpack(self, packed: PackedBatches | PromptGroup) -> list[Batch] | list[PromptBatch]:
         """In the main process: the micro-batches, each in its own private memory; the slot is free again."""
+        if isinstance(packed, PromptGroup):
+            return list(packed.batches)
         batches = unpack(packed)
         if packed.slot is not None:
             self._mapped[packed.slot] = packed.blocks[0]  # keeps torch's mapping of the slot alive for reuse

@@ -139,9 +139,7 @@ def generate_clevr(
     )
     params.validate()
     out = Path(out)
-    if out.exists() and any(out.iterdir()):
-        raise InputError("out", str(out), "must be missing or empty")
-    out.mkdir(parents=True, exist_ok=True)
+    _make_empty_dir(out)
     total = train + val
     splits: dict[str, SplitSummary] = {}
     done = 0
@@ -153,6 +151,25 @@ def generate_clevr(
     summary = ClevrSummary(path=out, params=params, splits=splits)
     _write_marker(out, summary)
     return summary
+
+
+def _make_empty_dir(out: Path) -> None:
+    """Create `out` (with its parents) or accept it empty; InputError naming `out` for anything else."""
+    if out.exists() and not out.is_dir():
+        raise InputError("out", str(out), message=f"out: {out} is a file; give a directory that is missing or empty")
+    try:
+        if out.is_dir() and any(out.iterdir()):
+            raise InputError("out", str(out), "must be missing or empty")
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise _cannot_make(out, e) from None
+
+
+def _cannot_make(out: Path, e: OSError) -> InputError:
+    """The error for a folder that cannot be made: a parent is a file, or not writable."""
+    file = next((p for p in out.parents if p.exists() and not p.is_dir()), None)
+    why = f"{file} is a file" if file is not None else e.strerror or str(e)
+    return InputError("out", str(out), message=f"out: cannot make {out}: {why}")
 
 
 def ensure_clevr(
@@ -195,7 +212,7 @@ def read_complete(out: Path) -> ClevrSummary | None:
             if (Path(out) / name).stat().st_size != size:
                 return None
         return ClevrSummary.from_json(data["summary"], Path(out))
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):  # missing, torn or not ours
         return None
 
 
@@ -321,8 +338,11 @@ def _check_replaceable(out: Path) -> None:
 
 
 def _generate_and_rename(out: Path, params: ClevrParams, progress: Progress | None) -> ClevrSummary:
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    except OSError as e:
+        raise _cannot_make(out, e) from None
     try:
         generate_clevr(staging, progress=progress, **asdict(params))
         if read_complete(out) is None:

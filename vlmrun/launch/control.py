@@ -7,6 +7,7 @@ with the same job id (cluster/requeue.py). Local runs get SIGUSR2 at the recorde
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
@@ -17,12 +18,19 @@ from vlmrun.launch.targets import find_run
 from vlmrun.run import job as job_record
 from vlmrun.run.directory import RunDirectory
 from vlmrun.run.job import JobRecord
+from vlmrun.run.lock import RunLock, RunLocked, live_holder
 from vlmrun.run.requests import CANCEL_REQUEST, REQUEUE_REQUEST, write_request
 from vlmrun.run.state import State
 
 
-def cancel(target: str, *, wait_s: float = 30.0) -> dict:
-    """End the run now (no requeue); job.json says CANCELLED."""
+def cancel(target: str, *, wait_s: float = 60.0, kill_wait_s: float = 30.0) -> dict:
+    """End the run now (no requeue), wait until it has ended, and say the state it ended in.
+
+    A running job is asked to stop (SIGTERM; on SLURM `scancel`), given `wait_s` to checkpoint and
+    end, then killed (SIGKILL; `scancel --signal=KILL`). The state is what job.json says once the job
+    ended: CANCELLED when it checkpointed on our request, COMPLETED or FAILED when it ended so first,
+    KILLED when it ended without recording an outcome (recorded so here).
+    """
     rd, job_id = find_run(target)
     job = job_record.read_job(rd)
     if job is not None and job.cluster == "slurm":
@@ -30,13 +38,17 @@ def cancel(target: str, *, wait_s: float = 30.0) -> dict:
         rc, _, err = run_tool(["scancel", job_id])
         if rc != 0:
             raise InputError("JOBID", job_id, message=f"scancel {job_id} failed: {err.strip()}")
-        deadline = time.monotonic() + wait_s
-        while is_live(job_id) and time.monotonic() < deadline:
-            time.sleep(0.5)
-    elif job is not None and (pid := job_record.running_pid(job)):
-        _end_local(pid, wait_s)
-    _mark_cancelled(rd)
-    return {"run_dir": str(rd.path), "job_id": job_id, "state": State.CANCELLED.value}
+        if not _wait(lambda: not is_live(job_id), wait_s):
+            run_tool(["scancel", "--signal=KILL", "--full", job_id])
+            _wait(lambda: not is_live(job_id), kill_wait_s)
+    elif (running := _running_local(rd, job)) is not None:
+        pid, job_id = running
+        write_request(rd, CANCEL_REQUEST, job_id, 0)
+        _end_local(pid, wait_s, kill_wait_s)
+    job = _settle(rd, job_id)
+    if job is None:
+        return {"run_dir": str(rd.path), "job_id": job_id, "state": None}
+    return {"run_dir": str(rd.path), "job_id": job_id, "state": job.state.value, "reason": job.reason or ""}
 
 
 def _running_restart(job: JobRecord, job_id: str) -> int | None:
@@ -47,26 +59,47 @@ def _running_restart(job: JobRecord, job_id: str) -> int | None:
     return None
 
 
-def _end_local(pid: int, wait_s: float) -> None:
-    os.kill(pid, signal.SIGTERM)
-    deadline = time.monotonic() + wait_s
-    while job_record.process_alive(pid) and time.monotonic() < deadline:
-        time.sleep(0.5)
-    if job_record.process_alive(pid):
-        os.kill(pid, signal.SIGKILL)
+def _running_local(rd: RunDirectory, job: JobRecord | None) -> tuple[int, str] | None:
+    """(pid, job id) of the local attempt that runs in `rd` now: the run lock's live holder, or a RUNNING attempt."""
+    holder = live_holder(rd.path)
+    if holder is not None:
+        return holder.pid, holder.job_id or f"local-{holder.pid}"
+    pid = job_record.running_pid(job) if job else None
+    if pid is None:
+        return None
+    return pid, next(a.job_id for a in reversed(job.attempts) if a.pid == pid)
 
 
-def _mark_cancelled(rd: RunDirectory) -> None:
-    """The run and its running attempts become CANCELLED, unless the run already ended for good."""
+def _end_local(pid: int, wait_s: float, kill_wait_s: float) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGTERM)  # the node checkpoints after the step in flight and ends
+    if not _wait(lambda: not job_record.process_alive(pid), wait_s):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)  # its reaper ends every process of the attempt
+        _wait(lambda: not job_record.process_alive(pid), kill_wait_s)
+
+
+def _wait(done, timeout_s: float, poll_s: float = 0.2) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not done():
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(poll_s)
+    return True
+
+
+def _settle(rd: RunDirectory, job_id: str | None) -> JobRecord | None:
+    """job.json once the job ended; a job that ended without recording how becomes KILLED (under the run lock)."""
     job = job_record.read_job(rd)
-    if job is None or job.state in (State.COMPLETED, State.FAILED, State.BUDGET_EXHAUSTED):
-        return
-    reason = "cancelled by `vlmrun cancel`"
-    for a in job.attempts:
-        if a.state is State.RUNNING:
-            a.state, a.ended, a.reason = State.CANCELLED, job_record.now(), reason
-    job.state, job.reason = State.CANCELLED, reason
-    job_record.write_job(rd, job)
+    if job is None or job_id is None or job.state.ended:
+        return job
+    began = any(a.job_id == job_id and a.state is State.RUNNING for a in job.attempts)
+    with contextlib.suppress(RunLocked), RunLock.acquire(rd.path):
+        if began or job.cluster == "local":
+            job_record.mark_killed(rd, job_id)
+        else:  # queued, or waiting to be requeued: it had nothing to stop
+            job_record.set_run_state(rd, State.CANCELLED, "cancelled by `vlmrun cancel` before it ran")
+    return job_record.read_job(rd)
 
 
 def requeue(target: str) -> dict:
@@ -74,9 +107,10 @@ def requeue(target: str) -> dict:
     rd, job_id = find_run(target)
     job = job_record.read_job(rd)
     if job is None or job.cluster != "slurm":
-        pid = job_record.running_pid(job) if job else None
-        if not pid:
+        running = _running_local(rd, job)
+        if running is None:
             raise InputError("JOBID|RUN_DIR", target, message=f"{target} is not running; nothing to requeue")
+        pid = running[0]
         os.kill(pid, signal.SIGUSR2)
         return {"run_dir": str(rd.path), "job_id": job_id, "signalled": "SIGUSR2", "pid": pid}
     state = (slurm_state(job_id) or {}).get("state")

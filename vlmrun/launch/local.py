@@ -1,84 +1,165 @@
 """The embedded default: run the node entrypoint on this machine, no SLURM.
 
 The same entrypoint that every SLURM node runs (`python -m vlmrun.cluster.node`) runs here as a child
-process. With `wait`, it shares our process group (a kill of the group ends the run) and we forward
-SIGINT/SIGTERM/SIGUSR2 to it; without, it runs detached in its own session and logs to the run dir.
+process, in a session of its own, so a Ctrl-C in the terminal reaches only us and never Ray's helper
+processes. It starts with the stop signals blocked (it takes them once it runs: nothing sent early is
+lost) and inherits the run lock, which the caller took before its first write into the run dir. It
+begins its attempt only once we have recorded the job in job.json (a pipe we close then).
+
+With `wait`, the child dies with us (PR_SET_PDEATHSIG) and we pass SIGINT/SIGTERM/SIGUSR2 on to it:
+the first Ctrl-C stops the run at a checkpoint, a second one kills it hard. Without `wait`, it runs
+detached and logs to the run dir.
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import os
 import signal
 import subprocess
 import sys
 from collections.abc import Callable
 
+from vlmrun.algorithms.common.stop import STOP_SIGNALS
+from vlmrun.cluster.node import RECORDED_FD_ENV
 from vlmrun.errors import EXIT_BAD_INPUT
 from vlmrun.launch.registry import register_job
 from vlmrun.launch.result import SubmitResult
 from vlmrun.run import job as job_record
 from vlmrun.run.directory import RunDirectory
+from vlmrun.run.lock import FD_ENV, Holder, RunLock, RunLocked
 from vlmrun.run.state import EXIT_COMPLETED, EXIT_FAILED, EXIT_STOPPED, State
 
-_OUTCOME = {EXIT_COMPLETED: State.COMPLETED, EXIT_STOPPED: State.STOPPED}
+EXIT_INTERRUPTED = 130  # killed hard by a second Ctrl-C
+_PR_SET_PDEATHSIG = 1
 
 
-def start_local(rd: RunDirectory, recipe, *, wait: bool, echo: Callable[[str], None] | None = None):
-    attempt = job_record.next_attempt(rd)
-    cmd = [sys.executable, "-m", "vlmrun.cluster.node", "--run-dir", str(rd.path)]
-    env = os.environ | {"PYTHONUNBUFFERED": "1", "VLMRUN_CLUSTER": "local"}
-    rd.logs.mkdir(exist_ok=True)  # a copied or pruned run dir may lack it
-    if not wait:
-        with open(rd.attempt_log(attempt), "ab") as log:
-            proc = subprocess.Popen(
-                cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
-            )
-        job_id = f"local-{proc.pid}"
-        _record(rd, job_id, recipe)
+def start_local(
+    rd: RunDirectory, recipe, *, wait: bool, lock: RunLock, echo: Callable[[str], None] | None = None
+) -> SubmitResult:
+    """Start the node entrypoint for `rd`; `lock` is the run lock the caller holds (handed to the node, then released here)."""
+    with lock:
+        attempt = job_record.next_attempt(rd)
+        rd.logs.mkdir(exist_ok=True)  # a copied or pruned run dir may lack it
+        if not wait:
+            with open(rd.attempt_log(attempt), "ab") as log:
+                proc, job_id = _start_node(rd, recipe, lock, attached=False, stdout=log, env={})
+            if echo:
+                echo(f"started {job_id}; run dir {rd.path}\nfollow it with: tail -f {rd.attempt_log(attempt)}")
+            return SubmitResult(rd.path, "local", False, job_id=job_id, state=State.RUNNING.value)
         if echo:
-            echo(f"started {job_id}; run dir {rd.path}\nfollow it with: tail -f {rd.attempt_log(attempt)}")
-        return SubmitResult(rd.path, "local", False, job_id=job_id, state=State.RUNNING.value)
-    if echo:
-        echo(f"run dir {rd.path}")
-    # The job's output goes to our stderr: stdout stays clean for `--json`.
-    proc = subprocess.Popen(
-        cmd,
-        stdin=subprocess.DEVNULL,
-        stdout=sys.stderr.fileno(),
-        stderr=sys.stderr.fileno(),
-        env=env | {"VLMRUN_TEE_LOG": str(rd.attempt_log(attempt))},
-    )
-    job_id = f"local-{proc.pid}"
-    _record(rd, job_id, recipe)
-    code = _wait_forwarding_signals(proc)
-    state = _OUTCOME.get(code, State.FAILED)
-    if echo and code == EXIT_STOPPED:
-        echo(f"stopped at a checkpoint; continue with: vlmrun resume {rd.path} --wait")
-    passed_on = (EXIT_COMPLETED, EXIT_STOPPED, EXIT_BAD_INPUT)
-    return SubmitResult(
-        rd.path, "local", False, job_id=job_id, state=state.value, exit_code=code if code in passed_on else EXIT_FAILED
-    )
+            echo(f"run dir {rd.path}")
+        with _forwarding_signals() as forward:
+            # The job's output goes to our stderr: stdout stays clean for `--json`.
+            tee = {"VLMRUN_TEE_LOG": str(rd.attempt_log(attempt))}
+            proc, job_id = _start_node(rd, recipe, lock, attached=True, stdout=sys.stderr.fileno(), env=tee)
+            lock.release()  # the node holds the run now; our copy would keep it locked after a kill
+            code = forward.attach(proc).wait()
+    return _result(rd, job_id, code, forward.killed, echo)
 
 
-def _record(rd: RunDirectory, job_id: str, recipe) -> None:
-    job_record.add_job(rd, job_id, "local", recipe.name)
-    register_job(job_id, rd.path)  # so `vlmrun status|logs|requeue local-<pid>` find the run
-
-
-def _wait_forwarding_signals(proc: subprocess.Popen) -> int:
-    def forward(signum, _frame):
-        try:
-            proc.send_signal(signum)
-        except ProcessLookupError:
-            pass
-
-    previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR2)}
+def _start_node(rd: RunDirectory, recipe, lock: RunLock, *, attached: bool, stdout, env: dict[str, str]):
+    """Start the node process holding `lock`, record it as the run's job, then let it begin its attempt."""
+    recorded_r, recorded_w = os.pipe()
+    cmd = [sys.executable, "-m", "vlmrun.cluster.node", "--run-dir", str(rd.path)]
+    env = os.environ | env | {"PYTHONUNBUFFERED": "1", "VLMRUN_CLUSTER": "local"}
+    env |= {FD_ENV: str(lock.fd), RECORDED_FD_ENV: str(recorded_r)}
+    parent = os.getpid()
     try:
-        while True:
-            try:
-                return proc.wait()
-            except InterruptedError:
-                continue
+        proc = subprocess.Popen(
+            cmd,
+            stdin=subprocess.DEVNULL,
+            stdout=stdout,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+            pass_fds=(lock.fd, recorded_r),
+            preexec_fn=lambda: _in_child(parent, attached),
+        )
+    except BaseException:
+        os.close(recorded_w)
+        raise
+    finally:
+        os.close(recorded_r)
+    try:
+        job_id = f"local-{proc.pid}"
+        lock.describe(Holder.of(proc.pid, job_id))
+        job_record.add_job(rd, job_id, "local", recipe.name)
+        register_job(job_id, rd.path)  # so `vlmrun status|logs|requeue local-<pid>` find the run
+    finally:
+        os.close(recorded_w)  # the node begins its attempt now
+    return proc, job_id
+
+
+def _in_child(parent: int, attached: bool) -> None:
+    """In the child before exec: hold the stop signals for the node, and die with an attached launcher."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, set(STOP_SIGNALS))
+    if attached:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        if os.getppid() != parent:  # the launcher died before the line above
+            os._exit(EXIT_FAILED)
+
+
+class _Forwarder:
+    """Passes the stop signals on to the node; a second SIGINT kills it hard."""
+
+    def __init__(self) -> None:
+        self.proc: subprocess.Popen | None = None
+        self.early: list[int] = []  # signals that came while the node was being started
+        self.interrupts = 0
+        self.killed = False
+
+    def attach(self, proc: subprocess.Popen) -> subprocess.Popen:
+        self.proc = proc
+        for signum in self.early:
+            self.handle(signum, None)
+        return proc
+
+    def handle(self, signum, _frame) -> None:
+        if self.proc is None:
+            self.early.append(signum)
+            return
+        if signum == signal.SIGINT:
+            self.interrupts += 1
+            if self.interrupts > 1:
+                _say(f"second interrupt: killing the job (pid {self.proc.pid}) hard, without a checkpoint")
+                self.killed = True
+                signum = signal.SIGKILL
+            else:
+                _say("interrupt: the job stops at a checkpoint after the step in flight (Ctrl-C again kills it)")
+        with contextlib.suppress(ProcessLookupError):
+            self.proc.send_signal(signum)
+
+
+@contextlib.contextmanager
+def _forwarding_signals():
+    forwarder = _Forwarder()
+    previous = {s: signal.signal(s, forwarder.handle) for s in STOP_SIGNALS}
+    try:
+        yield forwarder
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
+
+
+def _result(rd: RunDirectory, job_id: str, code: int, killed: bool, echo) -> SubmitResult:
+    """The outcome job.json records; a node that died without recording one is recorded KILLED here."""
+    if code not in (EXIT_COMPLETED, EXIT_STOPPED, EXIT_BAD_INPUT):
+        with contextlib.suppress(RunLocked), RunLock.acquire(rd.path):  # no attempt begins while we record
+            job_record.mark_killed(rd, job_id)
+    job = job_record.read_job(rd)
+    state = job.state if job is not None else State.FAILED
+    if echo and state is State.STOPPED:
+        echo(f"stopped at a checkpoint; continue with: vlmrun resume {rd.path} --wait")
+    if killed:
+        exit_code = EXIT_INTERRUPTED
+    elif code in (EXIT_COMPLETED, EXIT_STOPPED, EXIT_BAD_INPUT):
+        exit_code = code
+    else:
+        exit_code = EXIT_FAILED
+    return SubmitResult(rd.path, "local", False, job_id=job_id, state=state.value, exit_code=exit_code)
+
+
+def _say(message: str) -> None:
+    print(f"vlmrun: {message}", file=sys.stderr, flush=True)

@@ -1,22 +1,31 @@
 """`vlmrun resume`: continue an ended run from its newest complete checkpoint, as a new attempt.
 
-Overrides that would change the sample stream or the placement (what the loader fingerprint and the
-checkpoint's placement hash would refuse) are refused here, before anything starts, naming the field.
+1. `--set` may change only RESUMABLE fields (step budget, validation and checkpoint cadence, cluster,
+   logger); anything else is refused before anything starts, naming the field.
+2. Whatever changed the recipe (`--set`, or an edited recipe.yaml), the fields that define the run
+   (config/identity.py: batch sizes, layout, seed, data and splits, sequence length, loop, algorithm,
+   model) must equal those the newest checkpoint recorded, or the resume is refused listing each
+   `field: old -> new`. The job repeats the check against the checkpoint it verified.
+3. A COMPLETED run whose checkpoints reached its planned steps has nothing to do: said, exit 0,
+   nothing started or recorded.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-import yaml
-
+from vlmrun.algorithms.common.checkpoint import CheckpointStore
+from vlmrun.cluster.preflight import preflight_run
+from vlmrun.config.identity import check_same_identity
 from vlmrun.errors import InputError
 from vlmrun.launch.local import start_local
-from vlmrun.launch.preflight import preflight_run
+from vlmrun.launch.result import SubmitResult
 from vlmrun.launch.slurm.queries import is_live
 from vlmrun.launch.targets import find_run
 from vlmrun.run import job as job_record
-from vlmrun.run.directory import dump_recipe, write_atomic
+from vlmrun.run.directory import check_recipe, dump_recipe, write_atomic
+from vlmrun.run.lock import RunLock, RunLocked, live_holder
+from vlmrun.run.state import State
 
 # Fields a resume may change: none of them changes which samples a step sees or where ranks sit.
 RESUMABLE = (
@@ -24,7 +33,6 @@ RESUMABLE = (
     "train.epochs",
     "train.val_period",
     "train.val_samples",
-    "train.loop",
     "checkpoint.save_period",
     "checkpoint.keep",
     "checkpoint.requeue",
@@ -46,9 +54,11 @@ def resume_run(target: str, overrides: list[str], *, wait: bool, echo: Callable[
             message=f"job {last_job} of {rd.path} is still in the queue; "
             f"wait for it or `vlmrun cancel {last_job}` before resuming",
         )
+    if (holder := live_holder(rd.path)) is not None:
+        raise RunLocked(rd.path, holder)
     if job is not None and not slurm and (pid := job_record.running_pid(job)) is not None:
         raise InputError("RUN_DIR", target, message=f"{target} is still running (pid {pid}); stop it before resuming")
-    raw = yaml.safe_load(rd.recipe_file.read_text())
+    raw = rd.recipe_data()
     for item in overrides:
         key, value = parse_override(item)
         if not any(key == p or key.startswith(p + ".") for p in RESUMABLE):
@@ -60,11 +70,47 @@ def resume_run(target: str, overrides: list[str], *, wait: bool, echo: Callable[
             )
         set_dotted(raw, key, value)
     recipe = validate(raw)
+    check_recipe(recipe)
+    check_resumable(rd, recipe)
+    if job is not None and job.state is State.COMPLETED and (done := _nothing_left(rd, recipe)) is not None:
+        if echo:
+            echo(
+                f"{rd.path} completed all {done} steps: nothing to do; raise train.max_steps (or train.epochs) to train on"
+            )
+        return SubmitResult(rd.path, job.cluster, False, job_id=last_job, state=State.COMPLETED.value)
     preflight_run(recipe, runs_here=not slurm)
-    if overrides:
-        write_atomic(rd.recipe_file, dump_recipe(recipe))
-    if slurm:
-        from vlmrun.launch.slurm.submit import resume_slurm
+    lock = RunLock.acquire(rd.path)  # before our first write: one attempt per run dir (exit 2 naming the holder)
+    try:
+        if overrides:
+            write_atomic(rd.recipe_file, dump_recipe(recipe))
+        if slurm:
+            from vlmrun.launch.slurm.submit import resume_slurm
 
-        return resume_slurm(rd, recipe, wait=wait, echo=echo)
-    return start_local(rd, recipe, wait=wait, echo=echo)
+            lock.release()  # node 0 of the new job takes it when the job starts
+            return resume_slurm(rd, recipe, wait=wait, echo=echo)
+    except BaseException:
+        lock.release()
+        raise
+    return start_local(rd, recipe, wait=wait, lock=lock, echo=echo)
+
+
+def check_resumable(rd, recipe) -> None:
+    """Refuse (InputError, exit 2) a recipe that no longer defines the run its newest checkpoint belongs
+    to, whatever changed it (`--set` or an edited recipe.yaml); the job checks again at its start."""
+    newest = CheckpointStore(rd.checkpoints(recipe), recipe.checkpoint.keep).newest_manifest()
+    if newest is not None:
+        step, manifest = newest
+        check_same_identity(manifest.get("identity", {}), recipe, where=f"the checkpoint of step {step}")
+
+
+def _nothing_left(rd, recipe) -> int | None:
+    """The run's planned step count when its newest checkpoint already reached it, else None."""
+    from vlmrun.algorithms.common.steps import plan_steps
+    from vlmrun.data.splits import split_size
+
+    newest = CheckpointStore(rd.checkpoints(recipe), recipe.checkpoint.keep).newest_step()
+    try:
+        planned = plan_steps(recipe, split_size(recipe.data.path, recipe.data.split)).max_steps
+    except InputError:  # the data set is gone: the job would say so; count on train.max_steps
+        planned = recipe.train.max_steps
+    return planned if newest is not None and newest >= planned else None

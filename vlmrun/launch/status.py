@@ -2,7 +2,8 @@
 
 State comes from squeue for live jobs, then `scontrol show job` (finished jobs stay known for
 MinJobAge), then sacct (absent without accounting), and job.json, which the job writes itself, for
-everything else (lineage, attempts, final state). A local run is alive while its recorded pid is.
+everything else (lineage, attempts, final state). A local run is alive while its recorded pid, or the
+holder of its run lock, is; one recorded RUNNING whose process is gone was KILLED.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from vlmrun.launch.slurm.queries import LIVE, slurm_state
 from vlmrun.launch.targets import find_run
 from vlmrun.run import job as job_record
 from vlmrun.run.directory import RunDirectory
+from vlmrun.run.lock import live_holder
 from vlmrun.run.metrics import last_metrics
 from vlmrun.run.state import State
 
@@ -47,15 +49,17 @@ def _summary(rd: RunDirectory, job_id: str | None) -> dict:
         "restarts": max([a.restart_count for a in attempts if a.job_id == job_id] or [0]),
         "requeues": requeue_policy.used_budget(attempts, job_id) if job_id else {},
     }
-    out |= last_metrics(rd)
+    out |= last_metrics(rd, rd.load_recipe())
     if out["cluster"] == "slurm" and job_id:
         out["slurm"] = slurm_state(job_id)
         out["state"] = _combined_state(recorded, out["slurm"])
     else:
+        holder = live_holder(rd.path)  # the run lock's holder: running, even before it recorded its attempt
         pid = job_record.running_pid(job) if job else None
+        pid = pid or (holder.pid if holder else None)
         out["pid"] = pid
-        out["state"] = _value(State.RUNNING if pid else (State.FAILED if recorded is State.RUNNING else recorded))
-    if out["state"] == State.FAILED.value and recorded is State.RUNNING:
+        out["state"] = _value(State.RUNNING if pid else (State.KILLED if recorded is State.RUNNING else recorded))
+    if out["state"] in (State.FAILED.value, State.KILLED.value) and recorded is State.RUNNING:
         out["reason"] = "the job ended without recording an outcome (killed?); see `vlmrun logs`"
     return out
 

@@ -6,10 +6,11 @@ import shutil
 from collections.abc import Callable
 from pathlib import Path
 
+from vlmrun.cluster.preflight import preflight_run
 from vlmrun.errors import InputError
-from vlmrun.launch.preflight import preflight_run
 from vlmrun.launch.result import SubmitResult
-from vlmrun.run.directory import RunDirectory, default_run_dir, dump_recipe
+from vlmrun.run.directory import RunDirectory, check_recipe, default_run_dir, dump_recipe
+from vlmrun.run.lock import RunLock, RunLocked, live_holder
 
 CLUSTERS = ("auto", "slurm", "local")
 
@@ -35,13 +36,16 @@ def submit_run(
     """Validate everything first, so a bad recipe or argument starts and submits nothing.
 
     Raises InputError (before a run dir is created or data generated) for a bad recipe, argument, a
-    missing model or data set, or too few GPUs on this machine for a local run (launch/preflight.py).
+    missing model or data set, or too few GPUs on this machine for a local run (cluster/preflight.py).
     """
     from vlmrun.config.load import load_recipe
 
     recipe = load_recipe(recipe_path, overrides)
+    check_recipe(recipe)  # before the lock makes the run dir: a refused recipe leaves nothing behind
     chosen = resolve_cluster(cluster)
     rd = RunDirectory(run_dir or default_run_dir(recipe.name))
+    if (holder := live_holder(rd.path)) is not None:
+        raise RunLocked(rd.path, holder)
     if rd.exists():
         raise InputError(
             "--run-dir",
@@ -60,5 +64,10 @@ def submit_run(
         return SubmitResult(rd.path, chosen, True, rendered=dump_recipe(recipe))
     from vlmrun.launch.local import start_local
 
-    rd.create(recipe)
-    return start_local(rd, recipe, wait=wait, echo=echo)
+    lock = RunLock.acquire(rd.path)  # before our first write: one attempt per run dir (exit 2 naming the holder)
+    try:
+        rd.create(recipe)
+    except BaseException:
+        lock.release()
+        raise
+    return start_local(rd, recipe, wait=wait, lock=lock, echo=echo)

@@ -20,6 +20,7 @@ class Side:
 
 
 def load_side(label: str, run_dir: Path, metrics_file: str = "metrics.jsonl") -> Side:
+    """The rows of one run; InputError naming the file when it is missing, empty or damaged (run/metrics.py)."""
     path = Path(run_dir) / metrics_file
     if not path.is_file():
         raise InputError("RUN", str(run_dir), message=f"{run_dir}: no {metrics_file} (is it a vlmrun run directory?)")
@@ -72,12 +73,15 @@ def compare_sides(a: Side, b: Side, *, rtol: float = 0.0, out_dir: Path | None =
 def _throughput(side: Side) -> dict:
     rows = [side.rows[s] for s in sorted(side.rows)]
     steady = rows[1:] or rows  # the first step carries start-up costs
-    sps = [r["samples_per_s"] for r in steady if r.get("samples_per_s")]
-    tps = [r["tokens_per_s"] for r in steady if r.get("tokens_per_s")]
+
+    def median(key: str, digits: int) -> float | None:
+        values = [r[key] for r in steady if r.get(key)]
+        return round(statistics.median(values), digits) if values else None
+
     return {
-        "samples_per_s": round(statistics.median(sps), 3) if sps else None,
-        "tokens_per_s": round(statistics.median(tps), 2) if tps else None,
-        "step_time_s": round(statistics.median(r["step_time_s"] for r in steady), 4),
+        "samples_per_s": median("samples_per_s", 3),
+        "tokens_per_s": median("tokens_per_s", 2),
+        "step_time_s": median("step_time_s", 4),
     }
 
 

@@ -35,7 +35,7 @@ def progress_bar(description: str, *, enabled: bool = True) -> Iterator[Callable
 
 
 class ProgressLine:
-    """Formats one console line per step: step, loss, tokens/s, ETA."""
+    """Formats one console line per step: step, loss, tokens/s, ETA (and GRPO's reward and accuracy)."""
 
     def __init__(self, max_steps: int):
         self.max_steps, self.t0, self.first = max_steps, time.time(), None
@@ -51,6 +51,8 @@ class ProgressLine:
             f"step {step}/{self.max_steps} | loss {row['loss']:.4f} | grad_norm {row['grad_norm']:.3f} | "
             f"{row.get('tokens_per_s', 0):.0f} tok/s | ETA {_fmt(eta)}"
         )
+        if "reward" in row:
+            text += f" | reward {row['reward']:.3f} acc {row['accuracy']:.3f}"
         if "val_accuracy" in row:
             text += (
                 f" | val_loss {row['val_loss']:.4f} val_acc {row['val_accuracy']:.3f}"

@@ -1,50 +1,167 @@
 """The data-plane seam: what every algorithm talks to when bulk tensors move between stages.
 
-A step's data is written once into a named partition, committed, read by the stages that need it,
-then cleared; a checkpoint holds the committed partitions (normally none at a step boundary).
-Adapters implement it: `local` (process-local, SFT v2 today); TransferQueue adapters (simple and
-Mooncake storage) plug in here without the algorithms importing a backend package.
+1. A partition (one per step, e.g. "grpo-step-12") is registered with a `PartitionSpec`: its fields
+   (names from the field registry, fields.py), how many samples it will hold, and the stages that
+   consume it. A name is registered once; `clear` forgets it.
+2. `put` writes samples by id, one value per sample per field, with optional per-sample tags. The
+   first write of an id creates the sample; later stages add columns under the same ids (all ids of
+   one put are new, or all exist). A field is written once per sample: no overwrite.
+3. `get` reads samples by id (any subset: a dp shard) and an explicit field list: never "all". It
+   returns exactly the shapes and dtypes that were put (pixel values in the plane's `pixel_dtype`).
+   A field the partition lacks, or one not yet written for some requested sample, raises.
+4. `state_dict` holds every registered partition (at a step boundary there is none: it is empty).
+5. Writes to one sample must not run concurrently (a sample's tags are replaced whole by some
+   backends); sync GRPO writes each sample from one stage at a time.
+
+Adapters: `local` (process-local; SFT v2) and `transfer_queue` (TransferQueue with its simple
+in-memory storage or Mooncake). Algorithms import this module, never a backend package.
 """
 
 from __future__ import annotations
 
 import abc
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
+
+#: Per sample: a tensor, or for a media field the list of its segments (see wire/codec.py).
+Value = Any
+#: field name -> one value per sample, in the order of the sample ids.
+Columns = Mapping[str, Sequence[Value]]
 
 
 class DataPlaneError(RuntimeError):
-    """A use of the plane that breaks its protocol (a second write, a read before commit, ...)."""
+    """A use of the plane that breaks its protocol (an unknown field, a second write, a read of a field
+    nobody wrote, ...). Our bug, not the user's: it keeps its traceback."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class PartitionSpec:
+    """What a partition holds: `fields` (registry names), `num_samples` (its capacity) and the stages
+    that consume it. Refuses unknown fields, unknown stages, a field no consumer reads, and a consumer
+    missing a field it reads on every model family."""
+
+    fields: tuple[str, ...]
+    num_samples: int
+    consumers: tuple[str, ...]
+
+    def __post_init__(self) -> None:
+        from vlmrun.plane.fields import FIELDS, Stage
+
+        object.__setattr__(self, "fields", tuple(self.fields))
+        object.__setattr__(self, "consumers", tuple(str(Stage(_stage(c))) for c in self.consumers))
+        unknown = [f for f in self.fields if f not in FIELDS]
+        if unknown:
+            raise DataPlaneError(f"unknown field(s) {unknown}; known: {', '.join(sorted(FIELDS))}")
+        if len(set(self.fields)) != len(self.fields) or not self.fields:
+            raise DataPlaneError(f"a partition names each field once and at least one: {self.fields}")
+        if self.num_samples < 1:
+            raise DataPlaneError(f"a partition holds at least one sample, not {self.num_samples}")
+        stages = {Stage(c) for c in self.consumers}
+        unread = [f for f in self.fields if not stages & set(FIELDS[f].readers)]
+        if unread:
+            raise DataPlaneError(f"field(s) {unread} are read by none of the consumers {self.consumers}")
+        missing = [
+            f.name
+            for f in FIELDS.values()
+            if f.families is None and stages & set(f.readers) and f.name not in self.fields
+        ]
+        if missing:
+            raise DataPlaneError(f"consumers {self.consumers} read field(s) {missing}, which the partition lacks")
+
+    @classmethod
+    def for_stages(cls, family: str, consumers: Sequence[str], num_samples: int) -> PartitionSpec:
+        """Every field that `consumers` read for `family` (fields.partition_fields)."""
+        from vlmrun.plane.fields import partition_fields
+
+        return cls(
+            fields=partition_fields(family, tuple(consumers)), num_samples=num_samples, consumers=tuple(consumers)
+        )
+
+    def stage_fields(self, stage: str) -> tuple[str, ...]:
+        """The fields of this partition that `stage` reads: the list it passes to `get`."""
+        from vlmrun.plane.fields import FIELDS, Stage
+
+        return tuple(f for f in self.fields if Stage(_stage(stage)) in FIELDS[f].readers)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"fields": list(self.fields), "num_samples": self.num_samples, "consumers": list(self.consumers)}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> PartitionSpec:
+        return cls(fields=tuple(d["fields"]), num_samples=int(d["num_samples"]), consumers=tuple(d["consumers"]))
+
+
+def _stage(stage: Any) -> str:
+    return getattr(stage, "value", stage)
+
+
+@dataclass
+class SampleBatch:
+    """Samples read from a partition: `columns[field][i]` is sample `sample_ids[i]`'s value; `tags[i]`
+    its tags as the writers gave them."""
+
+    sample_ids: list[str]
+    columns: dict[str, list[Value]] = field(default_factory=dict)
+    tags: list[dict[str, Any]] = field(default_factory=list)
+
+    def __getitem__(self, name: str) -> list[Value]:
+        return self.columns[name]
+
+    def __len__(self) -> int:
+        return len(self.sample_ids)
+
+    def stack(self, name: str):
+        """A per-sample field as one tensor (samples along dim 0), e.g. rewards as shape (N,)."""
+        import torch
+
+        return torch.stack(self.columns[name])
 
 
 class DataPlane(abc.ABC):
     @abc.abstractmethod
-    def put(self, partition: str, payload: Any, sample_ids: list[str]) -> None:
-        """The one write of `partition`: its payload and the ids of the samples it carries."""
+    def register(self, partition: str, spec: PartitionSpec) -> None:
+        """Create `partition`; refuses a name that is registered (clear it first)."""
 
     @abc.abstractmethod
-    def commit(self, partition: str) -> None:
-        """Make a written partition readable."""
+    def spec(self, partition: str) -> PartitionSpec:
+        """The spec `partition` was registered with; `DataPlaneError` when there is none."""
 
     @abc.abstractmethod
-    def abort(self, partition: str) -> None:
-        """Drop a partition whose write did not complete."""
+    def put(
+        self,
+        partition: str,
+        sample_ids: Sequence[str],
+        columns: Columns,
+        tags: Sequence[Mapping[str, Any]] | None = None,
+    ) -> None:
+        """Write `columns` for `sample_ids`: the first write of new ids, or new columns of existing ids.
+        `tags` (one small JSON-like dict per sample) are merged into the samples' tags. Not atomic
+        across backends: after an error, clear the partition."""
 
     @abc.abstractmethod
-    def get(self, partition: str) -> Any:
-        """The payload of a committed partition."""
+    def get(self, partition: str, sample_ids: Sequence[str], fields: Sequence[str]) -> SampleBatch:
+        """The values of `fields` (an explicit list of names) for `sample_ids`, in that order."""
 
     @abc.abstractmethod
     def list_sample_ids(self, partition: str) -> list[str]:
-        """The sample ids written into `partition`."""
+        """The ids written into `partition`, in the order of their first write."""
+
+    @abc.abstractmethod
+    def partitions(self) -> list[str]:
+        """The registered partitions, sorted."""
 
     @abc.abstractmethod
     def clear(self, partition: str) -> None:
-        """Forget `partition` (its readers are done)."""
+        """Forget `partition` and its samples (its readers are done); a no-op for an unknown name."""
 
     @abc.abstractmethod
     def state_dict(self) -> dict[str, Any]:
-        """The committed partitions, for a checkpoint; refuses while a write is in flight."""
+        """Every registered partition with its samples, for a checkpoint (empty at a step boundary)."""
 
     @abc.abstractmethod
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore what `state_dict` returned."""
+        """Restore what `state_dict` returned (into a plane that does not hold those partitions)."""
+
+    def close(self) -> None:  # noqa: B027 - most adapters hold nothing to release
+        """Release this client's connections; the partitions stay with the backend."""

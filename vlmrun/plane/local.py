@@ -1,8 +1,9 @@
-"""The process-local data plane: a step's batch is written once, committed, read, then cleared.
+"""The process-local data plane: partitions in this process's memory (SFT v2's owner rank).
 
-Partitions are named per step (e.g. "step-12/shard-0"). A partition accepts exactly one write; it is
-readable only after `commit`; `abort` drops it. A checkpoint may be taken only when no partition is
-open (written but not yet committed or aborted): `state_dict` refuses otherwise.
+Zero-copy where the wire allows: a contiguous value is stored as a view of the caller's tensor (media
+segments of one sample are concatenated once), and `get` returns views of what is stored. So a caller
+must not change a tensor in place after putting it, nor a returned one before clearing the partition.
+Not thread-safe: one owner writes and reads it.
 """
 
 from __future__ import annotations
@@ -10,66 +11,70 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from vlmrun.plane.interface import DataPlane, DataPlaneError
+import torch
+
+from vlmrun.plane.interface import DataPlaneError
+from vlmrun.plane.rows import RESERVED_TAG, RowPieces, RowPlane, Rows, RowStore
+from vlmrun.plane.wire.codec import join
+
+
+@dataclass
+class _Sample:
+    tags: dict[str, Any]
+    rows: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 @dataclass
 class _Partition:
-    payload: Any = None
-    sample_ids: list[str] = field(default_factory=list)
-    written: bool = False
-    committed: bool = False
+    spec: dict[str, Any]
+    samples: dict[str, _Sample] = field(default_factory=dict)
 
 
-class LocalDataPlane(DataPlane):
-    """Not thread-safe: one owner (the replica's owner rank) writes and reads it."""
-
+class LocalStore(RowStore):
     def __init__(self) -> None:
         self._parts: dict[str, _Partition] = {}
 
-    def put(self, partition: str, payload: Any, sample_ids: list[str]) -> None:
-        part = self._parts.setdefault(partition, _Partition())
-        if part.written:
-            raise DataPlaneError(f"partition {partition} was already written (exactly one write per partition)")
-        part.payload, part.sample_ids, part.written = payload, list(sample_ids), True
+    def create_partition(self, partition: str, spec: dict[str, Any]) -> None:
+        if partition in self._parts:
+            raise DataPlaneError(f"partition {partition!r} is already registered (clear it first)")
+        self._parts[partition] = _Partition(spec=dict(spec))
 
-    def commit(self, partition: str) -> None:
-        part = self._require(partition)
-        if not part.written:
-            raise DataPlaneError(f"partition {partition} has nothing to commit")
-        part.committed = True
+    def partition_spec(self, partition: str) -> dict[str, Any] | None:
+        part = self._parts.get(partition)
+        return None if part is None else dict(part.spec)
 
-    def abort(self, partition: str) -> None:
+    def partition_names(self) -> list[str]:
+        return list(self._parts)
+
+    def sample_ids(self, partition: str) -> list[str]:
+        return list(self._parts[partition].samples)
+
+    def sample_tags(self, partition: str, ids: list[str]) -> list[dict[str, Any] | None]:
+        samples = self._parts[partition].samples
+        return [samples[i].tags if i in samples else None for i in ids]
+
+    def write(
+        self, partition: str, ids: list[str], tags: list[dict[str, Any]], rows: RowPieces, *, create: bool
+    ) -> None:
+        samples = self._parts[partition].samples
+        for i, sid in enumerate(ids):
+            if create:
+                samples[sid] = _Sample(tags=tags[i])
+            sample = samples[sid]
+            sample.tags = tags[i]
+            wire = tags[i][RESERVED_TAG]["fields"]
+            sample.rows.update({name: join(column[i], wire[name]) for name, column in rows.items()})
+
+    def read(self, partition: str, ids: list[str], fields: list[str], tags: list[dict[str, Any]]) -> Rows:
+        samples = self._parts[partition].samples
+        return {name: [samples[sid].rows[name] for sid in ids] for name in fields}
+
+    def drop(self, partition: str) -> None:
         self._parts.pop(partition, None)
 
-    def get(self, partition: str) -> Any:
-        part = self._require(partition)
-        if not part.committed:
-            raise DataPlaneError(f"partition {partition} is not committed")
-        return part.payload
 
-    def list_sample_ids(self, partition: str) -> list[str]:
-        return list(self._require(partition).sample_ids)
+class LocalDataPlane(RowPlane):
+    """The `local` adapter; pixel values are cast to `pixel_dtype` before they are stored (None: as given)."""
 
-    def clear(self, partition: str) -> None:
-        self._parts.pop(partition, None)
-
-    def partitions(self) -> list[str]:
-        return sorted(self._parts)
-
-    def in_flight(self) -> list[str]:
-        return sorted(name for name, p in self._parts.items() if not p.committed)
-
-    def state_dict(self) -> dict[str, Any]:
-        """Committed partitions only; refuses while a write is in flight."""
-        if self.in_flight():
-            raise DataPlaneError(f"cannot checkpoint with uncommitted partitions in flight: {self.in_flight()}")
-        return {name: {"payload": p.payload, "sample_ids": p.sample_ids} for name, p in self._parts.items()}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._parts = {name: _Partition(s["payload"], list(s["sample_ids"]), True, True) for name, s in state.items()}
-
-    def _require(self, partition: str) -> _Partition:
-        if partition not in self._parts:
-            raise DataPlaneError(f"no partition {partition}")
-        return self._parts[partition]
+    def __init__(self, *, pixel_dtype: torch.dtype | None = None):
+        super().__init__(LocalStore(), pixel_dtype=pixel_dtype)

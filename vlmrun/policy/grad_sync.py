@@ -33,3 +33,11 @@ def all_reduce_sum(values: list[float]) -> list[float]:
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(t, op=dist.ReduceOp.SUM)
     return t.tolist()
+
+
+def all_reduce_extreme(values: list[float], *, largest: bool) -> list[float]:
+    """The max (`largest`) or min of a few float64 scalars across ranks (ratio bounds)."""
+    t = torch.tensor(values, dtype=torch.float64)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX if largest else dist.ReduceOp.MIN)
+    return t.tolist()

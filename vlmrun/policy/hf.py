@@ -17,9 +17,9 @@ import torch
 import torch.distributed as dist
 
 from vlmrun.policy import rng
-from vlmrun.policy.grad_sync import all_reduce_gradients, all_reduce_sum
-from vlmrun.policy.interface import PolicyBackend, StepResult
-from vlmrun.policy.loss import nll_sum, token_logprobs, valid_tokens
+from vlmrun.policy.grad_sync import all_reduce_extreme, all_reduce_gradients, all_reduce_sum
+from vlmrun.policy.interface import LossTerms, PolicyBackend, StepResult, TokenLoss
+from vlmrun.policy.loss import NllLoss, token_logprobs
 
 
 class HfPolicy(PolicyBackend):
@@ -65,32 +65,35 @@ class HfPolicy(PolicyBackend):
         )
         return {"rank": self.rank, "params": sum(p.numel() for p in self.params)}
 
-    def train_step(self, micro_batches: list) -> StepResult:
+    def train_step(self, micro_batches: list, loss: TokenLoss | None = None) -> StepResult:
         t0 = time.perf_counter()
-        local_tokens = sum(valid_tokens(b.labels) for b in micro_batches)
+        loss = loss or NllLoss()
+        local_tokens = sum(loss.tokens(b) for b in micro_batches)
         (global_tokens,) = all_reduce_sum([float(local_tokens)])
         denom = max(global_tokens, 1.0)
         self.optimizer.zero_grad(set_to_none=True)
-        local_nll = 0.0
+        local_loss, stats = 0.0, _StatsAccumulator()
         for b in micro_batches:
             out = self.model(**b.model_inputs(), use_cache=False)
-            nll = nll_sum(out.logits, b.labels)
-            (nll / denom).backward()
-            local_nll += float(nll.detach())
+            terms = loss(out.logits, b)
+            (terms.total / denom).backward()
+            local_loss += float(terms.total.detach())
+            stats.add(terms)
         all_reduce_gradients(self.params)
         clip = self.train.grad_clip
         grad_norm = torch.nn.utils.clip_grad_norm_(self.params, clip if clip > 0 else float("inf"))
         lr = self.optimizer.param_groups[0]["lr"]
         self.optimizer.step()
         self.scheduler.step()
-        (total_nll,) = all_reduce_sum([local_nll])
+        (total_loss,) = all_reduce_sum([local_loss])
         return StepResult(
-            loss=total_nll / denom,
+            loss=total_loss / denom,
             grad_norm=float(grad_norm),
             lr=lr,
             valid_tokens=int(global_tokens),
             compute_s=time.perf_counter() - t0,
             peak_rss_mb=peak_rss_mb(),
+            stats=stats.reduced(),
         )
 
     @torch.no_grad()
@@ -101,6 +104,16 @@ class HfPolicy(PolicyBackend):
             return token_logprobs(self.model(**batch.model_inputs(), use_cache=False).logits, batch.labels)
         finally:
             self.model.train(was_training)
+
+    @torch.no_grad()
+    def reference_logprobs(self, batch) -> torch.Tensor:
+        if getattr(self, "_reference", None) is None:
+            from transformers import AutoModelForImageTextToText
+
+            dtype = torch.bfloat16 if self.dtype == "bfloat16" else torch.float32
+            self._reference = AutoModelForImageTextToText.from_pretrained(self.model_dir, dtype=dtype).eval()
+            self._reference.requires_grad_(False)
+        return token_logprobs(self._reference(**batch.model_inputs(), use_cache=False).logits, batch.labels)
 
     def score(self, loss_batches: list, prompt_batches: list, *, max_new_tokens: int = 4) -> list[float]:
         from vlmrun.policy.evaluate import score_batches
@@ -124,6 +137,36 @@ class HfPolicy(PolicyBackend):
     def shutdown(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+class _StatsAccumulator:
+    """A loss's statistics over this rank's micro-batches, then over all ranks (`LossTerms`)."""
+
+    def __init__(self):
+        self.sums: dict[str, float] = {}
+        self.mins: dict[str, float] = {}
+        self.maxs: dict[str, float] = {}
+
+    def add(self, terms: LossTerms) -> None:
+        for k, v in terms.sums.items():
+            self.sums[k] = self.sums.get(k, 0.0) + v
+        for k, v in terms.mins.items():
+            self.mins[k] = min(self.mins.get(k, float("inf")), v)
+        for k, v in terms.maxs.items():
+            self.maxs[k] = max(self.maxs.get(k, float("-inf")), v)
+
+    def reduced(self) -> dict[str, float]:
+        """Every statistic over all ranks; the same keys on every rank (collectives in sorted key order)."""
+        out: dict[str, float] = {}
+        for values, reduce in (
+            (self.sums, all_reduce_sum),
+            (self.mins, lambda v: all_reduce_extreme(v, largest=False)),
+            (self.maxs, lambda v: all_reduce_extreme(v, largest=True)),
+        ):
+            keys = sorted(values)
+            if keys:
+                out |= dict(zip(keys, reduce([values[k] for k in keys]), strict=True))
+        return out
 
 
 def peak_rss_mb() -> float:

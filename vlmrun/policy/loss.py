@@ -1,4 +1,7 @@
-"""Token-level NLL over assistant tokens, normalized by the step's global count of valid tokens."""
+"""Token-level NLL over assistant tokens, normalized by the step's global count of valid tokens.
+
+`NllLoss` is the `TokenLoss` `train_step` uses when the algorithm gives none (SFT).
+"""
 
 from __future__ import annotations
 
@@ -6,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from vlmrun.data.batch import IGNORE_INDEX
+from vlmrun.policy.interface import LossTerms, TokenLoss
 
 
 def valid_tokens(labels: torch.Tensor) -> int:
@@ -26,3 +30,13 @@ def token_logprobs(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
     picked = logp.gather(-1, target.clamp(min=0).unsqueeze(-1)).squeeze(-1)
     return picked.masked_fill(target == IGNORE_INDEX, 0.0)
+
+
+class NllLoss(TokenLoss):
+    """Next-token NLL of a `Batch`'s labels (positions labelled IGNORE_INDEX carry none)."""
+
+    def tokens(self, micro_batch) -> int:
+        return valid_tokens(micro_batch.labels)
+
+    def __call__(self, logits: torch.Tensor, micro_batch) -> LossTerms:
+        return LossTerms(total=nll_sum(logits, micro_batch.labels))

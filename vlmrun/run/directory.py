@@ -5,8 +5,15 @@
           metrics.jsonl   one row per optimizer step; a resumed attempt appends
           checkpoints/    complete checkpoints only (step_<N>)
           logs/           one log per attempt
+          submitit/       on SLURM: sbatch script, pickles, one log per task
           cache/          tiny models and other things the run builds for itself
           wandb/          offline wandb run
+          ray/            the Ray head's address files
+          lock, lock.json the live attempt's lock and its holder (run/lock.py)
+          REQUEUE_REQUESTED, CANCEL_REQUESTED   requests to the running attempt (run/requests.py)
+
+RUN_NAMES lists every one of those names; a file the recipe names (logger.metrics_file) must not be
+one of them, and `check_recipe` says so.
 """
 
 from __future__ import annotations
@@ -19,6 +26,30 @@ from pathlib import Path
 import yaml
 
 from vlmrun.errors import InputError
+
+RECIPE_FILE = "recipe.yaml"
+JOB_FILE = "job.json"
+LOCK_FILE = "lock"  # run/lock.py: the flock of the live attempt
+LOCK_HOLDER_FILE = "lock.json"  # run/lock.py: who holds it
+REQUEUE_REQUEST = "REQUEUE_REQUESTED"
+CANCEL_REQUEST = "CANCEL_REQUESTED"
+# The names the run directory itself uses at its top level: the one list (metrics_file may be none of them).
+RUN_NAMES = frozenset(
+    {
+        RECIPE_FILE,
+        JOB_FILE,
+        LOCK_FILE,
+        LOCK_HOLDER_FILE,
+        REQUEUE_REQUEST,
+        CANCEL_REQUEST,
+        "checkpoints",
+        "logs",
+        "submitit",
+        "cache",
+        "wandb",
+        "ray",
+    }
+)
 
 
 def default_run_dir(name: str, root: Path | None = None) -> Path:
@@ -47,8 +78,8 @@ class RunDirectory:
     def __init__(self, path: str | Path):
         self.path = Path(path).expanduser().resolve()
 
-    recipe_file = property(lambda self: self.path / "recipe.yaml")
-    job_file = property(lambda self: self.path / "job.json")
+    recipe_file = property(lambda self: self.path / RECIPE_FILE)
+    job_file = property(lambda self: self.path / JOB_FILE)
     logs = property(lambda self: self.path / "logs")
     cache = property(lambda self: self.path / "cache")
 
@@ -62,25 +93,45 @@ class RunDirectory:
         return self.recipe_file.is_file()
 
     def create(self, recipe) -> None:
-        """Make a new run directory holding the resolved recipe; refuses one that holds a run."""
+        """Make a new run directory holding the resolved recipe; refuses one that holds a run, or a recipe
+        that does not fit a run directory (`check_recipe`), before making anything."""
         if self.exists():
             raise InputError(
                 "--run-dir",
                 str(self.path),
                 f"already holds a run; continue it with `vlmrun resume {self.path}` or choose another --run-dir",
             )
+        text = dump_recipe(recipe)
         self.path.mkdir(parents=True, exist_ok=True)
         self.logs.mkdir(exist_ok=True)
-        write_atomic(self.recipe_file, dump_recipe(recipe))
+        write_atomic(self.recipe_file, text)
 
     def load_recipe(self):
+        """The run's validated recipe. Raises InputError naming recipe.yaml when it is missing, is not
+        YAML (or unbounded YAML), or is not a recipe this version can run."""
         from vlmrun.config.load import validate
+
+        raw = self.recipe_data()
+        try:
+            recipe = validate(raw)
+            check_recipe(recipe)
+        except InputError as e:
+            raise InputError(e.field, e.value, e.allowed, message=f"{self.recipe_file}: {e}") from None
+        return recipe
+
+    def recipe_data(self) -> dict:
+        """recipe.yaml as YAML data, not validated yet (resume applies its --set to it first).
+
+        Raises InputError naming the file when it is missing, not UTF-8, not YAML, unbounded YAML
+        (config/load.py's limits) or not a mapping.
+        """
+        from vlmrun.config.load import read_yaml
 
         if not self.exists():
             raise InputError(
-                "RUN_DIR", str(self.path), message=f"{self.path} is not a vlmrun run directory (no recipe.yaml)"
+                "RUN_DIR", str(self.path), message=f"{self.path} is not a vlmrun run directory (no {RECIPE_FILE})"
             )
-        return validate(yaml.safe_load(self.recipe_file.read_text()))
+        return read_yaml(self.recipe_file, field="RUN_DIR")
 
     def task_log(self, job_id: str, task: int = 0) -> Path:
         """submitit's log of one SLURM task of `job_id`, appended across the job's restarts."""
@@ -90,5 +141,20 @@ class RunDirectory:
         return self.logs / f"attempt-{attempt}.log"
 
 
+def check_recipe(recipe) -> None:
+    """Refuse (InputError on logger.metrics_file) a recipe whose metrics file would be a file or folder
+    that the run directory uses itself (RUN_NAMES, compared without case)."""
+    name = recipe.logger.metrics_file
+    if name.casefold() in {n.casefold() for n in RUN_NAMES}:
+        raise InputError(
+            "logger.metrics_file",
+            name,
+            f"the run directory uses that name itself ({', '.join(sorted(RUN_NAMES))}); choose another, "
+            "e.g. metrics.jsonl",
+        )
+
+
 def dump_recipe(recipe) -> str:
+    """The text of recipe.yaml for `recipe`; refuses one that does not fit a run directory (`check_recipe`)."""
+    check_recipe(recipe)
     return yaml.safe_dump(recipe.model_dump(mode="json"), sort_keys=False, default_flow_style=False)

@@ -1,7 +1,8 @@
 """job.json: the lineage of a run (every job id, every attempt, the final state and why).
 
 1. This module is the one place that reads and writes job.json: `read_job` / `write_job`, and the
-   transitions `add_job` (submit), `begin_attempt` / `end_attempt` / `fail_attempt` (the node).
+   transitions `add_job` (submit), `begin_attempt` / `end_attempt` / `fail_attempt` (the node),
+   `mark_killed` (whoever finds a job dead that never recorded its end: the reaper, cancel, the launcher).
    Others read the typed `JobRecord`, change fields and write it back with `write_job`.
 2. Written atomically (temp file + rename). The JSON keeps the key names and state strings users'
    scripts read (`job_ids`, `state`, `attempts[].restart_count`, ...); fields that are None are left
@@ -20,7 +21,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_serializer
 
-from vlmrun.errors import InputError
+from vlmrun.errors import InputError, short_repr
 from vlmrun.run.directory import RunDirectory, write_atomic
 from vlmrun.run.outcome import RunOutcome
 from vlmrun.run.state import State
@@ -73,6 +74,7 @@ class Attempt(_Record):
     final_val: dict[str, float | int] | None = None
     worker_nodes: list[str] | None = None
     ray_alive_nodes: int | None = None
+    notice: str | None = None  # what the user must know about how it started (no valid checkpoint left, ...)
 
 
 class Submit(_Record):
@@ -107,18 +109,22 @@ def read_job(rd: RunDirectory) -> JobRecord | None:
     """
     path = rd.job_file
     try:
-        text = path.read_text()
+        text = path.read_bytes().decode()
     except FileNotFoundError:
         return None
+    except UnicodeDecodeError:
+        raise _damaged(path, "not UTF-8 text") from None
+    except OSError as e:  # a folder, or unreadable
+        raise _damaged(path, f"cannot read it: {e.strerror or e}") from None
     try:
         raw = json.loads(text)
-    except ValueError as e:
-        raise _damaged(path, f"not JSON: {e}") from None
+    except (ValueError, RecursionError) as e:  # RecursionError: arrays nested thousands deep
+        raise _damaged(path, f"not JSON: {short_repr(str(e), quote=False)}") from None
     if not isinstance(raw, dict):
         raise _damaged(path, f"a JSON {type(raw).__name__}, not an object")
     version = raw.get("format", 1)
     if not isinstance(version, int):
-        raise _damaged(path, f"format: {version!r} is not a format number")
+        raise _damaged(path, f"format: {short_repr(version)} is not a format number")
     try:
         return JobRecord.model_validate(_from_format1(raw) if version < FORMAT else raw)
     except ValidationError as e:
@@ -212,6 +218,45 @@ def fail_attempt(rd: RunDirectory, index: int, reason: str) -> None:
     write_job(rd, job)
 
 
+def mark_killed(rd: RunDirectory, job_id: str, pid: int | None = None) -> bool:
+    """Record that job `job_id` ended without recording an outcome (SIGKILL, OOM, node loss).
+
+    Its attempts still RUNNING (only the one of `pid`, when given) become KILLED, and so does the run
+    when that job is its last and it has not recorded an end. Returns whether anything changed. The
+    caller holds the run lock (run/lock.py), so no new attempt begins meanwhile.
+    """
+    job = read_job(rd)
+    if job is None:
+        return False
+    reason = "ended without recording an outcome (killed: SIGKILL, out of memory or node loss)"
+    changed = False
+    for a in job.attempts:
+        if a.job_id == str(job_id) and a.state is State.RUNNING and (pid is None or a.pid == pid):
+            a.state, a.ended, a.reason = State.KILLED, now(), reason
+            changed = True
+    if job.job_ids and job.job_ids[-1] == str(job_id) and job.state in (State.PENDING, State.RUNNING):
+        job.state, job.reason = State.KILLED, reason if changed else "ended before it began an attempt (killed)"
+        changed = True
+    if changed:
+        write_job(rd, job)
+    return changed
+
+
+def note_attempt(rd: RunDirectory, index: int, notice: str) -> None:
+    """Record `notice` on attempt `index` (one plain line the user must know, e.g. that every checkpoint
+    was invalid and the attempt starts from step 0)."""
+    job = require_job(rd)
+    job.attempts[index].notice = notice
+    write_job(rd, job)
+
+
+def set_run_state(rd: RunDirectory, state: State, reason: str) -> None:
+    """Set the run's state and reason (a decision taken after the last attempt ended, e.g. cancelled)."""
+    job = require_job(rd)
+    job.state, job.reason = state, reason
+    write_job(rd, job)
+
+
 def running_pid(job: JobRecord) -> int | None:
     """The pid of an attempt recorded RUNNING on this host whose process is still alive, else None."""
     for a in reversed(job.attempts):
@@ -257,4 +302,4 @@ def _damaged(path, problem: str) -> InputError:
 
 def _first_error(e: ValidationError) -> str:
     err = e.errors()[0]
-    return f"{'.'.join(str(p) for p in err['loc'])}: {err['msg']}"
+    return f"{'.'.join(short_repr(p, 40, quote=False) for p in err['loc'])}: {short_repr(err['msg'], quote=False)}"

@@ -9,12 +9,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from vlmrun.run.directory import RunDirectory, write_atomic
+# The request file names live with the run directory's other names (directory.RUN_NAMES).
+from vlmrun.run.directory import CANCEL_REQUEST, REQUEUE_REQUEST, RunDirectory, write_atomic
 
-REQUEUE_REQUEST = "REQUEUE_REQUESTED"
-
-
-CANCEL_REQUEST = "CANCEL_REQUESTED"
+__all__ = ["CANCEL_REQUEST", "REQUEUE_REQUEST", "take_request", "write_request"]
 
 
 def take_request(rd: RunDirectory, name: str, job_id: str, restart: int) -> bool:

@@ -9,6 +9,7 @@
         rng/rank_<k>.pt              every rank's RNG
         loader/shard_<r>.pt          every loader shard's Energon state, with its identity fingerprint
         plane/shard_<r>.pt           the data plane's state of replica r, where it is not empty
+        generation/replica_<r>.pt    GRPO: replica r's sampling stream (the generation backend's state)
 
 1. Components register their state as *parts*: a rank writes `pending.write(part, state, index)` and
    reads `checkpoint.read(part, index)`; the part's file name is decided here (`PARTS`) and nowhere
@@ -46,6 +47,7 @@ PARTS = {
     "rng": "rng/rank_{index}.pt",
     "loader": "loader/shard_{index}.pt",
     "plane": "plane/shard_{index}.pt",
+    "generation": "generation/replica_{index}.pt",
 }
 #: Parts without which no checkpoint can be resumed.
 REQUIRED = ("controller", "model", "optimizer")
@@ -177,6 +179,24 @@ class CheckpointStore:
     def newest_step(self) -> int | None:
         done = self.complete()
         return done[-1][0] if done else None
+
+    def newest_manifest(self) -> tuple[int, dict] | None:
+        """(step, manifest) of the newest sealed checkpoint, read without verifying its files (cheap:
+        for checks on a login node); None when there is none or its manifest is unreadable."""
+        for step, path in reversed(self.complete()):
+            try:
+                return step, _read_manifest(path)
+            except CorruptCheckpoint:
+                continue
+        return None
+
+    def at(self, step: int) -> Checkpoint:
+        """The sealed checkpoint of `step`, verified; KeyError when there is none, CorruptCheckpoint
+        when it does not verify."""
+        path = self.root / f"step_{step}"
+        if not path.is_dir():
+            raise KeyError(f"no checkpoint of step {step} in {self.root}")
+        return Checkpoint(step, path, verify(path))
 
     def latest(self) -> tuple[Checkpoint | None, list[str]]:
         """The newest checkpoint that verifies, and a line for each newer one that was skipped."""

@@ -1,7 +1,18 @@
 """The stop flag: a signal only sets it; the training loop acts on it at the next step boundary.
 
-No I/O happens in the handler (Megatron's DistributedSignalHandler pattern, not Lightning's save in
-the handler). The controller polls `is_set()` between steps, then every rank saves together.
+No I/O happens on the signal path (Megatron's DistributedSignalHandler pattern, not Lightning's save
+in the handler). The controller polls `is_set()` between steps, then every rank saves together.
+
+The node process calls `StopFlag.watch()` first thing, before it starts any process:
+1. SIGUSR2, SIGTERM and SIGINT are blocked in this thread (so in every thread and child started
+   later) and a watcher thread takes them with `sigtimedwait`: the flag is set the moment a signal
+   arrives, whatever the main thread is doing (importing, starting Ray, waiting in `ray.wait`).
+2. SIGUSR2 and SIGTERM are set to SIG_IGN, which children keep across exec, and the blocked mask is
+   inherited too: a signal sent to every process of a SLURM step or to a process group never ends
+   Ray's helper processes, only the node's flag is set. (Linux queues a blocked signal even when its
+   disposition is SIG_IGN, so nothing is lost while we hold it.)
+3. SIGINT keeps a Python handler, so `_thread.interrupt_main` (the node watchdog) still works; the
+   kernel's SIGINT stays blocked here, and Ray blocks it in its own processes too.
 """
 
 from __future__ import annotations
@@ -9,23 +20,52 @@ from __future__ import annotations
 import signal
 import threading
 
-STOP_SIGNALS = (signal.SIGUSR2, signal.SIGTERM)
+STOP_SIGNALS = (signal.SIGUSR2, signal.SIGTERM, signal.SIGINT)
+_IGNORED_IN_CHILDREN = (signal.SIGUSR2, signal.SIGTERM)
 
 
 class StopFlag:
-    """Set by SIGUSR2/SIGTERM (or `request()`); read at step boundaries. Thread-safe."""
+    """Set by a stop signal (or `request()`); read at step boundaries. Thread-safe."""
 
     def __init__(self) -> None:
         self._event = threading.Event()
         self.signal_name: str | None = None
 
     def install(self, signals=STOP_SIGNALS) -> StopFlag:
+        """Set the flag from a Python signal handler (runs in the main thread between bytecodes)."""
         for s in signals:
             signal.signal(s, self._handle)
         return self
 
+    def watch(self) -> StopFlag:
+        """Catch the stop signals from now on, at once, and keep processes started later from dying of them.
+
+        Call from the main thread before any other thread or child process starts (see the module
+        docstring). Signals already pending (a launcher starts the node with them blocked) set the flag.
+        For the life of the process: nothing undoes it.
+        """
+        sigs = set(STOP_SIGNALS)
+        signal.pthread_sigmask(signal.SIG_BLOCK, sigs)
+        self._take_pending(sigs)  # setting SIG_IGN below discards pending signals: take them first
+        for s in _IGNORED_IN_CHILDREN:
+            signal.signal(s, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        threading.Thread(target=self._watch, args=(sigs,), daemon=True, name="vlmrun-stop-signals").start()
+        return self
+
+    def _watch(self, sigs: set) -> None:
+        while True:
+            self._set(signal.Signals(signal.sigwaitinfo(sigs).si_signo).name)
+
+    def _take_pending(self, sigs: set) -> None:
+        while (info := signal.sigtimedwait(sigs, 0)) is not None:
+            self._set(signal.Signals(info.si_signo).name)
+
     def _handle(self, signum, _frame) -> None:
-        self.signal_name = signal.Signals(signum).name
+        self._set(signal.Signals(signum).name)
+
+    def _set(self, name: str) -> None:
+        self.signal_name = self.signal_name or name  # the first signal is the one that stopped the run
         self._event.set()
 
     def request(self, reason: str = "requested") -> None:
@@ -40,10 +80,10 @@ class StopFlag:
 
 
 def ignore_stop_signals() -> None:
-    """Ignore the stop signals so that helper processes started now (Ray's) inherit SIG_IGN.
+    """Ignore SIGUSR2 and SIGTERM so that helper processes started now inherit SIG_IGN.
 
-    A signal sent to the whole process group (SLURM's time-limit USR2, `kill -USR2 -PGID`) must reach
-    only our handler, not kill Ray's daemons and workers, whose default action for USR2 is to exit.
+    For payloads that start Ray without `StopFlag.watch()` (tests of the SLURM bring-up): a signal
+    sent to the whole job must reach only our handler, not end Ray's daemons and workers.
     """
-    for s in STOP_SIGNALS:
+    for s in _IGNORED_IN_CHILDREN:
         signal.signal(s, signal.SIG_IGN)

@@ -16,6 +16,7 @@ from vlmrun.algorithms.common.checkpoint import Checkpoint, PendingCheckpoint
 from vlmrun.distributed.worker_group import RankActor
 from vlmrun.plane.interface import DataPlane
 from vlmrun.plane.local import LocalDataPlane
+from vlmrun.plane.micro_batches import get_micro_batches, put_micro_batches
 from vlmrun.policy import rng
 from vlmrun.policy.interface import CHECKPOINT_PARTS, PolicyBackend
 
@@ -75,16 +76,13 @@ class SftWorker(RankActor):
         }
 
     def _batches_through_plane(self, partition: str, n_micro: int) -> list:
+        family = self.recipe.model.family
         try:
             batches = [self.loader.next_batch() for _ in range(n_micro)]
-            self.plane.put(partition, batches, [i for b in batches for i in b.sample_ids])
-            self.plane.commit(partition)
-        except BaseException:
-            self.plane.abort(partition)
-            raise
-        batches = self.plane.get(partition)
-        self.plane.clear(partition)
-        return batches
+            record_ids = put_micro_batches(self.plane, partition, batches, family)
+            return get_micro_batches(self.plane, partition, record_ids, family)
+        finally:
+            self.plane.clear(partition)
 
     def validate(self, loss_batches: list, prompt_batches: list) -> list[float]:
         """This rank's [nll, tokens, correct, answered] over its share of the val batches."""

@@ -46,6 +46,7 @@ from vlmrun.cluster.ray.nodes import (
     taken_ports,
 )
 from vlmrun.cluster.ray.watchdog import NodeWatchdog, RayNodeLost, read_status, registered_nodes
+from vlmrun.cluster.reaper import TEMP_ENV
 from vlmrun.cluster.slurm_env import SlurmAllocation, node_address
 from vlmrun.errors import CheckFailed
 from vlmrun.run.directory import write_atomic
@@ -153,7 +154,7 @@ def ray_head(
         stop_ray_node(proc)
         if outcome == "ok":
             _remove_tree(temp)
-        elif proc is not None:
+        elif proc is not None and TEMP_ENV not in os.environ:  # a node's attempt temp root goes with its reaper
             log.info("Ray logs of node %s kept in %s and %s", alloc.nodename, temp, log_path)
 
 

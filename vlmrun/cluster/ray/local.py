@@ -1,7 +1,8 @@
 """Ray inside a job: a private single-machine instance for the embedded default.
 
 Always `address="local"` with a per-job temp dir: a plain `ray.init()` may attach to another user's
-Ray on a shared host. Never `ray stop`: it kills every Ray process on the machine.
+Ray on a shared host. Never `ray stop`: it kills every Ray process on the machine. Inside a node
+process the temp dir lies under the attempt's temp root, which the attempt's reaper removes.
 """
 
 from __future__ import annotations
@@ -9,6 +10,8 @@ from __future__ import annotations
 import os
 import tempfile
 from pathlib import Path
+
+from vlmrun.cluster.reaper import TEMP_ENV
 
 # Read by Ray and gloo when they are imported / start: set before either happens.
 LOCAL_ENV = {
@@ -31,7 +34,11 @@ def start_local_ray(job_id: str, num_cpus: int) -> Path:
     set_local_environment()
     import ray
 
-    temp = Path(tempfile.gettempdir()) / "vlmrun-ray" / job_id.replace("/", "_")[:40]
+    attempt_root = os.environ.get(TEMP_ENV)
+    if attempt_root:
+        temp = Path(attempt_root) / "ray"
+    else:
+        temp = Path(tempfile.gettempdir()) / "vlmrun-ray" / job_id.replace("/", "_")[:40]
     temp.mkdir(parents=True, exist_ok=True)
     ray.init(
         address="local",

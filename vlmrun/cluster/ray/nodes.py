@@ -27,6 +27,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from vlmrun.cluster.reaper import TEMP_ENV
+
 PORT_BASE = 10240  # below the Linux ephemeral range (32768+), above well-known services
 PORT_END = 32768
 BLOCK_SIZE = 256  # 16 fixed ports + 240 worker ports per node
@@ -204,7 +206,13 @@ def interface_of(ip: str) -> str | None:
 
 
 def job_temp_dir(job_id: str, nodename: str) -> Path:
-    """A short per-job, per-node Ray temp dir (unix socket paths are limited to 107 bytes)."""
+    """A short per-job, per-node Ray temp dir (unix socket paths are limited to 107 bytes).
+
+    Inside a node process: `ray` under the attempt's temp root, which the attempt's reaper removes.
+    """
+    attempt_root = os.environ.get(TEMP_ENV)
+    if attempt_root:
+        return Path(attempt_root) / "ray"
     root = Path(tempfile.gettempdir())
     if len(str(root)) > 40:
         root = Path("/tmp")

@@ -99,6 +99,7 @@ def wait_for_job(rd: RunDirectory, job_id: str, *, echo: Callable[[str], None] |
     """Block until `job_id` has left the queue (through its requeues); the result carries job.json's outcome."""
 
     say = echo or (lambda _msg: None)
+    recipe = rd.load_recipe()
     seen, shown_step = None, None
     try:
         while True:
@@ -108,7 +109,7 @@ def wait_for_job(rd: RunDirectory, job_id: str, *, echo: Callable[[str], None] |
             if now != seen:
                 say(f"job {job_id}: {queued or 'left the queue'} (run: {now[1]}, attempts {now[2]})")
                 seen = now
-            step = last_metrics(rd)["last_step"]
+            step = last_metrics(rd, recipe)["last_step"]
             if step is not None and step != shown_step:
                 shown_step = step
                 say(f"job {job_id}: step {step}")

@@ -2,8 +2,9 @@
 
 `preflight_run` is what `vlmrun submit` (dry runs too) and `vlmrun resume` call before they create a
 run directory, generate data or start a process, so a run that cannot work fails in a second, naming
-the field, instead of inside the job. The checks read the filesystem only: no torch, ray or
-transformers import. The job repeats its own checks (cluster/node.py), which stay authoritative.
+the field, instead of inside the job; the node entrypoint calls it again when the job starts (the
+files may have changed since, and on SLURM this is the machine that has the GPUs). The checks read
+the filesystem only: no torch, ray or transformers import.
 """
 
 from __future__ import annotations
@@ -12,7 +13,8 @@ import os
 import re
 from pathlib import Path
 
-from vlmrun.data.splits import split_shards
+from vlmrun.data.components import check_components
+from vlmrun.data.splits import split_shards, split_size
 from vlmrun.errors import InputError
 from vlmrun.models.source import check_model_source
 
@@ -29,9 +31,64 @@ def preflight_run(recipe, *, runs_here: bool) -> None:
     Paths must already be absolute (config.load.load_recipe resolves them).
     """
     check_model_source(recipe.model)
+    check_components(recipe)
     check_data(recipe.data, val=recipe.train.val_samples > 0)
+    check_data_size(recipe)
+    check_checkpoint_dir(recipe.checkpoint.dir)
     if runs_here:
         check_local_gpus(recipe.cluster.gpus_per_node)
+        check_local_mooncake(recipe.data_plane)
+
+
+def check_local_mooncake(data_plane) -> None:
+    """A plane with `backend: mooncake` needs Mooncake on the machine that runs it (the recipe's
+    `data_plane` section; a disabled plane starts no server)."""
+    if not (data_plane.enabled and data_plane.impl == "transfer_queue" and data_plane.backend == "mooncake"):
+        return
+    from vlmrun.cluster.mooncake import mooncake_unavailable
+
+    reason = mooncake_unavailable()
+    if reason:
+        raise InputError("data_plane.backend", "mooncake", message=f"data_plane.backend: mooncake: {reason}")
+
+
+def check_checkpoint_dir(directory: str | None) -> None:
+    """An explicit `checkpoint.dir` must be a writable directory, or creatable under one (None: the run
+    dir's checkpoints/, which submit creates)."""
+    if directory is None:
+        return
+    path = Path(directory)
+    if path.exists() and not path.is_dir():
+        raise InputError("checkpoint.dir", str(path), message=f"checkpoint.dir: {path} is a file, not a directory")
+    parent = nearest_existing(path)
+    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+        why = "is not a directory" if not parent.is_dir() else "is not writable"
+        raise InputError(
+            "checkpoint.dir",
+            str(path),
+            message=f"checkpoint.dir: {path} cannot be written: {parent} {why}; choose a writable directory",
+        )
+
+
+def check_data_size(recipe) -> None:
+    """The training split must give every loader worker of every replica at least one micro-batch.
+
+    Energon splits a split's samples over the dp replicas and each replica's loader workers; an empty
+    slice fails inside the job ("Cannot repeat empty dataset"). Call after `check_data`.
+    """
+    d, t = recipe.data, recipe.train
+    samples = d.synthetic.train if d.synthetic is not None else split_size(d.path, d.split)
+    slices = recipe.parallel.dp * max(1, d.num_workers)
+    need = slices * t.micro_batch_size
+    if samples < need:
+        raise InputError(
+            "data.path",
+            d.path,
+            message=f"data.path: split {d.split!r} has {samples} sample(s), fewer than parallel.dp x "
+            f"max(1, data.num_workers) x train.micro_batch_size = {recipe.parallel.dp} x {max(1, d.num_workers)} x "
+            f"{t.micro_batch_size} = {need}: every loader worker of every replica needs a micro-batch; use more "
+            "data, or lower parallel.dp, data.num_workers or train.micro_batch_size",
+        )
 
 
 def check_data(data, *, val: bool) -> None:

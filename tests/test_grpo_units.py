@@ -1,0 +1,271 @@
+"""GRPO's pieces with hand-made inputs: rewards, group-normalized advantages, the clipped PG loss, the
+sample ids and columns of a rollout, the micro-batches built from them, and the recipe's refusals."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from vlmrun.algorithms.grpo.advantages import group_advantages
+from vlmrun.algorithms.grpo.loss import ClippedPgLoss, k3
+from vlmrun.algorithms.grpo.micro_batches import (
+    PgMicroBatch,
+    model_batches,
+    pg_micro_batches,
+    place_response_values,
+    response_values,
+)
+from vlmrun.algorithms.grpo.partition import partition_name, rollout_spec, split_fields, stage_fields, value_bytes
+from vlmrun.algorithms.grpo.rewards import REWARDS, clevr_exact, score_responses
+from vlmrun.algorithms.grpo.rollout_rows import (
+    ended_with,
+    join,
+    prompt_of,
+    prompt_sample_ids,
+    response_sample_ids,
+    rollout_columns,
+)
+from vlmrun.config.grpo import GrpoConfig
+from vlmrun.config.load import load_recipe
+from vlmrun.data.batch import IGNORE_INDEX, Batch
+from vlmrun.errors import InputError
+from vlmrun.generation.rollouts import Rollouts
+from vlmrun.plane.fields import Stage
+from vlmrun.plane.interface import SampleBatch
+from vlmrun.plane.local import LocalDataPlane
+
+ROOT = Path(__file__).resolve().parents[1]
+GRPO = ROOT / "recipes" / "tiny-grpo-cpu.yaml"
+
+
+# ---- rewards -------------------------------------------------------------------------------------
+def test_clevr_reward_is_exact_match_plus_a_small_format_reward():
+    assert clevr_exact(" 2 ", "2", True, 0.1).reward == pytest.approx(1.1)  # right, ended, one answer word
+    assert clevr_exact("3", "2", True, 0.1).reward == pytest.approx(0.1)  # wrong but well formed
+    assert clevr_exact("two objects", "2", True, 0.1).reward == pytest.approx(0.05)  # ended its turn only
+    assert clevr_exact("yes", "yes", False, 0.1).reward == pytest.approx(1.0)  # cut off: no format reward
+    assert clevr_exact("Yes", "yes", True, 0.1).correct is False  # exact, as validation scores it
+    scored = score_responses("clevr_exact", ["1", "no"], ["1", "yes"], [True, True], format_reward=0.0)
+    assert [s.reward for s in scored] == [1.0, 0.0] and set(REWARDS) == {"clevr_exact"}
+
+
+# ---- advantages ----------------------------------------------------------------------------------
+def test_advantages_are_normalized_within_each_group():
+    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 0.5, 0.5, 0.5, 0.5])
+    adv = group_advantages(rewards, 4)
+    assert torch.allclose(adv[:4], torch.tensor([1.0, -1.0, -1.0, 1.0]), atol=1e-5)
+    assert torch.equal(adv[4:], torch.zeros(4))  # no spread, no signal
+    centered = group_advantages(rewards, 4, normalize_std=False)
+    assert torch.allclose(centered[:4], torch.tensor([0.5, -0.5, -0.5, 0.5]))
+    with pytest.raises(ValueError, match="groups of 3"):
+        group_advantages(rewards, 3)
+
+
+# ---- the loss ------------------------------------------------------------------------------------
+def fake_micro_batch(logits: torch.Tensor, advantages: list[float], prev_shift: float = 0.0) -> PgMicroBatch:
+    """Two rows of 5 tokens: a 2-token prompt and a 3-token response; prev = current logprobs + shift."""
+    from vlmrun.policy.loss import token_logprobs
+
+    ids = torch.tensor([[1, 2, 3, 4, 5], [1, 2, 5, 4, 3]])
+    labels = ids.clone()
+    labels[:, :2] = IGNORE_INDEX
+    batch = Batch(sample_ids=["a", "b"], input_ids=ids, attention_mask=torch.ones_like(ids), labels=labels)
+    current = token_logprobs(logits, labels)
+    mask = labels[:, 1:] != IGNORE_INDEX
+    return PgMicroBatch(
+        batch=batch,
+        advantages=torch.tensor(advantages),
+        prev_logprobs=(current + prev_shift).masked_fill(~mask, 0.0),
+        generation_logprobs=current.clone(),
+        ref_logprobs=current.clone(),
+    )
+
+
+def test_one_inner_step_gives_ratio_one_and_minus_the_mean_advantage():
+    logits = torch.randn(2, 5, 8, generator=torch.Generator().manual_seed(0), requires_grad=True)
+    mb = fake_micro_batch(logits.detach(), [1.0, -0.5])
+    loss = ClippedPgLoss(GrpoConfig(kl_coef=0.1))
+    terms = loss(logits, mb)
+    assert loss.tokens(mb) == 6
+    assert terms.mins["probs_ratio_min"] == 1.0 == terms.maxs["probs_ratio_max"]
+    assert float(terms.total.detach()) == pytest.approx(-(3 * 1.0 + 3 * -0.5))
+    assert terms.sums["token_mult_prob_error"] == 6.0 and terms.sums["kl"] == 0.0 and terms.sums["clipped"] == 0
+    terms.total.backward()
+    assert logits.grad.abs().sum() > 0
+
+
+def test_ratios_outside_the_clip_range_are_clipped():
+    logits = torch.randn(2, 5, 8, generator=torch.Generator().manual_seed(1))
+    mb = fake_micro_batch(logits, [1.0, 1.0], prev_shift=-1.0)  # ratio e > 1.2
+    terms = ClippedPgLoss(GrpoConfig(clip_low=0.2, clip_high=0.2))(logits, mb)
+    assert terms.mins["probs_ratio_min"] == pytest.approx(2.718281828, rel=1e-5)
+    assert float(terms.total) == pytest.approx(-6 * 1.2, rel=1e-5)  # min(ratio A, 1.2 A) = 1.2 for A > 0
+    assert terms.sums["clipped"] == 6
+
+
+def test_k3_is_zero_at_equality_and_positive_elsewhere():
+    a = torch.tensor([-1.0, -2.0])
+    assert torch.equal(k3(a, a), torch.zeros(2)) and (k3(a, a + 0.3) > 0).all()
+
+
+# ---- a rollout as plane samples ------------------------------------------------------------------
+def test_sample_ids_are_unique_per_step_even_for_a_repeated_prompt():
+    prompts = prompt_sample_ids(["p", "q", "p"])
+    assert prompts == ["p", "q", "p~1"]
+    responses = response_sample_ids(prompts, 2)
+    assert responses == ["p#0", "p#1", "q#0", "q#1", "p~1#0", "p~1#1"]
+    assert prompt_of(responses[2:]) == ["q", "p~1"]
+
+
+def text_rollouts() -> Rollouts:
+    """Two prompts (left-padded), two responses each; eos = 9, pad = 0."""
+    prompt_ids = torch.tensor([[0, 5, 6], [7, 8, 6]]).repeat_interleave(2, dim=0)
+    prompt_mask = torch.tensor([[0, 1, 1], [1, 1, 1]]).repeat_interleave(2, dim=0)
+    response_ids = torch.tensor([[3, 9, 0], [4, 4, 4], [9, 0, 0], [2, 9, 0]])
+    response_mask = torch.tensor([[1, 1, 0], [1, 1, 1], [1, 0, 0], [1, 1, 0]])
+    return Rollouts(
+        group_size=2,
+        sample_ids=["p", "p", "q", "q"],
+        answers=["3", "3", "1", "1"],
+        prompt_ids=prompt_ids,
+        prompt_mask=prompt_mask,
+        response_ids=response_ids,
+        response_mask=response_mask,
+        logprobs=-torch.arange(12, dtype=torch.float32).view(4, 3) * response_mask,
+        pad_token_id=0,
+        token_inputs={"mm_token_type_ids": torch.zeros_like(prompt_ids)},
+    )
+
+
+def test_rollout_columns_unpad_prompts_and_cut_responses_at_their_end():
+    r = text_rollouts()
+    assert ended_with(r, [9]) == [True, False, True, True]
+    scored = score_responses("clevr_exact", ["3", "x", "", "2"], r.answers, [True] * 4, format_reward=0.0)
+    written = rollout_columns(r, scored, family="qwen2_5_vl", image_token_id=None)
+    assert written.prompts.sample_ids == ["p", "q"]
+    assert [p.tolist() for p in written.prompts["prompt_ids"]] == [[5, 6], [7, 8, 6]]  # once per prompt
+    assert written.prompts["pixel_values"] == [[], []]  # text only
+    rows = join(written.prompts, written.responses)
+    assert rows.sample_ids == ["p#0", "p#1", "q#0", "q#1"]
+    assert [p.tolist() for p in rows["prompt_ids"]] == [[5, 6], [5, 6], [7, 8, 6], [7, 8, 6]]
+    assert [x.tolist() for x in rows["response_ids"]] == [[3, 9], [4, 4, 4], [9], [2, 9]]
+    assert rows["generation_logprobs"][1].tolist() == [-3.0, -4.0, -5.0]
+    assert [float(x) for x in rows["rewards"]] == [1.0, 0.0, 0.0, 0.0]
+
+
+def joined_rows() -> SampleBatch:
+    written = rollout_columns(
+        text_rollouts(), [clevr_exact("", "1", True, 0.0)] * 4, family="qwen2_5_vl", image_token_id=None
+    )
+    return join(written.prompts, written.responses)
+
+
+def test_micro_batches_put_prompt_then_response_and_read_values_back():
+    rows = joined_rows()
+    batches = model_batches(rows, 2, family="qwen2_5_vl", pad_token_id=0, pixel_dtype=None)
+    assert len(batches) == 2
+    b = batches[0]
+    assert b.input_ids.tolist() == [[5, 6, 3, 9, 0], [5, 6, 4, 4, 4]]
+    assert b.attention_mask.tolist() == [[1, 1, 1, 1, 0], [1, 1, 1, 1, 1]]
+    assert b.labels.tolist() == [[-100, -100, 3, 9, -100], [-100, -100, 4, 4, 4]]
+    values = [torch.tensor([0.5, 0.25]), torch.tensor([1.0, 2.0, 3.0])]
+    placed = place_response_values(values, [2, 2], b.input_ids.shape[1])
+    assert placed.tolist() == [[0.0, 0.5, 0.25, 0.0], [0.0, 1.0, 2.0, 3.0]]
+    assert [v.tolist() for v in response_values(placed, [2, 2], [2, 3])] == [[0.5, 0.25], [1.0, 2.0, 3.0]]
+
+
+def test_train_micro_batches_carry_advantages_and_logprobs_on_the_response():
+    rows = joined_rows()
+    n = [len(x) for x in rows["response_ids"]]
+    rows.columns["prev_logprobs"] = [torch.full((k,), -1.0) for k in n]
+    rows.columns["advantages"] = [torch.tensor(float(i)) for i in range(4)]
+    mbs = pg_micro_batches(rows, 2, family="qwen2_5_vl", pad_token_id=0, pixel_dtype=None)
+    assert mbs[1].advantages.tolist() == [2.0, 3.0] and mbs[1].ref_logprobs is None
+    assert mbs[1].mask.tolist() == [[False, False, True, False], [False, False, True, True]]  # next-token positions
+    assert mbs[1].prev_logprobs[mbs[1].mask].tolist() == [-1.0] * 3
+
+
+def test_the_partition_round_trip_is_exact_and_each_stage_reads_its_fields():
+    recipe = load_recipe(GRPO)
+    written = rollout_columns(
+        text_rollouts(), [clevr_exact("", "1", True, 0.0)] * 4, family="qwen2_5_vl", image_token_id=None
+    )
+    plane = LocalDataPlane()
+    part = partition_name(3, 1)
+    plane.register(part, rollout_spec(recipe, 6))
+    plane.put(part, written.prompts.sample_ids, written.prompts.columns)
+    plane.put(part, written.responses.sample_ids, written.responses.columns)
+    prompt_fields, response_fields = split_fields(stage_fields(recipe, Stage.PREV_LOGPROB))
+    assert prompt_fields == ["prompt_ids", "mm_token_type_ids", "pixel_values", "image_grid_thw"]
+    ids = written.responses.sample_ids
+    got = join(plane.get(part, prompt_of(ids), prompt_fields), plane.get(part, ids, response_fields))
+    rows = join(written.prompts, written.responses)
+    direct = SampleBatch(rows.sample_ids, {k: rows.columns[k] for k in got.columns})
+    layout = dict(family="qwen2_5_vl", pad_token_id=0, pixel_dtype=None)
+    for a, b in zip(model_batches(got, 2, **layout), model_batches(direct, 2, **layout), strict=True):
+        assert torch.equal(a.input_ids, b.input_ids) and torch.equal(a.labels, b.labels)
+    assert "ref_logprobs" not in stage_fields(recipe, Stage.TRAIN)  # no KL: nobody writes it
+    assert stage_fields(recipe, Stage.ADVANTAGE) == ("rewards",)
+    assert value_bytes({"rewards": written.responses["rewards"]}) == 16
+
+
+# ---- the recipe ----------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "overrides, field, words",
+    [
+        (["grpo.inner_steps=3"], "grpo.inner_steps", "must divide"),
+        (["grpo.num_generations=1"], "grpo.num_generations", "greater than or equal to 2"),
+        (["grpo.temperature=0"], "grpo.temperature", "greater than 0"),
+        (["data_plane.backend=mooncake"], "data_plane", "transfer_queue"),
+    ],
+)
+def test_bad_grpo_recipes_are_refused_naming_the_field(overrides, field, words):
+    with pytest.raises(InputError) as e:
+        load_recipe(GRPO, overrides)
+    assert field in str(e.value) and words in str(e.value)
+
+
+def test_sft_refuses_what_only_grpo_runs():
+    tiny = ROOT / "recipes" / "tiny-clevr-cpu.yaml"
+    with pytest.raises(InputError, match="data_plane.impl"):
+        load_recipe(tiny, ["data_plane.impl=transfer_queue"])
+    with pytest.raises(InputError, match="data_plane.enabled"):
+        load_recipe(tiny, ["data_plane.enabled=false"])
+
+
+def test_the_task_encoder_must_feed_the_algorithm():
+    from vlmrun.data.components import check_components
+
+    with pytest.raises(InputError, match="use chat_grpo") as e:
+        check_components(load_recipe(GRPO, ["data.task_encoder=chat_sft"]))
+    assert e.value.field == "data.task_encoder"
+    with pytest.raises(InputError, match="use chat_sft"):
+        check_components(load_recipe(ROOT / "recipes" / "tiny-clevr-cpu.yaml", ["data.task_encoder=chat_grpo"]))
+    check_components(load_recipe(GRPO, ["data_plane.impl=transfer_queue", "data_plane.backend=mooncake"]))
+
+
+@pytest.mark.parametrize(
+    "name", ["tiny-grpo-cpu.yaml", "qwen2.5-vl-3b-clevr-grpo-1n2g.yaml", "omni-clevr-grpo-1n8g.yaml"]
+)
+def test_shipped_grpo_recipes_validate(name):
+    from vlmrun.data.components import check_components
+
+    r = load_recipe(ROOT / "recipes" / name)
+    check_components(r)
+    assert r.train.algorithm == "grpo" and r.data.task_encoder == "chat_grpo"
+
+
+def test_a_local_mooncake_plane_needs_mooncake_here(monkeypatch):
+    import vlmrun.cluster.mooncake as mooncake
+    from vlmrun.cluster.preflight import check_local_mooncake
+
+    recipe = load_recipe(GRPO, ["data_plane.impl=transfer_queue", "data_plane.backend=mooncake"])
+    monkeypatch.setattr(mooncake, "mooncake_unavailable", lambda: "mooncake_master is not installed")
+    with pytest.raises(InputError, match="data_plane.backend: mooncake: mooncake_master is not installed"):
+        check_local_mooncake(recipe.data_plane)
+    disabled = load_recipe(
+        GRPO, ["data_plane.enabled=false", "data_plane.impl=transfer_queue", "data_plane.backend=mooncake"]
+    )
+    check_local_mooncake(disabled.data_plane)  # no plane, no server

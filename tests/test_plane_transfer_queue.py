@@ -1,0 +1,178 @@
+"""The `transfer_queue` adapter on a real (local) Ray: simple storage units and Mooncake over TCP.
+
+The same property as the local plane (tests/test_plane_wire.py): random ragged batches come back
+exactly, for a dp shard of the ids and a subset of the fields, and a later stage adds a column. Then
+a worker actor does what a GRPO rank does: reads its shard, writes logprobs back for the driver.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from test_plane_mooncake_master import free_blocks
+from test_plane_wire import GRPO_CONSUMERS, HYPOTHESIS, assert_same, check_round_trip, ragged_batches
+
+from vlmrun.cluster.mooncake import mooncake_unavailable, running_plane_servers
+from vlmrun.plane.fields import Stage
+from vlmrun.plane.interface import DataPlaneError, PartitionSpec
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+BACKENDS = [
+    "simple",
+    pytest.param(
+        "mooncake", marks=pytest.mark.skipif(mooncake_unavailable() is not None, reason=str(mooncake_unavailable()))
+    ),
+]
+SIZES = {"segment_bytes": 64 << 20, "buffer_bytes": 16 << 20}  # per client; the tests move a few MB
+
+
+class PlaneWorker:
+    """A GRPO rank's view of the plane: its own client, built from the job's endpoint."""
+
+    def __init__(self, endpoint):
+        from vlmrun.plane.transfer_queue.store import TransferQueuePlane
+
+        self.plane = TransferQueuePlane(endpoint, pixel_dtype=torch.bfloat16)
+
+    def logprobs(self, partition: str, shard: list[str]) -> dict:
+        """The two logprob stages on `shard`: read their fields, write made-up logprobs back, report what it saw."""
+        spec = self.plane.spec(partition)
+        got = self.plane.get(partition, shard, spec.stage_fields(Stage.PREV_LOGPROB))
+        self.plane.put(partition, shard, {"prev_logprobs": [-r.float() / 1000 for r in got["response_ids"]]})
+        ref = self.plane.get(partition, shard, spec.stage_fields(Stage.REF_LOGPROB))
+        self.plane.put(partition, shard, {"ref_logprobs": [-r.float() / 500 for r in ref["response_ids"]]})
+        return {
+            "fields": sorted(got.columns),
+            "pixels": [[(tuple(s.shape), s.dtype, float(s.float().sum())) for s in v] for v in got["pixel_values"]],
+        }
+
+    def close(self) -> None:
+        self.plane.close()
+
+
+@pytest.fixture(scope="module")
+def ray_local():
+    from vlmrun.cluster.ray.local import start_local_ray
+
+    saved = os.environ.get("PYTHONPATH")  # the workers import PlaneWorker from this module
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(Path(__file__).parent), saved) if p)
+    start_local_ray("test-plane-tq", 2)  # sets Ray's loopback environment before Ray is imported
+    import ray
+
+    yield
+    ray.shutdown()
+    if saved is None:
+        os.environ.pop("PYTHONPATH")
+    else:
+        os.environ["PYTHONPATH"] = saved
+
+
+@pytest.fixture(scope="module", params=BACKENDS)
+def endpoint(request, ray_local, tmp_path_factory):
+    """The job's servers as the node starts them (cluster/mooncake.py), for one backend."""
+    block = free_blocks(1, start=600)[0] if request.param == "mooncake" else None
+    log_dir = tmp_path_factory.mktemp("plane-servers")
+    with running_plane_servers(
+        "transfer_queue", request.param, block=block, host="127.0.0.1", log_dir=log_dir, storage_units=2, **SIZES
+    ) as endpoint:
+        yield endpoint
+
+
+@pytest.fixture(scope="module")
+def planes(endpoint):
+    """One driver-side client per pixel dtype; closed before the servers stop."""
+    from vlmrun.plane.transfer_queue.store import TransferQueuePlane
+
+    planes = {dtype: TransferQueuePlane(endpoint, pixel_dtype=dtype) for dtype in (torch.float32, torch.bfloat16)}
+    yield planes
+    for plane in planes.values():
+        plane.close()
+
+
+@settings(max_examples=12, **HYPOTHESIS)
+@given(batch=ragged_batches())
+def test_ragged_batches_round_trip_exactly(planes, batch):
+    check_round_trip(planes[batch.pixel_dtype], batch)
+
+
+def _rollout(n: int = 4) -> tuple[list[str], dict]:
+    gen = torch.Generator().manual_seed(0)
+    images = [2, 0, 1, 3][:n]
+    return [f"r{i}" for i in range(n)], {
+        "prompt_ids": [torch.randint(0, 100, (5 + i,), generator=gen) for i in range(n)],
+        "mm_token_type_ids": [torch.zeros(5 + i, dtype=torch.long) for i in range(n)],
+        "response_ids": [torch.randint(0, 100, (3 + i,), generator=gen) for i in range(n)],
+        "response_mask": [torch.ones(3 + i, dtype=torch.bool) for i in range(n)],
+        "generation_logprobs": [-torch.rand(3 + i, generator=gen) for i in range(n)],
+        "rewards": [torch.tensor(float(i % 2)) for i in range(n)],
+        "pixel_values": [[torch.randn(16, 24, generator=gen) for _ in range(k)] for k in images],
+        "image_grid_thw": [[torch.tensor([[1, 4, 4]] * k)] if k else [] for k in images],
+    }
+
+
+def test_workers_read_their_shard_and_write_logprobs_back(endpoint, planes):
+    import ray
+
+    driver = planes[torch.bfloat16]
+    ids, rollout = _rollout()
+    driver.register("grpo-step-1", PartitionSpec.for_stages("qwen2_5_vl", GRPO_CONSUMERS, len(ids)))
+    driver.put("grpo-step-1", ids, rollout)
+    workers = [ray.remote(num_cpus=0)(PlaneWorker).remote(endpoint) for _ in range(2)]
+    try:
+        seen = ray.get([w.logprobs.remote("grpo-step-1", ids[k::2]) for k, w in enumerate(workers)])
+        assert seen[0]["fields"] == sorted(
+            ("prompt_ids", "response_ids", "mm_token_type_ids", "pixel_values", "image_grid_thw")
+        )
+        for k, report in enumerate(seen):
+            want = [
+                [
+                    (tuple(s.shape), torch.bfloat16, float(s.bfloat16().float().sum()))
+                    for s in rollout["pixel_values"][i]
+                ]
+                for i in range(k, len(ids), 2)
+            ]
+            assert report["pixels"] == want
+        # the driver sees what the workers wrote, and adds the advantages
+        got = driver.get("grpo-step-1", ids, ["prev_logprobs", "rewards"])
+        for i, lp in enumerate(got["prev_logprobs"]):
+            assert_same(lp, -rollout["response_ids"][i].float() / 1000)
+        rewards = got.stack("rewards")
+        driver.put("grpo-step-1", ids, {"advantages": list((rewards - rewards.mean()).unbind())})
+        train = driver.get("grpo-step-1", ids[1:3], driver.spec("grpo-step-1").stage_fields(Stage.TRAIN))
+        assert train.stack("advantages").tolist() == (rewards - rewards.mean())[1:3].tolist()
+        assert_same(train["pixel_values"], [[s.bfloat16() for s in rollout["pixel_values"][i]] for i in (1, 2)])
+    finally:
+        ray.get([w.close.remote() for w in workers])  # Mooncake: a client takes the memory it lent along
+        for w in workers:
+            ray.kill(w)
+        driver.clear("grpo-step-1")
+    assert "grpo-step-1" not in driver.partitions()
+
+
+def test_errors_raise_clearly(planes):
+    plane = planes[torch.float32]
+    ids, rollout = _rollout(2)
+    plane.register("grpo-step-2", PartitionSpec.for_stages("qwen2_5_vl", GRPO_CONSUMERS, 2))
+    try:
+        plane.put("grpo-step-2", ids, rollout)
+        for call, match in [
+            (lambda: plane.get("grpo-step-2", ids, "all"), "explicit"),
+            (lambda: plane.get("grpo-step-2", ids, ["logits"]), "unknown field"),
+            (lambda: plane.get("grpo-step-2", ids, ["ref_logprobs"]), "not written"),
+            (lambda: plane.put("grpo-step-2", ids, {"rewards": rollout["rewards"]}), "already written"),
+            (lambda: plane.put("grpo-step-2", ids, {"pixel_values": [torch.randn(2, 2)] * 2}), "list of segments"),
+            (
+                lambda: plane.register("grpo-step-2", PartitionSpec.for_stages("qwen2_5_vl", GRPO_CONSUMERS, 2)),
+                "already",
+            ),
+        ]:
+            with pytest.raises(DataPlaneError, match=match):
+                call()
+        assert plane.state_dict()["grpo-step-2"]["ids"] == ids
+    finally:
+        plane.clear("grpo-step-2")
+    assert plane.state_dict() == {}  # nothing left at the step boundary

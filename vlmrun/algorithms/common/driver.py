@@ -1,0 +1,88 @@
+"""The training driver: start the controller actor, pass on stop requests, show progress, return the outcome.
+
+The controller runs on this process's Ray node and is told who this process is: once the driver's
+process is gone (SIGKILL, node loss), the controller writes no metrics row and no checkpoint more.
+Every algorithm's driver (algorithms/<name>/driver.py) is this function with its controller class.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import ray
+
+from vlmrun.algorithms.common.stop import StopFlag
+from vlmrun.errors import VlmrunError
+from vlmrun.run.directory import RunDirectory
+from vlmrun.run.lock import Holder
+from vlmrun.run.metrics import RowFollower
+
+log = logging.getLogger(__name__)
+
+
+def run_controller(
+    controller_cls: type,
+    rd: RunDirectory,
+    recipe,
+    *,
+    attempt: int,
+    model_dir: Path,
+    stop: StopFlag,
+    on_row: Callable[[dict], None] | None = None,
+    worker_threads: int = 1,
+    started_at: float | None = None,
+    **controller_kwargs: Any,
+):
+    """Run (or continue) `controller_cls`'s loop (a `StepLoop`) of `recipe` in the Ray instance this
+    process is connected to; returns the attempt's RunOutcome. `controller_kwargs` go to its constructor."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+    controller = (
+        ray.remote(controller_cls)
+        .options(num_cpus=0, max_concurrency=2, scheduling_strategy=here)  # beside us: it checks our pid
+        .remote(
+            recipe_json=recipe.model_dump_json(),
+            run_dir=str(rd.path),
+            attempt=attempt,
+            model_dir=str(model_dir),
+            worker_threads=worker_threads,
+            started_at=started_at,
+            driver=Holder.of(os.getpid()),
+            **controller_kwargs,
+        )
+    )
+    ref = controller.run.remote()
+    follower = RowFollower(rd.metrics_file(recipe))
+    done = threading.Event()
+    threading.Thread(target=_forward_stop, args=(stop, done, controller), daemon=True, name="stop-forwarder").start()
+    try:
+        while True:
+            ready, _ = ray.wait([ref], timeout=0.5)
+            for row in follower.new_rows():
+                if on_row:
+                    on_row(row)
+            if ready:
+                break
+        return ray.get(ref)
+    except ray.exceptions.RayTaskError as e:
+        cause = getattr(e, "cause", None)
+        if isinstance(cause, VlmrunError):
+            raise cause from None
+        raise
+    finally:
+        done.set()
+
+
+def _forward_stop(stop: StopFlag, done: threading.Event, controller) -> None:
+    """Wakes as soon as the flag is set (not on a polling tick): steps can be tens of milliseconds."""
+    while not done.is_set():
+        if stop.wait(timeout=1.0):
+            log.info("stop requested (%s): checkpointing at the next step boundary", stop.signal_name)
+            controller.request_stop.remote(stop.signal_name or "signal")
+            return

@@ -1,0 +1,255 @@
+"""The step loop every training controller runs: resume, step, validate, log, checkpoint, stop.
+
+A controller is one Ray actor beside the driver (algorithms/<name>/driver.py starts it). `StepLoop`
+holds what does not depend on the algorithm; a subclass supplies the algorithm's part:
+
+1. `_start(found)` starts the workers (and loaders, plane clients, generation) before any step;
+   `found` is the checkpoint it will resume from, already checked to belong to this run.
+2. `_train_step(step, counters)` runs one optimizer step and returns its metrics row (the run
+   contract's keys: loss, grad_norm, lr, valid_tokens, consumed_samples, sample_ids, timings, ...).
+3. `_save_parts(pending)` / `_load_parts(found)` write and read the algorithm's checkpoint parts
+   (this class writes the controller's own: its RNG and counters).
+4. `_close()` releases workers and loaders.
+
+A stop request (signal -> flag -> `request_stop`) is acted on at the next step boundary: every rank
+saves, and the run ends as STOPPED (resumable). Once the driver's process is gone (SIGKILL, node
+loss), the controller writes no metrics row and no checkpoint more.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+from vlmrun.algorithms.common.checkpoint import Checkpoint, CheckpointStore, PendingCheckpoint
+from vlmrun.algorithms.common.steps import plan_steps
+from vlmrun.config.identity import check_same_identity, run_identity
+from vlmrun.distributed.topology import plan_placement
+from vlmrun.distributed.worker_group import WorkerGroup
+from vlmrun.errors import CheckFailed, InputError
+from vlmrun.observe.wandb_sink import WandbSink
+from vlmrun.policy import rng
+from vlmrun.run.directory import RunDirectory
+from vlmrun.run.lock import Holder
+from vlmrun.run.metrics import MetricsLog
+from vlmrun.run.outcome import RunOutcome
+from vlmrun.run.state import State
+
+log = logging.getLogger(__name__)
+
+
+class DriverLost(CheckFailed):
+    """The node process that runs this attempt is gone: the controller stops before its next write."""
+
+
+class StepLoop:
+    """See the module docstring. Subclasses set `self.group` (a WorkerGroup) in `_start`."""
+
+    group: WorkerGroup
+
+    def __init__(
+        self,
+        *,
+        recipe_json: str,
+        run_dir: str,
+        attempt: int,
+        model_dir: str,
+        worker_threads: int = 1,
+        started_at: float | None = None,
+        driver: Holder | None = None,
+        chosen: tuple[Checkpoint | None, list[str]] | None = None,
+    ):
+        from vlmrun.config.recipe import Recipe
+
+        self.recipe = Recipe.model_validate_json(recipe_json)
+        self.recipe_json, self.model_dir, self.attempt = recipe_json, model_dir, attempt
+        self.rd = RunDirectory(run_dir)
+        self.worker_threads = worker_threads
+        self._stop = threading.Event()
+        self.stop_reason = ""
+        self.save_times: list[float] = []
+        self.started_at = started_at or time.time()
+        self.driver = driver  # the node process that runs this attempt; none of our writes outlive it
+        self.worker_nodes: list[str] = []
+        self.chosen = chosen  # (checkpoint, skipped) the node verified; None: pick here (store.latest)
+
+    def request_stop(self, reason: str = "signal") -> None:
+        self.stop_reason = self.stop_reason or reason
+        self._stop.set()
+
+    # ---- the algorithm's part --------------------------------------------------------------------
+    def _start(self, found: Checkpoint | None) -> None:
+        raise NotImplementedError
+
+    def _train_step(self, step: int, counters: dict) -> dict:
+        raise NotImplementedError
+
+    def _save_parts(self, pending: PendingCheckpoint) -> list[str]:
+        raise NotImplementedError
+
+    def _load_parts(self, found: Checkpoint) -> None:
+        raise NotImplementedError
+
+    def _close(self) -> None:
+        raise NotImplementedError
+
+    # ---- the run ---------------------------------------------------------------------------------
+    def run(self) -> RunOutcome:
+        r = self.recipe
+        self.plan = plan_placement(r.parallel)
+        from vlmrun.data.splits import split_size
+
+        self.steps = plan_steps(r, split_size(r.data.path, r.data.split))
+        self.store = CheckpointStore(self.rd.checkpoints(r), r.checkpoint.keep)
+        self.metrics = MetricsLog(self.rd.metrics_file(r))
+        self.wandb = WandbSink(
+            mode=r.logger.wandb_mode,
+            project=r.logger.wandb_project,
+            run_dir=self.rd.path,
+            name=self.rd.path.name,
+            run_id=wandb_id(self.rd.path),
+        )
+        found, skipped = self.chosen if self.chosen is not None else self.store.latest()
+        if found is not None:  # before any worker starts: a refused resume costs nothing
+            self._check_belongs(found)
+        self._start(found)
+        start_step, counters, notes = self._resume(found, skipped)
+        first_step_at = None
+        step = start_step
+        for step in range(start_step + 1, self.steps.max_steps + 1):
+            if self._stop.is_set():
+                step -= 1
+                self._save(step, counters)
+                return self._outcome(
+                    State.STOPPED, step, f"stop requested ({self.stop_reason}); checkpointed at step {step}", notes
+                )
+            row = self._train_step(step, counters)
+            if first_step_at is None:
+                first_step_at = time.time()
+                notes["first_step_s"] = round(first_step_at - self.started_at, 3)  # job start -> first step done
+            if self._due(step, r.train.val_period):
+                row |= self._validate()
+                notes["final_val"] = {k: row[k] for k in row if k.startswith("val_")}
+            self._check_driver()
+            self.metrics.append(row)
+            self.wandb.log(row)
+            if self._due(step, r.checkpoint.save_period) or self._stop.is_set():
+                self._save(step, counters)
+        if self._stop.is_set() and step < self.steps.max_steps:
+            return self._outcome(State.STOPPED, step, f"stop requested ({self.stop_reason})", notes)
+        return self._outcome(State.COMPLETED, step, f"finished {self.steps.max_steps} steps", notes)
+
+    def _check_driver(self) -> None:
+        """Before a write: a controller whose node process died must write nothing more (the run dir
+        may hold a new attempt by now); the attempt's reaper ends this process soon after."""
+        if self.driver is not None and self.driver.alive() is False:
+            raise DriverLost(f"the node process ({self.driver.describe()}) is gone; this attempt writes nothing more")
+
+    def _due(self, step: int, period: int) -> bool:
+        return step == self.steps.max_steps or (period > 0 and step % period == 0)
+
+    def _outcome(self, state: State, step: int, reason: str, notes: dict) -> RunOutcome:
+        import ray
+
+        self.wandb.close()
+        self._close()
+        signal = self.stop_reason if state is State.STOPPED and self.stop_reason.startswith("SIG") else None
+        return RunOutcome(
+            state=state,
+            last_step=step,
+            reason=reason,
+            stop_signal=signal,
+            max_steps=self.steps.max_steps,
+            checkpoint_save_s=self.save_times,
+            worker_nodes=self.worker_nodes,
+            ray_alive_nodes=sum(1 for n in ray.nodes() if n["Alive"]),
+            **notes,
+        )
+
+    def _check_belongs(self, found: Checkpoint) -> None:
+        """Refuse a checkpoint written by another run definition or layout (InputError, exit 2)."""
+        meta = found.manifest
+        check_same_identity(meta.get("identity", {}), self.recipe, where=f"checkpoint {found.path}")
+        if meta["placement_hash"] != self.plan.placement_hash:
+            raise InputError(
+                "parallel",
+                self.plan.describe(),
+                f"checkpoint {found.path} was written with layout {meta['layout']} "
+                f"(placement {meta['placement_hash']}), this run has {self.plan.describe()} "
+                f"(placement {self.plan.placement_hash}); resume with the same layout",
+            )
+
+    def _resume(self, found: Checkpoint | None, skipped: list[str]) -> tuple[int, dict, dict]:
+        rng.seed_all(self.recipe.train.seed)
+        counters = {"consumed_samples": 0, "total_valid_tokens": 0}
+        notes = {"skipped_checkpoints": skipped} if skipped else {}
+        if found is None:
+            return 0, counters, notes
+        self._load_parts(found)
+        ctrl = found.read("controller")
+        rng.set_rng_state(ctrl["rng"])
+        counters = dict(ctrl["counters"])
+        notes["resumed_from"] = found.step
+        log.info("resumed from %s", found.path)
+        return found.step, counters, notes
+
+    def _validate(self) -> dict:
+        r = self.recipe
+        if r.train.val_samples <= 0:
+            return {}
+        if not hasattr(self, "_val"):
+            from vlmrun.data.loader import val_batches
+
+            self._val = val_batches(
+                r,
+                processor_dir=self.model_dir,
+                samples=r.train.val_samples,
+                batch_size=max(1, r.train.micro_batch_size),
+            )
+        loss_b, prompt_b = self._val
+        n = self.group.world_size
+        parts = self.group.per_rank(
+            "validate", lambda rank: dict(loss_batches=loss_b[rank::n], prompt_batches=prompt_b[rank::n])
+        )
+        nll, tokens, correct, answered = [sum(p[k] for p in parts) for k in range(4)]
+        return {
+            "val_loss": nll / max(tokens, 1),
+            "val_accuracy": correct / max(answered, 1),
+            "val_samples": int(answered),
+            "val_majority_baseline": majority_share([a for b in prompt_b for a in b.answers]),
+        }
+
+    def _save(self, step: int, counters: dict) -> None:
+        if step <= 0 or self.store.newest_step() == step:
+            return
+        t0 = time.perf_counter()
+        pending = self.store.begin(step)
+        files = self._save_parts(pending)
+        files.append(pending.write("controller", {"rng": rng.rng_state(), "counters": counters}))
+        meta = {
+            "placement_hash": self.plan.placement_hash,
+            "layout": self.plan.describe(),
+            "loop": self.recipe.train.loop,
+            "algorithm": self.recipe.train.algorithm,
+            "identity": run_identity(self.recipe),
+            "attempt": self.attempt,
+            "counters": counters,
+        }
+        self._check_driver()
+        path = self.store.finish(pending, files, meta)
+        self.save_times.append(round(time.perf_counter() - t0, 4))
+        log.info("saved %s in %.2fs", path, self.save_times[-1])
+
+
+def wandb_id(run_dir: Path) -> str:
+    """One wandb run per run directory, so resumed attempts append to it."""
+    return hashlib.sha256(str(run_dir).encode()).hexdigest()[:16]
+
+
+def majority_share(answers: list[str]) -> float:
+    """Accuracy of always answering the most common answer: the bar a model must beat."""
+    return Counter(answers).most_common(1)[0][1] / len(answers) if answers else 0.0

@@ -1,0 +1,144 @@
+"""One GRPO step as the controller dispatches it: rollout, logprobs, advantages, train.
+
+Two ways to move the step's samples, with the same stages on the same ranks and the same numbers:
+
+1. `PlaneStages` (`data_plane.enabled: true`): every replica's owner rank reads its own loader
+   shard and writes its rollout once into its partition; the ranks fetch the fields of their
+   stage from the plane; the controller reads the rewards and writes the advantages there (through
+   its own client, or the owner rank for a process-local plane). Only sample ids and small
+   per-response reports (rewards, lengths, timings) come back to the controller.
+2. `DriverStages` (`data_plane.enabled: false`, for A/B runs): the controller holds the loader
+   shards, and every stage's fields travel through it: the rollout comes back to the controller,
+   which sends each stage exactly the fields the field registry gives that stage.
+
+Both return a `StepRecord` for metrics.py.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import ray
+import torch
+
+from vlmrun.algorithms.grpo.advantages import group_advantages
+from vlmrun.algorithms.grpo.partition import ReplicaPlanes, partition_name, split_fields, stage_fields
+from vlmrun.algorithms.grpo.rollout_rows import RolloutRows
+from vlmrun.plane.fields import Stage
+from vlmrun.plane.interface import SampleBatch
+
+
+@dataclass
+class StepRecord:
+    """What one step's stages reported: per replica (shard order) and per rank (by_dp order)."""
+
+    rollouts: list[dict]
+    scores: list[dict]
+    trains: list[dict]
+    advantages: torch.Tensor
+    walls: dict[str, float] = field(default_factory=dict)  # stage -> seconds, as the controller saw it
+    controller_plane: dict[str, float] = field(default_factory=dict)
+    loader_s: float = 0.0
+
+
+class PlaneStages:
+    def __init__(self, recipe, group, planes: ReplicaPlanes, micro_batches_per_replica: int):
+        self.recipe, self.group, self.planes = recipe, group, planes
+        self.n_micro = micro_batches_per_replica
+
+    def run(self, step: int) -> StepRecord:
+        walls: dict[str, float] = {}
+        t0 = time.perf_counter()
+        rollouts = self.group.replica_owners("rollout", lambda shard: {"step": step, "n_micro": self.n_micro})
+        walls["rollout"] = time.perf_counter() - t0
+        ids = [r["sample_ids"] for r in rollouts]
+        t0 = time.perf_counter()
+        scores = self.group.by_dp("score", [{"step": step, "sample_ids": i} for i in ids])
+        walls["logprob"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        advantages = self._advantages(step, ids)
+        walls["advantage"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        trains = self.group.by_dp("train", [{"step": step, "sample_ids": i} for i in ids])
+        walls["train"] = time.perf_counter() - t0
+        return StepRecord(
+            rollouts=rollouts,
+            scores=scores,
+            trains=trains,
+            advantages=torch.cat(advantages),
+            walls=walls,
+            controller_plane=self.planes.take(),
+            loader_s=max(r["times"]["loader"] for r in rollouts),
+        )
+
+    def _advantages(self, step: int, ids: list[list[str]]) -> list[torch.Tensor]:
+        """The advantage stage: every replica's rewards from its partition, advantages back into it."""
+        g = self.recipe.grpo
+        parts = [partition_name(step, shard) for shard in range(len(ids))]
+        got = self.planes.get_each(parts, ids, list(stage_fields(self.recipe, Stage.ADVANTAGE)))
+        adv = [group_advantages(b.stack("rewards"), g.num_generations, normalize_std=g.normalize_std) for b in got]
+        self.planes.put_each(parts, ids, [{"advantages": list(a)} for a in adv])
+        return adv
+
+
+class DriverStages:
+    def __init__(self, recipe, group, loaders: dict, micro_batches_per_replica: int):
+        self.recipe, self.group, self.loaders = recipe, group, loaders
+        self.n_micro = micro_batches_per_replica
+
+    def run(self, step: int) -> StepRecord:
+        g = self.recipe.grpo
+        walls: dict[str, float] = {}
+        loader_s = [0.0]
+        t0 = time.perf_counter()
+        refs = self.group.submit_replica_owners(
+            "rollout", lambda shard: {"step": step, "prompts": self._prompts(shard, loader_s)}
+        )
+        rollouts = ray.get(refs)
+        walls["rollout"] = time.perf_counter() - t0
+        rows: list[RolloutRows] = [r.pop("rows") for r in rollouts]
+        t0 = time.perf_counter()
+        scores = self.group.by_dp("score", [self._stage_kwargs(step, r, Stage.PREV_LOGPROB) for r in rows])
+        walls["logprob"] = time.perf_counter() - t0
+        for shard, r in enumerate(rows):
+            r.responses.columns.update(self._replica_results(scores, shard)["columns"])
+        t0 = time.perf_counter()
+        advantages = []
+        for r in rows:
+            adv = group_advantages(r.responses.stack("rewards"), g.num_generations, normalize_std=g.normalize_std)
+            r.responses.columns["advantages"] = list(adv)
+            advantages.append(adv)
+        walls["advantage"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        trains = self.group.by_dp("train", [self._stage_kwargs(step, r, Stage.TRAIN) for r in rows])
+        walls["train"] = time.perf_counter() - t0
+        return StepRecord(
+            rollouts=rollouts,
+            scores=scores,
+            trains=trains,
+            advantages=torch.cat(advantages),
+            walls=walls,
+            loader_s=loader_s[0],
+        )
+
+    def _prompts(self, shard: int, loader_s: list[float]) -> list:
+        t0 = time.perf_counter()
+        prompts = [self.loaders[shard].next_batch() for _ in range(self.n_micro)]
+        loader_s[0] = max(loader_s[0], time.perf_counter() - t0)
+        return prompts
+
+    def _stage_kwargs(self, step: int, rows: RolloutRows, stage: Stage) -> dict:
+        """Exactly the fields `stage` reads (as the plane would hand them over)."""
+        prompt_fields, response_fields = split_fields(stage_fields(self.recipe, stage))
+
+        def only(batch: SampleBatch, fields: list[str]) -> SampleBatch:
+            return SampleBatch(sample_ids=list(batch.sample_ids), columns={f: batch.columns[f] for f in fields})
+
+        sent = RolloutRows(prompts=only(rows.prompts, prompt_fields), responses=only(rows.responses, response_fields))
+        return {"step": step, "sample_ids": list(rows.responses.sample_ids), "rows": sent}
+
+    def _replica_results(self, results: list[dict], shard: int) -> dict:
+        """The first rank's result of replica `shard` (by_dp returns shard, then rank order)."""
+        per_replica = len(results) // len(self.group.plan.shards)
+        return results[shard * per_replica]

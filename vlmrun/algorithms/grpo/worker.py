@@ -1,0 +1,261 @@
+"""GrpoWorker: the Ray actor of one GRPO rank. It holds the rank's policy and, colocated in the same
+process, its replica's generation backend (refit from the policy in memory each step), loader shard
+and data-plane client.
+
+Stages, each one call from the controller (stages.py):
+
+1. `rollout`: refit, take the replica's prompts (its own loader shard, or given by the driver), sample
+   G responses each, score them, and write the rollout once to the replica's partition (or return
+   it, on the driver path).
+2. `score`: fetch the logprob stage's fields of the replica's samples, run the policy (and the
+   reference) forward per micro-batch, write prev (and ref) logprobs back.
+3. `train`: fetch the train fields, take `grpo.inner_steps` optimizer steps with the clipped PG loss,
+   clear the partition.
+
+Every stage builds its micro-batches with the same function from the same samples in the same order
+(micro_batches.py), whichever way the samples came, so the plane paths and the driver path give the
+same numbers. `plane_get` / `plane_put` let the controller reach a process-local (`local`) plane.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from vlmrun.algorithms.common.checkpoint import Checkpoint, PendingCheckpoint
+from vlmrun.algorithms.grpo.loss import ClippedPgLoss
+from vlmrun.algorithms.grpo.micro_batches import model_batches, pg_micro_batches, response_values
+from vlmrun.algorithms.grpo.partition import StagePlane, partition_name, rollout_spec, split_fields, stage_fields
+from vlmrun.algorithms.grpo.rewards import score_responses
+from vlmrun.algorithms.grpo.rollout_rows import (
+    RolloutRows,
+    ended_with,
+    join,
+    prompt_of,
+    response_lengths,
+    rollout_columns,
+)
+from vlmrun.distributed.worker_group import RankActor
+from vlmrun.generation.interface import SamplingParams
+from vlmrun.generation.prompts import join_prompts
+from vlmrun.plane.fields import Stage
+from vlmrun.plane.interface import SampleBatch
+from vlmrun.policy import rng
+from vlmrun.policy.interface import CHECKPOINT_PARTS, PolicyBackend, StepResult
+
+
+class GrpoWorker(RankActor):
+    def __init__(
+        self,
+        *,
+        rank: int,
+        world_size: int,
+        replica: int,
+        owner: bool,
+        recipe_json: str,
+        model_dir: str,
+        threads: int = 1,
+        plane_endpoint=None,
+        plane_enabled: bool = True,
+    ):
+        from vlmrun.config.recipe import Recipe
+        from vlmrun.generation.hf import HfGenerator
+        from vlmrun.policy.hf import HfPolicy  # model.backend: hf is the one backend today
+
+        torch.set_num_threads(threads)
+        self.rank, self.replica, self.owner = rank, replica, owner
+        self.recipe = r = Recipe.model_validate_json(recipe_json)
+        self.model_dir = model_dir
+        self.policy: PolicyBackend = HfPolicy(
+            rank=rank, world_size=world_size, model_dir=model_dir, train=r.train, dtype=r.model.dtype
+        )
+        self.generator = HfGenerator(model_dir=model_dir, replica=replica, dtype=r.model.dtype, threads=threads)
+        self.dtype = torch.bfloat16 if r.model.dtype == "bfloat16" else torch.float32
+        self.sampling = SamplingParams(
+            temperature=r.grpo.temperature,
+            top_p=r.grpo.top_p,
+            max_new_tokens=r.grpo.max_new_tokens,
+            seed=r.train.seed,
+        )
+        self.loss = ClippedPgLoss(r.grpo)
+        self.rows_per_micro = r.train.micro_batch_size * r.grpo.num_generations
+        self.plane = StagePlane.open(plane_endpoint, pixel_dtype=self.dtype) if plane_enabled else None
+        self.loader = None
+
+    def setup(self, master_addr: str, master_port: int, max_steps: int) -> dict:
+        from transformers import AutoTokenizer
+
+        info = self.policy.setup(master_addr=master_addr, master_port=master_port, max_steps=max_steps)
+        self.image_token_id = self.generator.setup()["image_token_id"]
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
+        self.pad_token_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        return info
+
+    def attach_loader(self, shard: int, num_shards: int, placement_hash: str) -> None:
+        """The plane paths: this rank owns loader shard `shard` of its replica."""
+        from vlmrun.data.loader import open_loader_shard
+
+        self.loader = open_loader_shard(
+            self.recipe,
+            processor_dir=self.model_dir,
+            shard=shard,
+            num_shards=num_shards,
+            placement_hash=placement_hash,
+            split=self.recipe.data.split,
+        )
+
+    # ---- stages ----------------------------------------------------------------------------------
+    def rollout(self, step: int, n_micro: int = 0, prompts: list | None = None) -> dict:
+        """Stage 1. The driver path passes `prompts` (the replica's prompt micro-batches) and gets the
+        rollout back in "rows"; the plane paths take `n_micro` micro-batches from the owned loader."""
+        t0 = time.perf_counter()
+        if prompts is None:
+            prompts = [self.loader.next_batch() for _ in range(n_micro)]
+        times = {"loader": time.perf_counter() - t0}
+        t0 = time.perf_counter()
+        self.generator.load_weights(self.policy.weights_for_refit())
+        times["refit"] = time.perf_counter() - t0
+        batch = join_prompts(prompts, self.pad_token_id)
+        rollouts = self.generator.generate(batch, self.sampling, n=self.recipe.grpo.num_generations)
+        times["generation"] = rollouts.generate_s
+        t0 = time.perf_counter()
+        scored = self._score(rollouts)
+        rows = rollout_columns(rollouts, scored, family=self.recipe.family, image_token_id=self.image_token_id)
+        times["reward"] = time.perf_counter() - t0
+        report = {
+            "prompts": list(batch.sample_ids),
+            "templates": list(batch.templates) or [""] * len(batch),
+            "sample_ids": rows.responses.sample_ids,
+            "rewards": [s.reward for s in scored],
+            "correct": [s.correct for s in scored],
+            "well_formed": [s.well_formed for s in scored],
+            "lengths": response_lengths(rollouts),
+            "generated_tokens": rollouts.response_ids.numel(),
+            "times": times,
+        }
+        if self.plane is None:
+            return report | {"rows": rows, "plane": {}}
+        part = partition_name(step, self.replica)
+        self.plane.register(part, rollout_spec(self.recipe, len(rows.prompts) + len(rows.responses)))
+        self.plane.put(part, rows.prompts.sample_ids, rows.prompts.columns)
+        self.plane.put(part, rows.responses.sample_ids, rows.responses.columns)
+        return report | {"plane": self.plane.take()}
+
+    def _score(self, rollouts) -> list:
+        """Every response's reward (rewards.py), from its text and whether it ended its turn."""
+        g = self.recipe.grpo
+        texts = self.tokenizer.batch_decode(
+            rollouts.response_ids.masked_fill(rollouts.response_mask == 0, self.pad_token_id),
+            skip_special_tokens=True,
+        )
+        ended = ended_with(rollouts, self.generator.eos_ids)
+        return score_responses(g.reward, texts, rollouts.answers, ended, format_reward=g.format_reward)
+
+    def score(self, step: int, sample_ids: list[str], rows: RolloutRows | None = None) -> dict:
+        """Stage 2: prev (and, with KL, ref) logprobs of the replica's samples."""
+        got = self._fetch(step, sample_ids, Stage.PREV_LOGPROB, rows)
+        t0 = time.perf_counter()
+        kl = self.recipe.grpo.kl_coef > 0
+        out: dict[str, list] = {"prev_logprobs": [], **({"ref_logprobs": []} if kl else {})}
+        start = 0
+        for b in self._model_batches(got):
+            a = [p.numel() for p in got["prompt_ids"][start : start + len(b)]]
+            n = [r.numel() for r in got["response_ids"][start : start + len(b)]]
+            out["prev_logprobs"] += response_values(self.policy.logprobs(b), a, n)
+            if kl:
+                out["ref_logprobs"] += response_values(self.policy.reference_logprobs(b), a, n)
+            start += len(b)
+        t_logprob = time.perf_counter() - t0
+        report = {"times": {"logprob": t_logprob}}
+        if self.plane is None:
+            return report | {"columns": out, "plane": {}}
+        self.plane.put(partition_name(step, self.replica), sample_ids, out)
+        return report | {"plane": self.plane.take()}
+
+    def train(self, step: int, sample_ids: list[str], rows: RolloutRows | None = None) -> dict:
+        """Stage 3: `grpo.inner_steps` optimizer steps over the replica's samples; the partition is cleared."""
+        try:
+            got = self._fetch(step, sample_ids, Stage.TRAIN, rows)
+        finally:
+            if self.plane is not None:
+                self.plane.clear(partition_name(step, self.replica))
+        plane = self.plane.take() if self.plane is not None else {}
+        t0 = time.perf_counter()
+        batches = pg_micro_batches(got, self.rows_per_micro, **self._layout())
+        k = self.recipe.grpo.inner_steps
+        per = len(batches) // k
+        results = [self.policy.train_step(batches[j * per : (j + 1) * per], self.loss) for j in range(k)]
+        return {"results": [_plain(r) for r in results], "times": {"train": time.perf_counter() - t0}, "plane": plane}
+
+    def _fetch(self, step: int, sample_ids: list[str], stage: Stage, rows: RolloutRows | None) -> SampleBatch:
+        """The stage's fields of the responses `sample_ids`, each with its prompt's: from the plane, or
+        from `rows` as the driver sent them (exactly the stage's fields)."""
+        prompt_fields, response_fields = split_fields(stage_fields(self.recipe, stage))
+        if self.plane is None:
+            sent = set(rows.prompts.columns) | set(rows.responses.columns)
+            if rows.responses.sample_ids != list(sample_ids) or sent != {*prompt_fields, *response_fields}:
+                raise ValueError(f"the driver sent the {stage} stage other samples or fields than it reads")
+            return join(rows.prompts, rows.responses)
+        part = partition_name(step, self.replica)
+        responses = self.plane.get(part, sample_ids, response_fields)
+        prompts = self.plane.get(part, prompt_of(sample_ids), prompt_fields)
+        return join(prompts, responses)
+
+    def _model_batches(self, got: SampleBatch) -> list:
+        return model_batches(got, self.rows_per_micro, **self._layout())
+
+    def _layout(self) -> dict:
+        return {"family": self.recipe.family, "pad_token_id": self.pad_token_id, "pixel_dtype": self.dtype}
+
+    # ---- the controller's reach into a process-local plane ----------------------------------------
+    def plane_get(self, partition: str, sample_ids: list[str], fields: list[str]) -> SampleBatch:
+        return self.plane.plane.get(partition, sample_ids, fields)
+
+    def plane_put(self, partition: str, sample_ids: list[str], columns: dict) -> None:
+        self.plane.plane.put(partition, sample_ids, columns)
+
+    # ---- validation and checkpoints ---------------------------------------------------------------
+    def validate(self, loss_batches: list, prompt_batches: list) -> list[float]:
+        """This rank's [nll, tokens, correct, answered] over its share of the val batches."""
+        return self.policy.score(loss_batches, prompt_batches)
+
+    def save(self, pending: PendingCheckpoint) -> list[str]:
+        """This rank's parts: the policy's (rank 0 alone when every rank holds the same), its RNG, and,
+        on a replica's owner, the sampling stream and the owned loader shard."""
+        written = []
+        if self.rank == 0 or not self.policy.replicated_state:
+            written += [pending.write(part, state) for part, state in self.policy.state_dict().items()]
+        written.append(pending.write("rng", rng.rng_state(), index=self.rank))
+        if self.owner:
+            written.append(pending.write("generation", self.generator.state_dict(), index=self.replica))
+        if self.loader is not None:
+            written.append(pending.write("loader", self.loader.state_dict(), index=self.loader.shard))
+        return written
+
+    def load(self, checkpoint: Checkpoint) -> None:
+        self.policy.load_state_dict({part: checkpoint.read(part) for part in CHECKPOINT_PARTS})
+        rng.set_rng_state(checkpoint.read("rng", index=self.rank))
+        self.generator.load_state_dict(checkpoint.read("generation", index=self.replica))
+        if self.loader is not None:
+            self.loader.load_state_dict(checkpoint.read("loader", index=self.loader.shard))
+
+    def shutdown(self) -> None:
+        if self.loader is not None:
+            self.loader.close()
+        if self.plane is not None:
+            self.plane.close()
+        self.generator.shutdown()
+        self.policy.shutdown()
+
+
+def _plain(result: StepResult) -> dict:
+    return {
+        "loss": result.loss,
+        "grad_norm": result.grad_norm,
+        "lr": result.lr,
+        "valid_tokens": result.valid_tokens,
+        "compute_s": result.compute_s,
+        "peak_rss_mb": result.peak_rss_mb,
+        "stats": dict(result.stats),
+    }

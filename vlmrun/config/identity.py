@@ -1,0 +1,71 @@
+"""What defines a run: the recipe fields a resume may not change, because its checkpoints belong to them.
+
+A checkpoint records `run_identity(recipe)`; `vlmrun resume` (before anything starts) and the job (at
+its start, from the checkpoint it verified) compare it with the recipe about to run, whatever changed
+it (`--set`, or an edited recipe.yaml), and refuse a change naming every field as `field: old -> new`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vlmrun.errors import InputError
+
+#: Dotted recipe fields: batch sizes, layout, seed, data and its splits, sequence length, loop,
+#: algorithm, GRPO's group size and model.
+IDENTITY_FIELDS = (
+    "train.algorithm",
+    "train.loop",
+    "train.global_batch_size",
+    "train.micro_batch_size",
+    "train.seed",
+    "parallel.dp",
+    "parallel.tp",
+    "parallel.pp",
+    "parallel.cp",
+    "data.path",
+    "data.split",
+    "data.val_split",
+    "data.max_seq_len",
+    "grpo.num_generations",
+    "model.family",
+    "model.path",
+    "model.tiny",
+    "model.backend",
+    "model.dtype",
+)
+
+
+def run_identity(recipe) -> dict[str, Any]:
+    """{dotted field: value} of IDENTITY_FIELDS for `recipe` (JSON values)."""
+    out = {}
+    for dotted in IDENTITY_FIELDS:
+        value: Any = recipe
+        for part in dotted.split("."):
+            value = getattr(value, part)
+        out[dotted] = value
+    return out
+
+
+def check_same_identity(saved: dict[str, Any], recipe, *, where: str) -> None:
+    """Raise InputError listing every field where `recipe` differs from the `saved` identity.
+
+    `where` names the checkpoint for the message. Fields `saved` lacks (written by an older vlmrun)
+    are not compared.
+    """
+    current = run_identity(recipe)
+    changes = [(k, saved[k], current[k]) for k in IDENTITY_FIELDS if k in saved and saved[k] != current[k]]
+    if not changes:
+        return
+    listed = "; ".join(f"{k}: {_show(old)} -> {_show(new)}" for k, old, new in changes)
+    raise InputError(
+        changes[0][0],
+        changes[0][2],
+        message=f"{listed}: {where} belongs to the old value{'s' if len(changes) > 1 else ''}; "
+        "a resume continues the same run (put the old values back), or start a new run with `vlmrun submit`",
+    )
+
+
+def _show(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."

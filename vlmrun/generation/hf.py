@@ -1,0 +1,199 @@
+"""The `hf` generation backend: transformers `generate` on one replica, with our own sampler.
+
+1. `generate` runs in greedy mode with one logits processor, `TokenSampler`, that does the sampling
+   itself: it reads the raw logits of each step (the model's own, nothing applied before it), records
+   the log-prob of the token it draws under them, and draws from the suppressed, temperature-scaled,
+   top-p-filtered distribution with the replica's own `torch.Generator`. So the log-probs match a
+   training forward, the RNG is ours to save and restore (no global RNG is touched), and memory
+   stays one [N, vocab] step (transformers' `output_logits` would keep every step's logits).
+2. The model's saved generation config is replaced by one holding only its token ids: a real
+   checkpoint's `generation_config.json` (Qwen2.5-VL ships top_k=1, temperature=0.1,
+   repetition_penalty=1.05) must not change what `SamplingParams` says; transformers' own default
+   top_k=50 would apply to any sampling left to it.
+3. Tokens the saved config suppresses and the model's placeholder tokens (image, video, audio) are
+   never drawn: a response holding a placeholder would break the forward that re-reads it.
+4. Each prompt is repeated `n` times with its media (prompts.py) before `generate`: the rollouts
+   carry those rows anyway, and `num_return_sequences` is refused in greedy mode.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import torch
+
+from vlmrun.data.batch import PromptBatch
+from vlmrun.generation.group import GenerationGroup
+from vlmrun.generation.interface import GenerationBackend, SamplingParams
+from vlmrun.generation.prompts import select_prompts
+from vlmrun.generation.rollouts import Rollouts, response_mask
+
+PLACEHOLDER_IDS = ("image_token_id", "video_token_id", "audio_token_id")
+
+
+class HfGenerator(GenerationBackend):
+    """Replica `replica` of a transformers model from `model_dir`, in this process (CPU or one GPU)."""
+
+    def __init__(
+        self,
+        *,
+        model_dir: str,
+        replica: int = 0,
+        dtype: str = "float32",
+        device: str = "cpu",
+        threads: int | None = None,
+    ):
+        self.model_dir, self.replica, self.dtype, self.device, self.threads = model_dir, replica, dtype, device, threads
+        self._seed: int | None = None
+        self._generator: torch.Generator | None = None
+
+    def setup(self) -> dict[str, Any]:
+        from transformers import AutoModelForImageTextToText, GenerationConfig
+
+        if self.threads:
+            torch.set_num_threads(self.threads)
+        dtype = torch.bfloat16 if self.dtype == "bfloat16" else torch.float32
+        self.model = AutoModelForImageTextToText.from_pretrained(self.model_dir, dtype=dtype).to(self.device).eval()
+        saved, config = self.model.generation_config, self.model.config
+        eos = saved.eos_token_id if saved.eos_token_id is not None else config.get_text_config().eos_token_id
+        self.eos_ids = [eos] if isinstance(eos, int) else list(eos)
+        pad = saved.pad_token_id if saved.pad_token_id is not None else self.eos_ids[0]
+        self.pad_token_id = int(pad)
+        self.image_token_id = getattr(config, "image_token_id", None)
+        placeholders = [getattr(config, name, None) for name in PLACEHOLDER_IDS]
+        self.never_generated = sorted({*(saved.suppress_tokens or ()), *(t for t in placeholders if t is not None)})
+        self.token_ids = {"eos_token_id": self.eos_ids, "pad_token_id": self.pad_token_id}
+        if saved.bos_token_id is not None:
+            self.token_ids["bos_token_id"] = saved.bos_token_id
+        self.model.generation_config = GenerationConfig(**self.token_ids)
+        params = sum(p.numel() for p in self.model.parameters())
+        return {"replica": self.replica, "params": params, "image_token_id": self.image_token_id}
+
+    @torch.no_grad()
+    def generate(self, prompts: PromptBatch, sampling: SamplingParams, *, n: int) -> Rollouts:
+        from transformers import GenerationConfig, LogitsProcessorList
+
+        if n < 1 or len(prompts) == 0:
+            raise ValueError(f"generate needs at least one prompt and n >= 1, got {len(prompts)} prompts and n={n}")
+        t0 = time.perf_counter()
+        batch = select_prompts(prompts, [i for i in range(len(prompts)) for _ in range(n)], self.image_token_id)
+        sampler = TokenSampler(sampling, self._stream(sampling.seed), self.never_generated)
+        inputs = {k: v.to(self.device) for k, v in batch.model_inputs().items()}
+        config = GenerationConfig(**self.token_ids, do_sample=False, max_new_tokens=sampling.max_new_tokens)
+        sequences = self.model.generate(
+            **inputs, generation_config=config, logits_processor=LogitsProcessorList([sampler])
+        ).cpu()
+        responses = sequences[:, batch.input_ids.shape[1] :]
+        mask = response_mask(responses, self.eos_ids)
+        logprobs = sampler.logprobs(responses.shape[1]).masked_fill(mask == 0, 0.0)
+        return Rollouts(
+            group_size=n,
+            sample_ids=batch.sample_ids,
+            answers=batch.answers,
+            prompt_ids=batch.input_ids,
+            prompt_mask=batch.attention_mask,
+            response_ids=responses.masked_fill(mask == 0, self.pad_token_id),
+            response_mask=mask,
+            logprobs=logprobs,
+            pad_token_id=self.pad_token_id,
+            media=batch.media,
+            token_inputs=batch.token_inputs,
+            generate_s=time.perf_counter() - t0,
+        )
+
+    def load_weights(self, weights: Mapping[str, Any]) -> None:
+        self.model.load_state_dict(dict(weights), strict=True)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"seed": self._seed, "generator": None if self._generator is None else self._generator.get_state()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._seed, self._generator = state["seed"], None
+        if state["generator"] is not None:
+            self._generator = torch.Generator(device=self.device)
+            self._generator.set_state(state["generator"])
+
+    def shutdown(self) -> None:
+        self.model = None
+
+    def _stream(self, seed: int) -> torch.Generator:
+        """The replica's generator for `seed`: continued when the seed is the last one, else started afresh."""
+        if self._generator is None or seed != self._seed:
+            self._generator = torch.Generator(device=self.device)
+            self._generator.manual_seed(stream_seed(seed, self.replica))
+            self._seed = seed
+        return self._generator
+
+
+class TokenSampler:
+    """A logits processor that draws the next token itself (see the module docstring, 1).
+
+    Returns scores that are -inf except at the drawn token, so greedy `generate` takes it. Keeps the
+    log-prob of every drawn token under the raw logits, one [N] tensor per step.
+    """
+
+    def __init__(self, sampling: SamplingParams, generator: torch.Generator, never: list[int]):
+        self.sampling, self.generator, self.never = sampling, generator, never
+        self.steps: list[torch.Tensor] = []
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        raw = scores.float()
+        allowed = raw.clone()
+        allowed[:, self.never] = -float("inf")
+        if self.sampling.temperature == 0:
+            token = allowed.argmax(dim=-1)
+        else:
+            probs = torch.softmax(top_p_filter(allowed / self.sampling.temperature, self.sampling.top_p), dim=-1)
+            token = torch.multinomial(probs, 1, generator=self.generator).squeeze(1)
+        self.steps.append(torch.log_softmax(raw, dim=-1).gather(1, token[:, None]).squeeze(1).cpu())
+        forced = torch.full_like(scores, -float("inf"))
+        return forced.scatter_(1, token[:, None], 0.0)
+
+    def logprobs(self, length: int) -> torch.Tensor:
+        """[N, length]: the first `length` steps (generate may run a step it then drops)."""
+        return torch.stack(self.steps[:length], dim=1)
+
+
+def top_p_filter(logits: torch.Tensor, top_p: float) -> torch.Tensor:
+    """`logits` with -inf outside the smallest set of tokens whose probability reaches `top_p` (as HF's)."""
+    if top_p >= 1.0:
+        return logits
+    sorted_logits, order = torch.sort(logits, descending=False)
+    cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+    drop = cumulative <= (1 - top_p)
+    drop[:, -1] = False  # keep at least the most likely token
+    return logits.masked_fill(drop.scatter(1, order, drop), -float("inf"))
+
+
+def stream_seed(seed: int, replica: int) -> int:
+    """A 64-bit seed for replica `replica` of a run seeded `seed`; distinct pairs give unrelated streams."""
+    return int(np.random.SeedSequence([seed, replica]).generate_state(1, np.uint64)[0])
+
+
+def hf_generation_group(
+    model_dir: str,
+    replicas: int,
+    *,
+    dtype: str = "float32",
+    device: str = "cpu",
+    threads: int = 1,
+    num_cpus: float = 1,
+    num_gpus: float = 0,
+) -> GenerationGroup:
+    """`replicas` HfGenerator replicas, one Ray actor each (Ray must be running); call `setup()` next."""
+    return GenerationGroup(
+        HfGenerator,
+        lambda replica: {
+            "model_dir": model_dir,
+            "replica": replica,
+            "dtype": dtype,
+            "device": device,
+            "threads": threads,
+        },
+        replicas,
+        num_cpus=num_cpus,
+        num_gpus=num_gpus,
+    )

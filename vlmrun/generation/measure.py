@@ -1,0 +1,177 @@
+"""Generation throughput of a tiny model: bare `generate` vs `HfGenerator` in process vs in a Ray actor.
+
+    python -m vlmrun.generation.measure --family qwen2_5_vl --prompts 8 --n 4 --max-new-tokens 32
+
+Prints one JSON object. Every row generates the same batch (the prompts of a small generated CLEVR
+set, each repeated n times) with the same number of CPU threads; tokens are rows x steps (the batch
+runs until its longest response ends). "bare generate" is transformers' own sampling (no log-probs);
+the actor row gives the time inside the actor and the round trip seen by the caller. Ray is started
+here, private to this process (address="local"), and shut down at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from vlmrun.generation.interface import SamplingParams
+
+
+def prompt_batch(family: str, model_dir: Path, work: Path, prompts: int):
+    """The first `prompts` validation prompts of a 64 px CLEVR set built under `work`, as validation reads them."""
+    from vlmrun.config.load import validate
+    from vlmrun.data.loader import val_batches
+    from vlmrun.datasets.clevr import generate_clevr, read_complete
+
+    data = work / "clevr-64"
+    if read_complete(data) is None:
+        generate_clevr(data, train=8, val=max(prompts, 8), image_size=64, seed=0)
+    recipe = validate(
+        {
+            "name": "measure-generation",
+            "model": {"family": family, "tiny": True},
+            "data": {"path": str(data), "num_workers": 0, "max_seq_len": 256},
+            "train": {"micro_batch_size": 1, "global_batch_size": 1},
+            "parallel": {"dp": 1},
+        }
+    )
+    _, prompt_batches = val_batches(recipe, processor_dir=str(model_dir), samples=prompts, batch_size=prompts)
+    return prompt_batches[0]
+
+
+def measure(*, family: str, work: Path, prompts: int, n: int, max_new_tokens: int, repeats: int, threads: int) -> dict:
+    """Time the three ways round-robin, `repeats` rounds after one warm-up round; medians per way."""
+    import ray
+
+    from vlmrun.models.tiny import ensure_tiny_model
+
+    torch.set_num_threads(threads)
+    model_dir = ensure_tiny_model(family, work / "models", seed=0)
+    batch = prompt_batch(family, model_dir, work, prompts)
+    sampling = SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=max_new_tokens, seed=0)
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # register as 127.0.0.1 (FACTS.md)
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    ray.init(address="local", num_cpus=threads, include_dashboard=False, _temp_dir=str(work / "ray"))
+    try:
+        ways = {
+            "bare generate": _bare(model_dir, batch, sampling, n),
+            "HfGenerator in process": _in_process(model_dir, batch, sampling, n),
+            "HfGenerator in a Ray actor": _in_actor(model_dir, batch, sampling, n, threads),
+        }
+        times: dict[str, list[tuple[float, float, int]]] = {name: [] for name in ways}
+        for round_ in range(repeats + 1):
+            for name, run in ways.items():
+                result = run()
+                if round_:
+                    times[name].append(result)
+    finally:
+        ray.shutdown()
+    rows = [_row(name, results) for name, results in times.items()]
+    bare, actor = rows[0]["tokens_per_s"], rows[2]
+    return {
+        "family": family,
+        "prompts": prompts,
+        "n": n,
+        "max_new_tokens": max_new_tokens,
+        "threads": threads,
+        "repeats": repeats,
+        "rows": rows,
+        "in_process_over_bare": round(rows[1]["tokens_per_s"] / bare, 3),
+        "actor_over_bare": round(actor["tokens_per_s"] / bare, 3),
+        "actor_round_trip_over_bare": round(actor["round_trip_tokens_per_s"] / bare, 3),
+    }
+
+
+def _row(where: str, results: list[tuple[float, float, int]]) -> dict:
+    """`results`: (seconds generating, seconds seen by the caller, tokens) per round."""
+    inside, outside = statistics.median(r[0] for r in results), statistics.median(r[1] for r in results)
+    tokens = results[-1][2]
+    row = {"where": where, "seconds": round(inside, 4), "tokens": tokens, "tokens_per_s": round(tokens / inside, 1)}
+    if outside != inside:
+        row |= {"round_trip_s": round(outside, 4), "round_trip_tokens_per_s": round(tokens / outside, 1)}
+    return row
+
+
+def _bare(model_dir: Path, batch, sampling: SamplingParams, n: int):
+    from transformers import AutoModelForImageTextToText
+
+    from vlmrun.generation.prompts import select_prompts
+
+    model = AutoModelForImageTextToText.from_pretrained(model_dir).eval()
+    rows = select_prompts(batch, [i for i in range(len(batch)) for _ in range(n)], model.config.image_token_id)
+    kwargs = dict(do_sample=True, temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=sampling.max_new_tokens)
+
+    @torch.no_grad()
+    def run():
+        t0 = time.perf_counter()
+        out = model.generate(**rows.model_inputs(), **kwargs)
+        s = time.perf_counter() - t0
+        return s, s, out.shape[0] * (out.shape[1] - rows.input_ids.shape[1])
+
+    return run
+
+
+def _in_process(model_dir: Path, batch, sampling: SamplingParams, n: int):
+    from vlmrun.generation.hf import HfGenerator
+
+    g = HfGenerator(model_dir=str(model_dir))
+    g.setup()
+
+    def run():
+        t0 = time.perf_counter()
+        out = g.generate(batch, sampling, n=n)
+        s = time.perf_counter() - t0
+        return s, s, out.response_ids.numel()
+
+    return run
+
+
+def _in_actor(model_dir: Path, batch, sampling: SamplingParams, n: int, threads: int):
+    from vlmrun.generation.hf import hf_generation_group
+
+    group = hf_generation_group(str(model_dir), replicas=1, threads=threads, num_cpus=threads)
+    group.setup()
+
+    def run():
+        t0 = time.perf_counter()
+        out = group.generate(batch, sampling, n=n)
+        return out.generate_s, time.perf_counter() - t0, out.response_ids.numel()
+
+    return run
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--family", default="qwen2_5_vl")
+    parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--n", type=int, default=4)
+    parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument(
+        "--work", type=Path, default=None, help="folder for the data set, model and Ray (default: temp)"
+    )
+    args = parser.parse_args()
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    with tempfile.TemporaryDirectory(prefix="vlmrun-measure-") as tmp:
+        result = measure(
+            family=args.family,
+            work=args.work or Path(tmp),
+            prompts=args.prompts,
+            n=args.n,
+            max_new_tokens=args.max_new_tokens,
+            repeats=args.repeats,
+            threads=args.threads,
+        )
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,124 @@
+"""`vlmrun export`: a run's checkpoint as a Hugging Face model directory that a recipe's `model.path` can name.
+
+1. The checkpoint is read through the checkpoint store (the newest one that verifies, or `--step N`,
+   which must verify too); its `model` part is the policy's full state_dict by HF parameter name.
+2. The run's own model directory (`ensure_model`: the tiny model in the run's cache, or `model.path`)
+   gives the architecture, the processor, the tokenizer and the chat template; the checkpoint's
+   weights go into that architecture in the run's `model.dtype`, so the export's logits equal those
+   of the trained model bit for bit.
+3. OUT is written as a hidden sibling folder and renamed into place: a reader never sees half an
+   export, and a failed export leaves nothing. OUT must not exist or be empty.
+
+Login-node side, like the rest of `launch`: torch and transformers are imported when an export runs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from vlmrun.algorithms.common.checkpoint import Checkpoint, CheckpointStore, CorruptCheckpoint
+from vlmrun.errors import InputError
+from vlmrun.models.source import ensure_model
+from vlmrun.run.directory import RunDirectory
+
+#: Written next to the model: where the export came from (no loader reads it).
+EXPORT_RECORD = "vlmrun_export.json"
+
+
+@dataclass(frozen=True)
+class Export:
+    """What `export_checkpoint` wrote: the folder, the step it holds and its files (relative, sorted)."""
+
+    out: Path
+    step: int
+    files: list[str]
+
+    def summary(self) -> dict:
+        return {"out": str(self.out), "step": self.step, "files": self.files}
+
+
+def export_checkpoint(run_dir: str | Path, out: str | Path, *, step: int | None = None) -> Export:
+    """Write checkpoint `step` of the run at `run_dir` (default: the newest that verifies) to `out`.
+
+    Raises InputError naming RUN_DIR (not a run directory, no complete checkpoint), --step (no such
+    checkpoint: the message lists the steps there are; or it does not verify) or OUT (not empty).
+    """
+    rd = RunDirectory(run_dir)
+    if not rd.exists():
+        raise InputError("RUN_DIR", str(rd.path), message=f"RUN_DIR: {rd.path} is not a run directory (no recipe.yaml)")
+    recipe = rd.load_recipe()
+    out = Path(out).expanduser().resolve()
+    _check_out(out)
+    checkpoint = _find_checkpoint(CheckpointStore(rd.checkpoints(recipe), recipe.checkpoint.keep), step, rd)
+    model_dir = ensure_model(recipe.model, rd.cache, recipe.train.seed)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        _write_model(model_dir, checkpoint, recipe.model.dtype, tmp)
+        record = {
+            "run_dir": str(rd.path),
+            "step": checkpoint.step,
+            "family": recipe.family,
+            "model_dir": str(model_dir),
+        }
+        (tmp / EXPORT_RECORD).write_text(json.dumps(record, indent=2) + "\n")
+        tmp.chmod(0o755)  # mkdtemp makes it private to this user
+        if out.exists():
+            out.rmdir()  # empty: checked above
+        os.rename(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    files = sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file())
+    return Export(out=out, step=checkpoint.step, files=files)
+
+
+def _check_out(out: Path) -> None:
+    if out.exists() and not (out.is_dir() and not any(out.iterdir())):
+        raise InputError("OUT", str(out), message=f"OUT: {out} exists and is not empty; name a new folder")
+
+
+def _find_checkpoint(store: CheckpointStore, step: int | None, rd: RunDirectory) -> Checkpoint:
+    steps = [s for s, _ in store.complete()]
+    if step is None:
+        checkpoint, skipped = store.latest()
+        if checkpoint is None:
+            why = f" ({'; '.join(skipped)})" if skipped else ""
+            raise InputError("RUN_DIR", str(rd.path), message=f"RUN_DIR: {rd.path} has no complete checkpoint{why}")
+        return checkpoint
+    if step not in steps:
+        there = f"steps {', '.join(map(str, steps))}" if steps else "none"
+        raise InputError(
+            "--step", step, message=f"--step: {rd.path} has no checkpoint of step {step}; there are: {there}"
+        )
+    try:
+        return store.at(step)
+    except CorruptCheckpoint as e:
+        others = ", ".join(str(s) for s in steps if s != step) or "none"
+        raise InputError(
+            "--step", step, message=f"--step: checkpoint step {step} is damaged ({e}); other steps: {others}"
+        ) from None
+
+
+def _write_model(model_dir: Path, checkpoint: Checkpoint, dtype: str, tmp: Path) -> None:
+    """Config, generation config and safetensors weights of the checkpoint; processor files from `model_dir`."""
+    import torch
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+    from transformers.utils import logging as hf_logging
+
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # the CLI prints the result; load/save bars would be noise on stderr
+    try:
+        model = AutoModelForImageTextToText.from_pretrained(
+            model_dir, dtype=torch.bfloat16 if dtype == "bfloat16" else torch.float32
+        )
+        model.load_state_dict(checkpoint.read("model"), strict=True)
+        model.save_pretrained(tmp)
+        AutoProcessor.from_pretrained(model_dir).save_pretrained(tmp)
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()

@@ -1,0 +1,233 @@
+"""The field registry: every field that crosses the data plane, named once.
+
+Each field says how it is aligned, its dtype, which stage writes it and which stages read it. A stage
+asks the plane for exactly `stage_fields(stage, family)`, never for "all"; a partition is registered
+with the fields of its consumers (`partition_fields`). Light on purpose (no torch): recipes and tests
+read it without loading the stack.
+
+1. Alignment. `SAMPLE`: one tensor per sample whose number of dimensions the field fixes (a scalar
+   reward, an SFT micro-batch's padded ids). `PROMPT_TOKEN` / `RESPONSE_TOKEN`: a 1-D tensor per
+   sample with one entry per prompt / response token; the plane checks that every field of one kind
+   has the same length for a sample. `MEDIA`: a sample's packed media, a list of segments (one per
+   image or per processor call, any shape), flattened on the wire with their shapes in the tags.
+2. dtype is a torch dtype name, or "policy" for pixel values: floating, cast to the policy dtype before
+   the wire (the plane's `pixel_dtype`).
+3. Sync GRPO: the rollout (`GENERATION`) writes prompts, responses, masks, generation logprobs, rewards
+   and the media once; `PREV_LOGPROB` and `REF_LOGPROB` add their logprobs under the same sample ids;
+   `ADVANTAGE` (the driver) reads rewards and adds advantages; `TRAIN` reads what the loss needs. The
+   logprob stages and the train stage read the same media fields, so the policy sees the same pixels.
+4. SFT v2 puts each micro-batch as one record (`SFT_LOADER` writes, `SFT_TRAIN` reads): its padded
+   tensors as `SAMPLE` fields and its packed media as one segment per media field.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+from types import MappingProxyType
+
+from vlmrun.config.families import FAMILIES, family_spec
+
+
+class Alignment(StrEnum):
+    SAMPLE = "sample"
+    PROMPT_TOKEN = "prompt_token"
+    RESPONSE_TOKEN = "response_token"
+    MEDIA = "media"
+
+
+class Stage(StrEnum):
+    GENERATION = "generation"
+    PREV_LOGPROB = "prev_logprob"
+    REF_LOGPROB = "ref_logprob"
+    ADVANTAGE = "advantage"
+    TRAIN = "train"
+    SFT_LOADER = "sft_loader"
+    SFT_TRAIN = "sft_train"
+
+
+#: The dtype of pixel values: floating, cast to the policy dtype before the wire.
+POLICY_DTYPE = "policy"
+
+GRPO_STAGES = (Stage.GENERATION, Stage.PREV_LOGPROB, Stage.REF_LOGPROB, Stage.ADVANTAGE, Stage.TRAIN)
+_MODEL_INPUT_READERS = (Stage.PREV_LOGPROB, Stage.REF_LOGPROB, Stage.TRAIN)
+
+
+@dataclass(frozen=True, kw_only=True)
+class FieldSpec:
+    """One field of the plane. `ndim` fixes a `SAMPLE` field's dimensions; `families` is None for
+    every family, else the families whose processor makes the field."""
+
+    name: str
+    alignment: Alignment
+    dtype: str
+    writers: tuple[Stage, ...]
+    readers: tuple[Stage, ...]
+    doc: str
+    ndim: int | None = None
+    families: tuple[str, ...] | None = None
+
+    def for_family(self, family: str) -> bool:
+        return self.families is None or family in self.families
+
+
+def _grpo_fields() -> list[FieldSpec]:
+    gen = (Stage.GENERATION,)
+    return [
+        FieldSpec(
+            name="prompt_ids",
+            alignment=Alignment.PROMPT_TOKEN,
+            dtype="int64",
+            writers=gen,
+            readers=_MODEL_INPUT_READERS,
+            doc="the prompt's token ids (chat template, image placeholders expanded)",
+        ),
+        FieldSpec(
+            name="response_ids",
+            alignment=Alignment.RESPONSE_TOKEN,
+            dtype="int64",
+            writers=gen,
+            readers=_MODEL_INPUT_READERS,
+            doc="the generated token ids",
+        ),
+        FieldSpec(
+            name="response_mask",
+            alignment=Alignment.RESPONSE_TOKEN,
+            dtype="bool",
+            writers=gen,
+            readers=(Stage.TRAIN,),
+            doc="the token mask of the response: True where a token counts in the loss",
+        ),
+        FieldSpec(
+            name="generation_logprobs",
+            alignment=Alignment.RESPONSE_TOKEN,
+            dtype="float32",
+            writers=gen,
+            readers=(Stage.TRAIN,),
+            doc="logprobs of the response tokens from the generation backend (token_mult_prob_error)",
+        ),
+        FieldSpec(
+            name="prev_logprobs",
+            alignment=Alignment.RESPONSE_TOKEN,
+            dtype="float32",
+            writers=(Stage.PREV_LOGPROB,),
+            readers=(Stage.TRAIN,),
+            doc="logprobs of the response tokens under the policy before this step's update",
+        ),
+        FieldSpec(
+            name="ref_logprobs",
+            alignment=Alignment.RESPONSE_TOKEN,
+            dtype="float32",
+            writers=(Stage.REF_LOGPROB,),
+            readers=(Stage.TRAIN,),
+            doc="logprobs of the response tokens under the reference policy (KL penalty)",
+        ),
+        FieldSpec(
+            name="rewards",
+            alignment=Alignment.SAMPLE,
+            dtype="float32",
+            ndim=0,
+            writers=gen,
+            readers=(Stage.ADVANTAGE,),
+            doc="the reward of the response",
+        ),
+        FieldSpec(
+            name="advantages",
+            alignment=Alignment.SAMPLE,
+            dtype="float32",
+            ndim=0,
+            writers=(Stage.ADVANTAGE,),
+            readers=(Stage.TRAIN,),
+            doc="the group-normalized advantage of the response",
+        ),
+    ]
+
+
+def _family_fields() -> list[FieldSpec]:
+    """Per-token model inputs and packed media of every family (config/families.py)."""
+    out: dict[str, FieldSpec] = {}
+    for spec in FAMILIES.values():
+        for key in spec.token_keys:
+            fams = tuple(f.name for f in FAMILIES.values() if key in f.token_keys)
+            out[key] = FieldSpec(
+                name=key,
+                alignment=Alignment.PROMPT_TOKEN,
+                dtype="int64",
+                writers=(Stage.GENERATION,),
+                readers=_MODEL_INPUT_READERS,
+                families=fams,
+                doc=f"the processor's per-token input {key} over the prompt",
+            )
+            out[f"batch_{key}"] = _sft_record(f"batch_{key}", f"the micro-batch's padded {key}", fams)
+        for key in spec.media_keys:
+            fams = tuple(f.name for f in FAMILIES.values() if key in f.media_keys)
+            out[key] = FieldSpec(
+                name=key,
+                alignment=Alignment.MEDIA,
+                dtype=POLICY_DTYPE if key == "pixel_values" else "int64",
+                writers=(Stage.GENERATION, Stage.SFT_LOADER),
+                readers=(*_MODEL_INPUT_READERS, Stage.SFT_TRAIN),
+                families=None if len(fams) == len(FAMILIES) else fams,
+                doc=f"packed media {key}: one segment per image or processor call",
+            )
+    return list(out.values())
+
+
+def _sft_record(name: str, doc: str, families: tuple[str, ...] | None = None) -> FieldSpec:
+    return FieldSpec(
+        name=name,
+        alignment=Alignment.SAMPLE,
+        dtype="int64",
+        ndim=2,
+        writers=(Stage.SFT_LOADER,),
+        readers=(Stage.SFT_TRAIN,),
+        families=families,
+        doc=doc,
+    )
+
+
+def _sft_fields() -> list[FieldSpec]:
+    return [
+        _sft_record("batch_input_ids", "the micro-batch's right-padded input ids"),
+        _sft_record("batch_attention_mask", "the micro-batch's attention mask"),
+        _sft_record("batch_labels", "the micro-batch's labels (-100 where no loss)"),
+    ]
+
+
+FIELDS: MappingProxyType[str, FieldSpec] = MappingProxyType(
+    {f.name: f for f in (*_grpo_fields(), *_sft_fields(), *_family_fields())}
+)
+
+
+def field_spec(name: str) -> FieldSpec:
+    """The registry entry of `name`; `KeyError` naming the known fields."""
+    try:
+        return FIELDS[name]
+    except KeyError:
+        raise KeyError(f"unknown data-plane field {name!r}; known: {', '.join(sorted(FIELDS))}") from None
+
+
+def stage_fields(stage: Stage | str, family: str) -> tuple[str, ...]:
+    """The fields `stage` reads for `family`, in registry order: the explicit list it asks the plane for."""
+    family_spec(family)
+    stage = Stage(stage)
+    return tuple(f.name for f in FIELDS.values() if stage in f.readers and f.for_family(family))
+
+
+def stage_writes(stage: Stage | str, family: str) -> tuple[str, ...]:
+    """The fields `stage` writes for `family`, in registry order."""
+    family_spec(family)
+    stage = Stage(stage)
+    return tuple(f.name for f in FIELDS.values() if stage in f.writers and f.for_family(family))
+
+
+def media_fields(family: str) -> tuple[str, ...]:
+    """The packed media fields of `family`."""
+    return tuple(f.name for f in FIELDS.values() if f.alignment is Alignment.MEDIA and f.for_family(family))
+
+
+def partition_fields(family: str, consumers: tuple[Stage | str, ...]) -> tuple[str, ...]:
+    """Every field some stage of `consumers` reads, for `family`: what a partition for them holds."""
+    family_spec(family)
+    stages = {Stage(s) for s in consumers}
+    return tuple(f.name for f in FIELDS.values() if f.for_family(family) and stages & set(f.readers))

@@ -1,0 +1,267 @@
+"""The protocol of interface.py, once, over a `RowStore`: the few primitives each adapter implements.
+
+`RowPlane` checks every call against the partition's spec and the field registry, turns values into
+flat 1-D rows with the wire (wire/codec.py) and keeps, per sample, one tag dict: the writers' own
+keys plus `_vlmrun` = {"fields": {field: wire tag}}. The wire tags say which fields a sample holds,
+their dtypes and true shapes, so a store only moves rows: it never interprets shapes, and it may
+leave rows of length 0 out of transit (Mooncake cannot store them) and rebuild them from the tag.
+"""
+
+from __future__ import annotations
+
+import abc
+import copy
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from vlmrun.plane.fields import FIELDS, Alignment, field_spec
+from vlmrun.plane.interface import Columns, DataPlane, DataPlaneError, PartitionSpec, SampleBatch
+from vlmrun.plane.wire.codec import FieldTag, Pieces, decode_column, encode_column
+
+#: The tag key the plane keeps for itself; writers' tags may use any other key.
+RESERVED_TAG = "_vlmrun"
+#: field -> one 1-D row per sample (what a store reads back)
+Rows = dict[str, list[torch.Tensor]]
+#: field -> one row per sample as the wire's pieces (what a store writes; wire/codec.py)
+RowPieces = dict[str, list[Pieces]]
+
+
+class RowStore(abc.ABC):
+    """Where an adapter keeps partitions: specs, per-sample tags and per-field rows."""
+
+    @abc.abstractmethod
+    def create_partition(self, partition: str, spec: dict[str, Any]) -> None:
+        """Record `spec`; `DataPlaneError` when `partition` exists."""
+
+    @abc.abstractmethod
+    def partition_spec(self, partition: str) -> dict[str, Any] | None: ...
+
+    @abc.abstractmethod
+    def partition_names(self) -> list[str]: ...
+
+    @abc.abstractmethod
+    def sample_ids(self, partition: str) -> list[str]: ...
+
+    @abc.abstractmethod
+    def sample_tags(self, partition: str, ids: list[str]) -> list[dict[str, Any] | None]:
+        """Each id's full tag dict, None for an id the partition lacks."""
+
+    @abc.abstractmethod
+    def write(
+        self, partition: str, ids: list[str], tags: list[dict[str, Any]], rows: RowPieces, *, create: bool
+    ) -> None:
+        """Create the samples `ids` (`create`) or add columns to them; `tags` replace theirs whole;
+        `rows[field][i]` is sample `ids[i]`'s row, as pieces."""
+
+    @abc.abstractmethod
+    def read(self, partition: str, ids: list[str], fields: list[str], tags: list[dict[str, Any]]) -> Rows:
+        """`rows[field][i]` of sample `ids[i]`, whose tags are `tags[i]`."""
+
+    @abc.abstractmethod
+    def drop(self, partition: str) -> None: ...
+
+    def close(self) -> None:  # noqa: B027 - a store may hold nothing to release
+        pass
+
+
+class RowPlane(DataPlane):
+    """A data plane over `store`; pixel values are cast to `pixel_dtype` before the wire (None: as given)."""
+
+    def __init__(self, store: RowStore, *, pixel_dtype: torch.dtype | None = None):
+        self.store = store
+        self.pixel_dtype = pixel_dtype
+
+    def register(self, partition: str, spec: PartitionSpec) -> None:
+        if not isinstance(spec, PartitionSpec):
+            raise DataPlaneError(f"register {partition!r} with a PartitionSpec, not {type(spec).__name__}")
+        self.store.create_partition(_name(partition), spec.to_dict())
+
+    def spec(self, partition: str) -> PartitionSpec:
+        d = self.store.partition_spec(_name(partition))
+        if d is None:
+            raise DataPlaneError(f"no partition {partition!r} (registered: {self.partitions()})")
+        return PartitionSpec.from_dict(d)
+
+    def put(
+        self,
+        partition: str,
+        sample_ids: Sequence[str],
+        columns: Columns,
+        tags: Sequence[Mapping[str, Any]] | None = None,
+    ) -> None:
+        spec = self.spec(partition)
+        ids = _ids(sample_ids)
+        if not isinstance(columns, Mapping) or not columns:
+            raise DataPlaneError(f"{partition}: put takes a non-empty mapping of field -> values per sample")
+        _known_fields(partition, spec, list(columns))
+        user_tags = _user_tags(tags, len(ids))
+        old = self.store.sample_tags(partition, ids)
+        create = _is_first_write(partition, ids, old)
+        if create and len(self.store.sample_ids(partition)) + len(ids) > spec.num_samples:
+            raise DataPlaneError(f"{partition}: {len(ids)} more samples exceed its {spec.num_samples}")
+        rows, field_tags = self._encode(partition, ids, columns)
+        merged = _merge_tags(partition, ids, old, field_tags, user_tags)
+        self.store.write(partition, ids, merged, rows, create=create)
+
+    def get(self, partition: str, sample_ids: Sequence[str], fields: Sequence[str]) -> SampleBatch:
+        spec = self.spec(partition)
+        if isinstance(fields, str) or not isinstance(fields, Sequence) or not fields:
+            raise DataPlaneError(f"{partition}: get takes an explicit, non-empty list of field names, not {fields!r}")
+        fields = list(fields)
+        if len(set(fields)) != len(fields):
+            raise DataPlaneError(f"{partition}: field list {fields} names a field twice")
+        _known_fields(partition, spec, fields)
+        ids = _ids(sample_ids)
+        tags = self._existing_tags(partition, ids)
+        for name in fields:
+            lacking = [i for i, t in zip(ids, tags, strict=True) if name not in t[RESERVED_TAG]["fields"]]
+            if lacking:
+                raise DataPlaneError(f"{partition}: field {name!r} was not written for sample(s) {lacking[:5]}")
+        rows = self.store.read(partition, ids, fields, tags)
+        columns = {
+            name: decode_column(field_spec(name), rows[name], [t[RESERVED_TAG]["fields"][name] for t in tags])
+            for name in fields
+        }
+        return SampleBatch(sample_ids=ids, columns=columns, tags=[_strip(t) for t in tags])
+
+    def list_sample_ids(self, partition: str) -> list[str]:
+        self.spec(partition)
+        return self.store.sample_ids(partition)
+
+    def partitions(self) -> list[str]:
+        return sorted(self.store.partition_names())
+
+    def clear(self, partition: str) -> None:
+        self.store.drop(_name(partition))
+
+    def state_dict(self) -> dict[str, Any]:
+        """Per partition: its spec, ids and tags, and its rows grouped by the samples that hold the same fields."""
+        state = {}
+        for name in self.partitions():
+            ids = self.store.sample_ids(name)
+            tags = self.store.sample_tags(name, ids) if ids else []
+            groups: dict[tuple[str, ...], list[int]] = {}
+            for i, t in enumerate(tags):
+                groups.setdefault(tuple(sorted(t[RESERVED_TAG]["fields"])), []).append(i)
+            saved = []
+            for fields, idx in groups.items():
+                if fields:
+                    sub = [ids[i] for i in idx]
+                    saved.append({"ids": sub, "rows": self.store.read(name, sub, list(fields), [tags[i] for i in idx])})
+            state[name] = {"spec": self.store.partition_spec(name), "ids": ids, "tags": tags, "groups": saved}
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for name, part in state.items():
+            self.store.create_partition(name, part["spec"])
+            if part["ids"]:
+                self.store.write(name, list(part["ids"]), list(part["tags"]), {}, create=True)
+            by_id = dict(zip(part["ids"], part["tags"], strict=True))
+            for group in part["groups"]:
+                ids = list(group["ids"])
+                pieces = {f: [[r] for r in rows] for f, rows in group["rows"].items()}
+                self.store.write(name, ids, [by_id[i] for i in ids], pieces, create=False)
+
+    def close(self) -> None:
+        self.store.close()
+
+    def _encode(self, partition: str, ids: list[str], columns: Columns) -> tuple[RowPieces, dict[str, list[FieldTag]]]:
+        rows, tags = {}, {}
+        for name, values in columns.items():
+            if not isinstance(values, torch.Tensor) and isinstance(values, Sequence) and len(values) != len(ids):
+                raise DataPlaneError(f"{partition}: field {name!r} has {len(values)} values for {len(ids)} samples")
+            rows[name], tags[name] = encode_column(field_spec(name), values, pixel_dtype=self.pixel_dtype)
+        return rows, tags
+
+    def _existing_tags(self, partition: str, ids: list[str]) -> list[dict[str, Any]]:
+        tags = self.store.sample_tags(partition, ids)
+        missing = [i for i, t in zip(ids, tags, strict=True) if t is None]
+        if missing:
+            raise DataPlaneError(f"{partition}: no sample(s) {missing[:5]} ({len(missing)} missing)")
+        return tags
+
+
+def _name(partition: str) -> str:
+    if not isinstance(partition, str) or not partition:
+        raise DataPlaneError(f"a partition name is a non-empty string, not {partition!r}")
+    return partition
+
+
+def _ids(sample_ids: Sequence[str]) -> list[str]:
+    if isinstance(sample_ids, str) or not isinstance(sample_ids, Sequence) or not sample_ids:
+        raise DataPlaneError(f"sample ids are a non-empty list of strings, not {sample_ids!r}")
+    ids = list(sample_ids)
+    if not all(isinstance(i, str) and i for i in ids):
+        raise DataPlaneError(f"sample ids are non-empty strings: {ids[:5]}")
+    if len(set(ids)) != len(ids):
+        raise DataPlaneError(f"sample ids repeat: {sorted({i for i in ids if ids.count(i) > 1})[:5]}")
+    return ids
+
+
+def _known_fields(partition: str, spec: PartitionSpec, fields: list[str]) -> None:
+    unknown = [f for f in fields if f not in FIELDS]
+    if unknown:
+        raise DataPlaneError(f"{partition}: unknown field(s) {unknown}; known: {', '.join(sorted(FIELDS))}")
+    outside = [f for f in fields if f not in spec.fields]
+    if outside:
+        raise DataPlaneError(f"{partition}: field(s) {outside} are not in the partition (it has {list(spec.fields)})")
+
+
+def _user_tags(tags: Sequence[Mapping[str, Any]] | None, n: int) -> list[dict[str, Any]]:
+    if tags is None:
+        return [{} for _ in range(n)]
+    if isinstance(tags, Mapping) or len(tags) != n:
+        raise DataPlaneError(f"tags are one dict per sample: expected {n}")
+    out = []
+    for t in tags:
+        if not isinstance(t, Mapping) or not all(isinstance(k, str) for k in t) or RESERVED_TAG in t:
+            raise DataPlaneError(f"a sample's tags are a dict with string keys other than {RESERVED_TAG!r}: {t!r}")
+        out.append(dict(t))
+    return out
+
+
+def _is_first_write(partition: str, ids: list[str], old: list[dict[str, Any] | None]) -> bool:
+    present = [t is not None for t in old]
+    if all(present):
+        return False
+    if not any(present):
+        return True
+    known = [i for i, p in zip(ids, present, strict=True) if p]
+    raise DataPlaneError(
+        f"{partition}: one put writes new samples or adds columns to existing ones, not both (existing: {known[:5]})"
+    )
+
+
+def _merge_tags(
+    partition: str,
+    ids: list[str],
+    old: list[dict[str, Any] | None],
+    field_tags: dict[str, list[FieldTag]],
+    user_tags: list[dict[str, Any]],
+) -> list[dict[str, Any]]:
+    merged = []
+    for i, sid in enumerate(ids):
+        tag = copy.deepcopy(old[i]) if old[i] is not None else {RESERVED_TAG: {"fields": {}}}
+        held = tag[RESERVED_TAG]["fields"]
+        again = [name for name in field_tags if name in held]
+        if again:
+            raise DataPlaneError(f"{partition}: field(s) {again} of sample {sid!r} were already written (no overwrite)")
+        for name, tags in field_tags.items():
+            held[name] = tags[i]
+        _check_token_alignment(partition, sid, held)
+        tag.update(user_tags[i])
+        merged.append(tag)
+    return merged
+
+
+def _check_token_alignment(partition: str, sid: str, held: dict[str, FieldTag]) -> None:
+    for kind in (Alignment.PROMPT_TOKEN, Alignment.RESPONSE_TOKEN):
+        lengths = {name: t["shape"][0] for name, t in held.items() if FIELDS[name].alignment is kind}
+        if len(set(lengths.values())) > 1:
+            raise DataPlaneError(f"{partition}: {kind} fields of sample {sid!r} differ in length: {lengths}")
+
+
+def _strip(tag: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in tag.items() if k != RESERVED_TAG}

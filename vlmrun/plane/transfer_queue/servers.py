@@ -1,0 +1,127 @@
+"""TransferQueue's servers as Ray actors of the job: start them, hand out the endpoint, stop them.
+
+Called once per job by whoever starts Ray (the node entrypoint, or a test), after Ray is up:
+
+    servers = start_transfer_queue("simple")                       # or "mooncake", mooncake=master.store_config()
+    plane = TransferQueuePlane(servers.endpoint, pixel_dtype=...)  # in any process of the job
+    ...
+    stop_transfer_queue(servers)
+
+Unlike `tq.init`, the actors ask Ray for no CPU (`tq.init` hangs forever when Ray has no free CPU for
+its controller and storage units), carry no global name (two deployments may share one Ray), wait for
+readiness with a deadline, and never touch mooncake_master (cluster/mooncake.py owns it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from vlmrun.plane.transfer_queue.endpoint import (
+    BACKENDS,
+    Backend,
+    MooncakeStoreConfig,
+    ServerAddress,
+    TransferQueueEndpoint,
+)
+from vlmrun.plane.transfer_queue.store import import_transfer_queue
+
+log = logging.getLogger(__name__)
+
+#: Storage units and the controller deserialize with one thread (TransferQueue's default 8 warns on small nodes).
+_ACTOR_ENV = {"env_vars": {"TQ_NUM_THREADS": "1"}}
+_SHUTDOWN_S = 15.0
+
+
+@dataclass
+class TransferQueueServers:
+    """The job's TransferQueue actors; `endpoint` is what every client needs (picklable)."""
+
+    endpoint: TransferQueueEndpoint
+    controller: Any
+    storage_units: dict[str, Any] = field(default_factory=dict)
+
+
+def start_transfer_queue(
+    backend: Backend,
+    *,
+    mooncake: MooncakeStoreConfig | None = None,
+    storage_units: int = 1,
+    storage_node_resource: str | None = None,
+    deadline_s: float = 60.0,
+) -> TransferQueueServers:
+    """Start the controller and, for `backend="simple"`, `storage_units` in-memory storage units spread
+    round-robin over the Ray nodes (those with `storage_node_resource` when given).
+
+    Needs a running Ray (`ray.init` in this process). `mooncake` (the running master's addresses) is
+    required for `backend="mooncake"`. Raises TimeoutError naming the actor that is not ready after
+    `deadline_s`, having stopped what it started.
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"TransferQueue backend {backend!r}; allowed: {', '.join(BACKENDS)}")
+    if (backend == "mooncake") != (mooncake is not None):
+        raise ValueError("give `mooncake` (the master's addresses) exactly when backend is 'mooncake'")
+    import_transfer_queue()
+    from transfer_queue.controller import TransferQueueController
+    from transfer_queue.sampler import SequentialSampler
+
+    controller = TransferQueueController.options(num_cpus=0, runtime_env=_ACTOR_ENV).remote(
+        sampler=SequentialSampler(), polling_mode=False
+    )
+    servers = TransferQueueServers(endpoint=None, controller=controller)  # type: ignore[arg-type]
+    try:
+        controller_info = _ready(controller, "the TransferQueue controller", deadline_s)
+        if backend == "simple":
+            servers.storage_units = _start_storage_units(storage_units, storage_node_resource)
+        unit_infos = {name: _ready(h, f"storage unit {name}", deadline_s) for name, h in servers.storage_units.items()}
+    except BaseException:
+        stop_transfer_queue(servers)
+        raise
+    servers.endpoint = TransferQueueEndpoint(
+        backend=backend, controller=controller_info, storage_units=unit_infos, mooncake=mooncake
+    )
+    return servers
+
+
+def stop_transfer_queue(servers: TransferQueueServers) -> None:
+    """Shut the storage units down (their data is gone) and end every actor `start_transfer_queue` made."""
+    import ray
+
+    units = list(servers.storage_units.values())
+    with contextlib.suppress(Exception):
+        ray.get([u.shutdown.remote() for u in units], timeout=_SHUTDOWN_S)
+    for actor in [*units, servers.controller]:
+        with contextlib.suppress(Exception):
+            ray.kill(actor)
+    servers.storage_units = {}
+
+
+def _start_storage_units(n: int, node_resource: str | None) -> dict[str, Any]:
+    from transfer_queue.storage.simple_storage import SimpleStorageUnit
+    from transfer_queue.utils.common import get_node_round_robin_scheduling_strategies
+
+    if n < 1:
+        raise ValueError(f"storage_units must be at least 1, not {n}")
+    config = {"total_storage_size": None, "num_data_storage_units": n, "_run_id": uuid.uuid4().hex}
+    strategies = get_node_round_robin_scheduling_strategies(n, required_node_resource=node_resource)
+    return {
+        f"storage-{i}": SimpleStorageUnit.options(
+            num_cpus=0, scheduling_strategy=strategies[i], runtime_env=_ACTOR_ENV
+        ).remote(config=config)
+        for i in range(n)
+    }
+
+
+def _ready(actor: Any, what: str, deadline_s: float) -> Any:
+    """The actor's ZMQ address, once it answers; TimeoutError after `deadline_s`."""
+    import ray
+
+    try:
+        return ServerAddress.of(ray.get(actor.get_zmq_server_info.remote(), timeout=deadline_s))
+    except ray.exceptions.GetTimeoutError:
+        raise TimeoutError(
+            f"{what} did not start within {deadline_s:.0f} s (is Ray short of nodes or memory?)"
+        ) from None
