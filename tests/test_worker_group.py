@@ -24,6 +24,19 @@ class EchoRank(RankActor):
     def shutdown(self) -> None:
         self.closed = True
 
+    def step(self, victim: int, flag: str) -> int:
+        """`victim` dies; the other ranks fail first, as a collective does when a peer's socket closes
+        before Ray has noticed that the peer's process is gone."""
+        import time
+
+        if self.rank == victim:
+            Path(flag).touch()  # the peer sees its link break now ...
+            time.sleep(1.0)  # ... and Ray learns of the death only later
+            os._exit(1)
+        while not Path(flag).exists():
+            time.sleep(0.01)
+        raise RuntimeError("Read error: Connection reset by peer")
+
 
 @pytest.fixture(scope="module")
 def ray_local():
@@ -66,6 +79,22 @@ def test_dispatch_strategies_reach_the_ranks_they_name(ray_local):
         assert addr == group.node_addresses()[0] and 0 < port < 65536
     finally:
         group.shutdown()
+
+
+def test_a_dead_rank_is_the_error_raised_not_the_errors_of_its_peers(ray_local, tmp_path):
+    import ray
+
+    plan = plan_placement(ParallelConfig(dp=2))
+    group = WorkerGroup(EchoRank, plan, Placement(nodes=1), init=lambda rank: {"rank": rank, "tag": ""})
+    try:
+        # rank 0's error comes first in rank order; plain ray.get would raise it and name no culprit
+        with pytest.raises(ray.exceptions.RayActorError):
+            group.all_ranks("step", 1, str(tmp_path / "link-broken"))
+    finally:
+        ray.kill(group.workers[0])
+        from ray.util.placement_group import remove_placement_group
+
+        remove_placement_group(group.pg)
 
 
 def test_placement_strategy_follows_nodes_and_ranks():

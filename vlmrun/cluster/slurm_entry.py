@@ -3,9 +3,12 @@
 1. submitit pickles `NodeEntrypoint(run_dir)`; on every node `python -m submitit.core._submit` loads
    it, installs submitit's USR2 handler (checkpoint + `scontrol requeue`) and calls it.
 2. `__call__` prints the attempt marker (run/logs.py: how `vlmrun logs --attempt N` finds
-   an attempt in submitit's appended log), then runs `vlmrun.cluster.node.main` in this process. The
-   node entrypoint replaces submitit's USR2 handler with the stop flag (train/stop.py): USR2 only
-   sets the flag; the driver checkpoints at the next step boundary and returns STOPPED (exit 3).
+   an attempt in submitit's appended log), then runs the node entrypoint (`python -m
+   vlmrun.cluster.node`) as a child process in the task's process group, started with the stop signals
+   blocked (spawn.py says why it cannot run in submitit's process). SLURM signals every process of
+   the step: the node's stop flag takes USR2/TERM and the driver checkpoints at the next step
+   boundary and returns STOPPED (exit 3); this process ignores them from then on (submitit's USR2
+   handler would requeue at once) and waits. It dies with this process (PR_SET_PDEATHSIG).
    (A USR2 that arrives before that, while Python starts, meets submitit's own handler, which
    checkpoints through `checkpoint()` and requeues at once: nothing is lost since no step ran.)
 3. Only then node 0 asks the requeue policy (requeue.py). A requeue goes through submitit's own path:
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -73,9 +77,10 @@ class NodeEntrypoint:
             for name in (REQUEUE_REQUEST, CANCEL_REQUEST):
                 take_request(rd, name, alloc.job_id, alloc.restart_count)
         if code not in (EXIT_COMPLETED, EXIT_STOPPED):
+            how = f"was killed by {_signal_name(-code)}" if code < 0 else f"exited with code {code}"
             raise NodeFailed(
-                f"node {alloc.nodename} (rank {alloc.node_rank}): the node entrypoint exited with code "
-                f"{code}; see {rd.job_file} and `vlmrun logs {alloc.job_id}`"
+                f"node {alloc.nodename} (rank {alloc.node_rank}): the node entrypoint {how}; "
+                f"see {rd.job_file} and `vlmrun logs {alloc.job_id}`"
             )
         return code
 
@@ -128,7 +133,21 @@ def requeue_through_submitit(*, timed_out: bool) -> NoReturn:
     sys.exit(-1)  # submitit's handler exits the same way: no result pickle, the job is not over
 
 
-def _node_main(argv: list[str]) -> int:
-    from vlmrun.cluster.node import main
+def _signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
 
-    return main(argv)
+
+def _node_main(argv: list[str]) -> int:
+    """The node entrypoint in a child process (spawn.py); its exit code, or -N when signal N killed it."""
+    from vlmrun.algorithms.common.stop import ignore_stop_signals
+    from vlmrun.cluster.spawn import hold_stop_signals, node_command
+
+    ignore_stop_signals()  # from now on a stop signal is the node's business, not submitit's
+    parent = os.getpid()
+    proc = subprocess.Popen(
+        node_command(argv[argv.index("--run-dir") + 1]), preexec_fn=lambda: hold_stop_signals(parent)
+    )
+    return proc.wait()

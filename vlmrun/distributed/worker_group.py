@@ -8,6 +8,8 @@
    `replica_owners` (the owner rank of each data-parallel replica, e.g. to open its loader shard) and
    `by_dp` / `submit_replica` (every rank gets its replica's part, e.g. its shard of a batch).
    Results come back in rank (or shard) order; `submit_*` return Ray object refs instead of waiting.
+   `gather(refs)` waits for refs; when a rank died, it raises the death, not the collective errors
+   that the surviving ranks see a moment later (a gloo "Connection reset by peer" names no culprit).
 3. Ranks meet in torch.distributed through `rendezvous()`: rank 0's node address and a free port
    there. Actor classes inherit `RankActor` for that.
 
@@ -21,6 +23,30 @@ from dataclasses import dataclass
 from typing import Any
 
 from vlmrun.distributed.topology import PlacementPlan
+
+
+def gather(refs: Sequence, *, grace_s: float = 10.0) -> list:
+    """`ray.get(refs)`, except that a dead actor is the error raised when any ref failed.
+
+    `ray.get` raises the first failure in list order: when rank 1 is killed, rank 0's error ("Connection
+    reset by peer" inside a collective) comes first. The death is the cause, so once anything failed,
+    wait up to `grace_s` for the other refs and raise an actor death (or worker crash) if one is among them.
+    """
+    import ray
+
+    refs = list(refs)
+    try:
+        return ray.get(refs)
+    except ray.exceptions.RayError as first:
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=grace_s)
+        for ref in ready:
+            try:
+                ray.get(ref)
+            except (ray.exceptions.RayActorError, ray.exceptions.WorkerCrashedError) as death:
+                raise death from None
+            except ray.exceptions.RayError:
+                continue
+        raise first from None
 
 
 class RankActor:
@@ -112,18 +138,14 @@ class WorkerGroup:
 
     def all_ranks(self, method: str, *args, **kwargs) -> list:
         """`method(*args, **kwargs)` on every rank; the results in rank order."""
-        import ray
-
-        return ray.get(self.submit_all_ranks(method, *args, **kwargs))
+        return gather(self.submit_all_ranks(method, *args, **kwargs))
 
     def submit_replica_owners(self, method: str, per_shard: Callable[[int], dict[str, Any]]) -> list:
         return [getattr(self.workers[s.owner_rank], method).remote(**per_shard(s.shard)) for s in self.plan.shards]
 
     def replica_owners(self, method: str, per_shard: Callable[[int], dict[str, Any]]) -> list:
         """`method(**per_shard(shard))` on the owner rank of each loader shard; results in shard order."""
-        import ray
-
-        return ray.get(self.submit_replica_owners(method, per_shard))
+        return gather(self.submit_replica_owners(method, per_shard))
 
     def submit_replica(self, shard: int, method: str, **kwargs) -> list:
         """`method(**kwargs)` on every rank of data-parallel replica `shard` (its part of a batch)."""
@@ -131,21 +153,15 @@ class WorkerGroup:
 
     def by_dp(self, method: str, parts: Sequence[dict[str, Any]]) -> list:
         """Every rank gets `parts[its dp index]` as keyword arguments; the results in shard, then rank order."""
-        import ray
-
         if len(parts) != len(self.plan.shards):
             raise ValueError(
                 f"by_dp needs one part per data-parallel replica ({len(self.plan.shards)}), got {len(parts)}"
             )
-        return ray.get(
-            [ref for s in self.plan.shards for ref in self.submit_replica(s.shard, method, **parts[s.shard])]
-        )
+        return gather([ref for s in self.plan.shards for ref in self.submit_replica(s.shard, method, **parts[s.shard])])
 
     def per_rank(self, method: str, kwargs_of: Callable[[int], dict[str, Any]]) -> list:
         """`method(**kwargs_of(rank))` on every rank (each its own share); the results in rank order."""
-        import ray
-
-        return ray.get([getattr(w, method).remote(**kwargs_of(rank)) for rank, w in enumerate(self.workers)])
+        return gather([getattr(w, method).remote(**kwargs_of(rank)) for rank, w in enumerate(self.workers)])
 
     def shutdown(self) -> None:
         """Tell every actor to release what it holds (process groups, loader workers), then free the bundles."""

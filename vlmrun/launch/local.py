@@ -14,7 +14,6 @@ detached and logs to the run dir.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import signal
 import subprocess
@@ -23,6 +22,7 @@ from collections.abc import Callable
 
 from vlmrun.algorithms.common.stop import STOP_SIGNALS
 from vlmrun.cluster.node import RECORDED_FD_ENV
+from vlmrun.cluster.spawn import hold_stop_signals, node_command
 from vlmrun.errors import EXIT_BAD_INPUT
 from vlmrun.launch.registry import register_job
 from vlmrun.launch.result import SubmitResult
@@ -32,7 +32,6 @@ from vlmrun.run.lock import FD_ENV, Holder, RunLock, RunLocked
 from vlmrun.run.state import EXIT_COMPLETED, EXIT_FAILED, EXIT_STOPPED, State
 
 EXIT_INTERRUPTED = 130  # killed hard by a second Ctrl-C
-_PR_SET_PDEATHSIG = 1
 
 
 def start_local(
@@ -62,7 +61,7 @@ def start_local(
 def _start_node(rd: RunDirectory, recipe, lock: RunLock, *, attached: bool, stdout, env: dict[str, str]):
     """Start the node process holding `lock`, record it as the run's job, then let it begin its attempt."""
     recorded_r, recorded_w = os.pipe()
-    cmd = [sys.executable, "-m", "vlmrun.cluster.node", "--run-dir", str(rd.path)]
+    cmd = node_command(str(rd.path))
     env = os.environ | env | {"PYTHONUNBUFFERED": "1", "VLMRUN_CLUSTER": "local"}
     env |= {FD_ENV: str(lock.fd), RECORDED_FD_ENV: str(recorded_r)}
     parent = os.getpid()
@@ -75,7 +74,7 @@ def _start_node(rd: RunDirectory, recipe, lock: RunLock, *, attached: bool, stdo
             env=env,
             start_new_session=True,
             pass_fds=(lock.fd, recorded_r),
-            preexec_fn=lambda: _in_child(parent, attached),
+            preexec_fn=lambda: hold_stop_signals(parent if attached else None),
         )
     except BaseException:
         os.close(recorded_w)
@@ -90,15 +89,6 @@ def _start_node(rd: RunDirectory, recipe, lock: RunLock, *, attached: bool, stdo
     finally:
         os.close(recorded_w)  # the node begins its attempt now
     return proc, job_id
-
-
-def _in_child(parent: int, attached: bool) -> None:
-    """In the child before exec: hold the stop signals for the node, and die with an attached launcher."""
-    signal.pthread_sigmask(signal.SIG_BLOCK, set(STOP_SIGNALS))
-    if attached:
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-        if os.getppid() != parent:  # the launcher died before the line above
-            os._exit(EXIT_FAILED)
 
 
 class _Forwarder:

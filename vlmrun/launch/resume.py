@@ -86,8 +86,8 @@ def resume_run(target: str, overrides: list[str], *, wait: bool, echo: Callable[
         if slurm:
             from vlmrun.launch.slurm.submit import resume_slurm
 
-            lock.release()  # node 0 of the new job takes it when the job starts
-            return resume_slurm(rd, recipe, wait=wait, echo=echo)
+            with lock:  # released once the job is recorded, before SLURM may start it (node 0 takes it)
+                return resume_slurm(rd, recipe, wait=wait, lock=lock, echo=echo)
     except BaseException:
         lock.release()
         raise

@@ -17,8 +17,12 @@ The node process calls `StopFlag.watch()` first thing, before it starts any proc
 
 from __future__ import annotations
 
+import logging
+import os
 import signal
 import threading
+
+log = logging.getLogger(__name__)
 
 STOP_SIGNALS = (signal.SIGUSR2, signal.SIGTERM, signal.SIGINT)
 _IGNORED_IN_CHILDREN = (signal.SIGUSR2, signal.SIGTERM)
@@ -42,8 +46,12 @@ class StopFlag:
 
         Call from the main thread before any other thread or child process starts (see the module
         docstring). Signals already pending (a launcher starts the node with them blocked) set the flag.
-        For the life of the process: nothing undoes it.
+        For the life of the process: nothing undoes it. A thread that already runs keeps the signals
+        unblocked and may swallow one (SIG_IGN): start the process with them blocked (cluster/spawn.py).
         """
+        early = _thread_count() - 1
+        if early > 0 and not _blocked_at_start():
+            log.warning("%d thread(s) started before the stop signals were blocked: a stop signal may be lost", early)
         sigs = set(STOP_SIGNALS)
         signal.pthread_sigmask(signal.SIG_BLOCK, sigs)
         self._take_pending(sigs)  # setting SIG_IGN below discards pending signals: take them first
@@ -77,6 +85,18 @@ class StopFlag:
 
     def wait(self, timeout: float | None = None) -> bool:
         return self._event.wait(timeout)
+
+
+def _thread_count() -> int:
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:
+        return threading.active_count()
+
+
+def _blocked_at_start() -> bool:
+    """Whether this thread already blocks every stop signal (a launcher started us that way)."""
+    return set(STOP_SIGNALS) <= signal.pthread_sigmask(signal.SIG_BLOCK, [])
 
 
 def ignore_stop_signals() -> None:

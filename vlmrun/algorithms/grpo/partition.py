@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from vlmrun.distributed.worker_group import gather
 from vlmrun.plane.fields import FIELDS, Alignment, Stage
 from vlmrun.plane.interface import DataPlane, PartitionSpec, SampleBatch
 
@@ -144,11 +145,9 @@ class ReplicaPlanes:
         self._bytes += sum(value_bytes(cols) for _, _, cols in requests)
 
     def _through_owners(self, method: str, requests: list[tuple]) -> list:
-        import ray
-
         t0 = time.perf_counter()
         owners = [self.group.workers[s.owner_rank] for s in self.group.plan.shards]
-        out = ray.get([getattr(o, method).remote(*args) for o, args in zip(owners, requests, strict=True)])
+        out = gather([getattr(o, method).remote(*args) for o, args in zip(owners, requests, strict=True)])
         self._seconds += time.perf_counter() - t0
         return out
 

@@ -19,12 +19,12 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-import ray
 import torch
 
 from vlmrun.algorithms.grpo.advantages import group_advantages
 from vlmrun.algorithms.grpo.partition import ReplicaPlanes, partition_name, split_fields, stage_fields
 from vlmrun.algorithms.grpo.rollout_rows import RolloutRows
+from vlmrun.distributed.worker_group import gather
 from vlmrun.plane.fields import Stage
 from vlmrun.plane.interface import SampleBatch
 
@@ -95,7 +95,7 @@ class DriverStages:
         refs = self.group.submit_replica_owners(
             "rollout", lambda shard: {"step": step, "prompts": self._prompts(shard, loader_s)}
         )
-        rollouts = ray.get(refs)
+        rollouts = gather(refs)
         walls["rollout"] = time.perf_counter() - t0
         rows: list[RolloutRows] = [r.pop("rows") for r in rollouts]
         t0 = time.perf_counter()

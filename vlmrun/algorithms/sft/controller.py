@@ -17,12 +17,10 @@ from __future__ import annotations
 import logging
 import time
 
-import ray
-
 from vlmrun.algorithms.common.checkpoint import Checkpoint, PendingCheckpoint
 from vlmrun.algorithms.common.loop import StepLoop
 from vlmrun.algorithms.sft.worker import SftWorker
-from vlmrun.distributed.worker_group import Placement, WorkerGroup
+from vlmrun.distributed.worker_group import Placement, WorkerGroup, gather
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +86,7 @@ class SftController(StepLoop):
                 batches = [self.loaders[s.shard].next_batch() for _ in range(n_micro)]
                 loader_s = max(loader_s, time.perf_counter() - t1)
                 refs += self.group.submit_replica(s.shard, "train_step", step=step, micro_batches=batches)
-            results = ray.get(refs)
+            results = gather(refs)
         else:
             results = self.group.all_ranks("train_step", step, n_micro=n_micro)
             loader_s = max(r["loader_s"] for r in results)

@@ -27,6 +27,7 @@ from vlmrun.launch.slurm.queries import is_live, queue_state, run_tool, slurm_st
 from vlmrun.launch.slurm.render import check_shell_safety, make_executor, render_script
 from vlmrun.run import job as job_record
 from vlmrun.run.directory import RunDirectory
+from vlmrun.run.lock import RunLock
 from vlmrun.run.metrics import last_metrics
 from vlmrun.run.state import EXIT_COMPLETED, EXIT_FAILED, EXIT_STOPPED, State
 
@@ -43,11 +44,13 @@ def submit_slurm(
     echo: Callable[[str], None] | None = None,
     entrypoint: Callable[[], int] | None = None,
     poll_s: float = 2.0,
+    lock: RunLock | None = None,
 ):
     """Submit `recipe` as a SLURM job writing into `rd` (created here when it does not exist yet).
 
     `entrypoint` replaces NodeEntrypoint(rd.path) (tests submit trivial payloads). Raises InputError
-    before submitting anything when the run cannot work on this cluster.
+    before submitting anything when the run cannot work on this cluster. `lock`, the run lock the
+    caller holds, is released once the job is recorded and before SLURM may start it (node 0 takes it).
     """
     from vlmrun.cluster.slurm_entry import NodeEntrypoint
 
@@ -68,6 +71,8 @@ def submit_slurm(
     try:
         job_record.add_job(rd, job.job_id, "slurm", recipe.name)
         register_job(job.job_id, rd.path)
+        if lock is not None:
+            lock.release()
         subprocess.run(["scontrol", "release", job.job_id], check=True, capture_output=True, text=True, timeout=60)
     except BaseException:
         run_tool(["scancel", job.job_id])
@@ -78,10 +83,12 @@ def submit_slurm(
     return wait_for_job(rd, job.job_id, echo=echo, poll_s=poll_s)
 
 
-def resume_slurm(rd: RunDirectory, recipe, *, wait: bool, echo: Callable[[str], None] | None = None):
+def resume_slurm(rd: RunDirectory, recipe, *, wait: bool, lock: RunLock, echo: Callable[[str], None] | None = None):
     """A new SLURM job that continues the ended run in `rd` (its job id joins the run's lineage).
 
-    Raises InputError while the run's last job is still in the queue.
+    Raises InputError while the run's last job is still in the queue. `lock` (the run lock, held by the
+    caller) makes the check and the record one step: of two resumes at once, the second one sees the
+    first one's job in job.json and in the queue.
     """
     job = job_record.read_job(rd)
     last = job.job_ids[-1] if job and job.job_ids else None
@@ -92,7 +99,7 @@ def resume_slurm(rd: RunDirectory, recipe, *, wait: bool, echo: Callable[[str], 
             message=f"job {last} of {rd.path} is still in the queue; "
             f"wait for it or `vlmrun cancel {last}` before resuming",
         )
-    return submit_slurm(rd, recipe, dry_run=False, wait=wait, echo=echo)
+    return submit_slurm(rd, recipe, dry_run=False, wait=wait, echo=echo, lock=lock)
 
 
 def wait_for_job(rd: RunDirectory, job_id: str, *, echo: Callable[[str], None] | None = None, poll_s: float = 2.0):
