@@ -48,6 +48,11 @@ class RowStore(abc.ABC):
     def sample_tags(self, partition: str, ids: list[str]) -> list[dict[str, Any] | None]:
         """Each id's full tag dict, None for an id the partition lacks."""
 
+    def tags_and_count(self, partition: str, ids: list[str]) -> tuple[list[dict[str, Any] | None], int]:
+        """`sample_tags(partition, ids)` and how many samples the partition holds (a store over the
+        network answers both with one request)."""
+        return self.sample_tags(partition, ids), len(self.sample_ids(partition))
+
     @abc.abstractmethod
     def write(
         self, partition: str, ids: list[str], tags: list[dict[str, Any]], rows: RowPieces, *, create: bool
@@ -72,17 +77,26 @@ class RowPlane(DataPlane):
     def __init__(self, store: RowStore, *, pixel_dtype: torch.dtype | None = None):
         self.store = store
         self.pixel_dtype = pixel_dtype
+        # A registered spec never changes, so it is asked for once per partition; a first write asks
+        # again (the partition may have been cleared meanwhile by another client).
+        self._specs: dict[str, PartitionSpec] = {}
 
     def register(self, partition: str, spec: PartitionSpec) -> None:
         if not isinstance(spec, PartitionSpec):
             raise DataPlaneError(f"register {partition!r} with a PartitionSpec, not {type(spec).__name__}")
         self.store.create_partition(_name(partition), spec.to_dict())
+        self._specs[partition] = spec
 
-    def spec(self, partition: str) -> PartitionSpec:
-        d = self.store.partition_spec(_name(partition))
+    def spec(self, partition: str, *, fresh: bool = False) -> PartitionSpec:
+        name = _name(partition)
+        if not fresh and name in self._specs:
+            return self._specs[name]
+        d = self.store.partition_spec(name)
         if d is None:
+            self._specs.pop(name, None)
             raise DataPlaneError(f"no partition {partition!r} (registered: {self.partitions()})")
-        return PartitionSpec.from_dict(d)
+        self._specs[name] = PartitionSpec.from_dict(d)
+        return self._specs[name]
 
     def put(
         self,
@@ -97,9 +111,11 @@ class RowPlane(DataPlane):
             raise DataPlaneError(f"{partition}: put takes a non-empty mapping of field -> values per sample")
         _known_fields(partition, spec, list(columns))
         user_tags = _user_tags(tags, len(ids))
-        old = self.store.sample_tags(partition, ids)
+        old, held = self.store.tags_and_count(partition, ids)
         create = _is_first_write(partition, ids, old)
-        if create and len(self.store.sample_ids(partition)) + len(ids) > spec.num_samples:
+        if create:
+            spec = self.spec(partition, fresh=True)
+        if create and held + len(ids) > spec.num_samples:
             raise DataPlaneError(f"{partition}: {len(ids)} more samples exceed its {spec.num_samples}")
         rows, field_tags = self._encode(partition, ids, columns)
         merged = _merge_tags(partition, ids, old, field_tags, user_tags)
@@ -134,6 +150,7 @@ class RowPlane(DataPlane):
         return sorted(self.store.partition_names())
 
     def clear(self, partition: str) -> None:
+        self._specs.pop(partition, None)
         self.store.drop(_name(partition))
 
     def state_dict(self) -> dict[str, Any]:

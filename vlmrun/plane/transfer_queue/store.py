@@ -9,7 +9,11 @@
    samples coincide travel in one put or get.
 3. What comes back is normalized by `rows_of` (jagged, strided or dense, per backend) and checked
    against the tags before the wire decodes it, so callers get the shapes and dtypes they put.
-4. TransferQueue sets torch's thread count around every put and get (to TQ_NUM_THREADS, then to the
+4. Round trips to the controller are few: a get asks for its samples' metadata once
+   (`kv_retrieve_meta`: tags and fields) and reads with it; a put lists the partition once (tags of
+   its samples and their count). The metadata a `sample_tags` fetched is held for the `read` of the
+   same samples that follows it, and dropped by any write.
+5. TransferQueue sets torch's thread count around every put and get (to TQ_NUM_THREADS, then to the
    count it saw at import). The adapter pins TQ_NUM_THREADS to this process's count before the import
    and restores the caller's count after every call.
 """
@@ -62,6 +66,7 @@ class TransferQueueStore(RowStore):
         self.endpoint = endpoint
         client_id = f"vlmrun-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self._client = TransferQueueClient(client_id, endpoint.controller.server_info(), zmq_io_threads=_ZMQ_IO_THREADS)
+        self._held: tuple[str, tuple[str, ...], Any] | None = None  # (partition, ids, BatchMeta) (module doc, 4)
         manager, config = endpoint.storage_manager()
         if manager == "MooncakeStore" and not config["local_hostname"]:
             config["local_hostname"] = _ray_node_address()
@@ -90,12 +95,23 @@ class TransferQueueStore(RowStore):
         return [k for k, tag in self._listing(partition).items() if tag]
 
     def sample_tags(self, partition: str, ids: list[str]) -> list[dict[str, Any] | None]:
+        self._held = None
+        with _caller_threads():
+            meta = self._client.kv_retrieve_meta(keys=ids, partition_id=partition, create=False)
+        if meta.size == len(ids):  # in the order of `ids`
+            self._held = (partition, tuple(ids), meta)
+            return [dict(t) or None for t in meta.custom_meta]  # a key without our tag: a write that never finished
+        listing = self._listing(partition)  # some are missing: say which
+        return [listing.get(i) or None for i in ids]
+
+    def tags_and_count(self, partition: str, ids: list[str]) -> tuple[list[dict[str, Any] | None], int]:
         listing = self._listing(partition)
-        return [listing.get(i) or None for i in ids]  # a key without our tag is a write that never finished
+        return [listing.get(i) or None for i in ids], sum(1 for tag in listing.values() if tag)
 
     def write(
         self, partition: str, ids: list[str], tags: list[dict[str, Any]], rows: RowPieces, *, create: bool
     ) -> None:
+        self._held = None
         with _caller_threads():
             meta = self._client.kv_retrieve_meta(keys=ids, partition_id=partition, create=create)
             if meta.size != len(ids):
@@ -115,10 +131,15 @@ class TransferQueueStore(RowStore):
             idx = tuple(i for i, w in enumerate(wire) if row_numel(w[f]) > 0)
             if idx:
                 groups.setdefault(idx, []).append(f)
+        held, self._held = self._held, None
+        whole = held[2] if held is not None and held[:2] == (partition, tuple(ids)) else None
         with _caller_threads():
             for idx, group in groups.items():
                 sub = [ids[i] for i in idx]
-                meta = self._client.kv_retrieve_meta(keys=sub, partition_id=partition, create=False)
+                if whole is not None and len(idx) == len(ids) and set(group) <= set(whole.field_names):
+                    meta = whole  # a field some samples lack is not in the whole batch's metadata: ask for theirs
+                else:
+                    meta = self._client.kv_retrieve_meta(keys=sub, partition_id=partition, create=False)
                 lost = [f for f in group if f not in meta.field_names]
                 if meta.size != len(sub) or lost:
                     raise DataPlaneError(f"{partition}: TransferQueue lost field(s) {lost or group} of {sub[:5]}")
@@ -129,6 +150,7 @@ class TransferQueueStore(RowStore):
         return out
 
     def drop(self, partition: str) -> None:
+        self._held = None
         with _caller_threads():
             samples = self._listing(partition)
             if samples:
