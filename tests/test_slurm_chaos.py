@@ -94,16 +94,17 @@ def test_cancel_right_after_submit_prints_the_state_the_job_ended_in(cluster, da
     assert after == steps and (not steps or max(steps) < 200)
 
 
-def test_sigterm_at_start_up_ends_stopped_without_training(cluster, data, tmp_path):
+@pytest.mark.parametrize("signame", ["TERM", "INT"])
+def test_a_stop_signal_at_start_up_ends_stopped_without_training(cluster, data, tmp_path, signame):
     run = tmp_path / "run"
     job_id = submit(run, data, "--set", "train.max_steps=50")
     wait_until(lambda: (run / "job.json").exists() and job(run)["attempts"], 120, "the attempt to begin")
-    subprocess.run(["scancel", "--signal=TERM", job_id], check=True)  # every process of the job's steps
+    subprocess.run(["scancel", f"--signal={signame}", job_id], check=True)  # every process of the job's steps
     wait_until(lambda: not in_queue(job_id), 240, "the job to end")
     record = job(run)
     assert record["attempts"][-1]["state"] == "STOPPED", record
-    assert record["attempts"][-1].get("stop_signal") == "SIGTERM"
-    assert len(record["attempts"]) == 1  # SIGTERM never requeues
+    assert record["attempts"][-1].get("stop_signal") == f"SIG{signame}"
+    assert len(record["attempts"]) == 1  # only SIGUSR2 requeues
     assert not (run / "metrics.jsonl").exists() or not history(run / "metrics.jsonl")
 
 

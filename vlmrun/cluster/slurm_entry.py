@@ -146,6 +146,7 @@ def _node_main(argv: list[str]) -> int:
     from vlmrun.cluster.spawn import hold_stop_signals, node_command
 
     ignore_stop_signals()  # from now on a stop signal is the node's business, not submitit's
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # nor ours: a KeyboardInterrupt here would kill the node unsaved
     parent = os.getpid()
     proc = subprocess.Popen(
         node_command(argv[argv.index("--run-dir") + 1]), preexec_fn=lambda: hold_stop_signals(parent)
