@@ -97,6 +97,23 @@ class StepLoop:
     def _close(self) -> None:
         raise NotImplementedError
 
+    def _open_loader_shards(self) -> dict:
+        """One loader shard per data-parallel replica, opened in this process (loops whose driver
+        builds the batches): shard index -> loader."""
+        from vlmrun.data.loader import open_loader_shard
+
+        return {
+            s.shard: open_loader_shard(
+                self.recipe,
+                processor_dir=self.model_dir,
+                shard=s.shard,
+                num_shards=s.num_shards,
+                placement_hash=self.plan.placement_hash,
+                split=self.recipe.data.split,
+            )
+            for s in self.plan.shards
+        }
+
     # ---- the run ---------------------------------------------------------------------------------
     def run(self) -> RunOutcome:
         r = self.recipe

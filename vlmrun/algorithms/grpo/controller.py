@@ -74,21 +74,8 @@ class GrpoController(StepLoop):
             self.planes = ReplicaPlanes(self.group, shared=shared)
             self.stages = PlaneStages(r, self.group, self.planes, n_micro)
         else:
-            self._open_loaders()
+            self.loaders = self._open_loader_shards()
             self.stages = DriverStages(r, self.group, self.loaders, n_micro)
-
-    def _open_loaders(self) -> None:
-        from vlmrun.data.loader import open_loader_shard
-
-        for s in self.plan.shards:
-            self.loaders[s.shard] = open_loader_shard(
-                self.recipe,
-                processor_dir=self.model_dir,
-                shard=s.shard,
-                num_shards=s.num_shards,
-                placement_hash=self.plan.placement_hash,
-                split=self.recipe.data.split,
-            )
 
     def _close(self) -> None:
         if self.planes is not None:

@@ -58,17 +58,7 @@ class SftController(StepLoop):
                 ),
             )
             return
-        from vlmrun.data.loader import open_loader_shard
-
-        for s in self.plan.shards:
-            self.loaders[s.shard] = open_loader_shard(
-                self.recipe,
-                processor_dir=self.model_dir,
-                shard=s.shard,
-                num_shards=s.num_shards,
-                placement_hash=self.plan.placement_hash,
-                split=self.recipe.data.split,
-            )
+        self.loaders = self._open_loader_shards()
 
     def _close(self) -> None:
         self.group.shutdown()
