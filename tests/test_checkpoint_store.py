@@ -16,8 +16,8 @@ FORMAT1 = Path(__file__).resolve().parent / "fixtures" / "format1-run" / "checkp
 
 def _save(store: CheckpointStore, step: int, value: float = 1.0, *, parts=("controller", "model", "optimizer")) -> Path:
     pending = store.begin(step)
-    files = [pending.write(p, {"w": torch.full((100,), value)}) for p in parts]
-    files.append(pending.write("rng", {"seed": step}, index=0))
+    files = {f: d for p in parts for f, d in pending.write(p, {"w": torch.full((100,), value)}).items()}
+    files |= pending.write("rng", {"seed": step}, index=0)
     return store.finish(pending, files, {"placement_hash": "h"})
 
 

@@ -45,7 +45,9 @@ def _print_json(obj) -> None:
 def submit(
     recipe: Path = typer.Argument(..., help="recipe YAML, e.g. recipes/tiny-clevr-cpu.yaml"),
     set_: list[str] | None = SetOpt,
-    dry_run: bool = typer.Option(False, "--dry-run", help="validate and print the resolved recipe; start nothing"),
+    dry_run: bool = typer.Option(
+        False, "--dry-run", help="validate and print the resolved recipe and its memory estimate; start nothing"
+    ),
     cluster: str = typer.Option("auto", "--cluster", help="auto (slurm when sbatch exists, else local), slurm, local"),
     run_dir: Path | None = typer.Option(None, "--run-dir", help="run directory (default runs/<name>-<timestamp>)"),
     wait: bool = typer.Option(False, "--wait", help="stay attached: stream progress, exit with the job's outcome"),
@@ -70,6 +72,8 @@ def submit(
         _print_json(result.summary())
     elif dry_run:
         typer.echo(result.rendered)
+        if result.memory is not None:
+            typer.echo("# --- memory ---\n" + "\n".join(f"# {line}" for line in result.memory.report_lines()))
         if result.script:
             typer.echo(f"# --- sbatch script ---\n{result.script}")
         typer.echo(f"# dry run: nothing started or submitted; run dir would be {result.run_dir}", err=True)
@@ -81,6 +85,12 @@ def resume(
     target: str = typer.Argument(..., help="run directory of an ended run"),
     set_: list[str] | None = SetOpt,
     wait: bool = typer.Option(False, "--wait", help="stay attached: stream progress, exit with the job's outcome"),
+    restart_data_order: bool = typer.Option(
+        False,
+        "--restart-data-order",
+        help="allow --set parallel.dp=N: keep model, optimizer, LR schedule and step counters (resharded), "
+        "lose the loaders' positions and the ranks' RNG streams (the data order starts over)",
+    ),
     json_out: bool = JsonOpt,
 ):
     """Continue an ended run from its newest complete checkpoint (a new attempt in the same run dir).
@@ -89,12 +99,20 @@ def resume(
     (train.max_steps, train.epochs, train.val_*, checkpoint.*, cluster.*, logger.*); a change of what
     defines the run (batch sizes, layout, seed, data, sequence length, loop, algorithm, model), by --set
     or by editing recipe.yaml, is refused as `field: old -> new`. A completed run says so and exits 0.
+    With --restart-data-order, parallel.dp may change too (and the cluster with it).
 
     Example: vlmrun resume runs/tiny-clevr-cpu-20261130-101500 --set train.max_steps=400 --wait
+    Example: vlmrun resume 1234 --restart-data-order --set parallel.dp=1 --set cluster.gpus_per_node=1
     """
     from vlmrun.launch.resume import resume_run
 
-    result = resume_run(target, set_ or [], wait=wait, echo=None if json_out else typer.echo)
+    result = resume_run(
+        target,
+        set_ or [],
+        wait=wait,
+        restart_data_order=restart_data_order,
+        echo=None if json_out else typer.echo,
+    )
     if json_out:
         _print_json(result.summary())
     raise typer.Exit(result.exit_code)

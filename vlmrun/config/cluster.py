@@ -48,6 +48,9 @@ class ClusterConfig(Section):
     gpus_per_node: int = Field(0, ge=0, le=16)
     cpus_per_node: int = Field(2, ge=1)
     mem_gb: int | None = Field(None, ge=1, description="memory per node; default: the partition's")
+    gpu_memory_gb: int = Field(
+        80, ge=1, le=4096, description="memory of one GPU of the partition, GiB (the memory-fit check at submit)"
+    )
     partition: str | None = Field(None, pattern=_SLURM_NAME)
     account: str | None = Field(None, pattern=_SLURM_NAME)
     qos: str | None = Field(None, pattern=_SLURM_NAME)

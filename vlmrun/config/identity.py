@@ -23,6 +23,7 @@ IDENTITY_FIELDS = (
     "parallel.tp",
     "parallel.pp",
     "parallel.cp",
+    "parallel.fsdp",
     "data.path",
     "data.split",
     "data.val_split",
@@ -47,14 +48,16 @@ def run_identity(recipe) -> dict[str, Any]:
     return out
 
 
-def check_same_identity(saved: dict[str, Any], recipe, *, where: str) -> None:
+def check_same_identity(saved: dict[str, Any], recipe, *, where: str, ignore: tuple[str, ...] = ()) -> None:
     """Raise InputError listing every field where `recipe` differs from the `saved` identity.
 
     `where` names the checkpoint for the message. Fields `saved` lacks (written by an older vlmrun)
-    are not compared.
+    and fields in `ignore` are not compared.
     """
     current = run_identity(recipe)
-    changes = [(k, saved[k], current[k]) for k in IDENTITY_FIELDS if k in saved and saved[k] != current[k]]
+    changes = [
+        (k, saved[k], current[k]) for k in IDENTITY_FIELDS if k in saved and k not in ignore and saved[k] != current[k]
+    ]
     if not changes:
         return
     listed = "; ".join(f"{k}: {_show(old)} -> {_show(new)}" for k, old, new in changes)

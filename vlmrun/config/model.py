@@ -18,6 +18,12 @@ class ModelConfig(Section):
     tiny: bool = Field(False, description="build a tiny random-init model of `family` under the run's cache dir")
     backend: Literal["hf"] = "hf"
     dtype: Literal["float32", "bfloat16"] = "float32"
+    reference_config: str | None = Field(
+        None,
+        pattern=r"^[a-z0-9_]+$",
+        description="architecture config shipped in vlmrun/models/reference/ (name without .json) for the "
+        "memory estimate when model.path has no usable config.json (e.g. the weights are not on this machine)",
+    )
 
     @model_validator(mode="after")
     def _one_source(self) -> ModelConfig:

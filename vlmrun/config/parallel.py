@@ -1,7 +1,10 @@
 """The parallel layout of the policy's ranks: the recipe's `parallel` section and the one layout type
-the topology mapper, the worker group and the checkpoints use."""
+the topology mapper, the worker group and the checkpoints use, plus how the hf backend shards and
+stores the model on those ranks (FSDP2, mixed precision, activation checkpointing, CPU offload)."""
 
 from __future__ import annotations
+
+from typing import Literal
 
 from pydantic import ConfigDict, Field
 
@@ -12,7 +15,7 @@ class ParallelConfig(Section):
     """Data, tensor, pipeline and context parallel sizes; experts live inside dp x tp.
 
     Frozen and keyword-only; each size is an integer >= 1 (`true` is not 1: a ValidationError names
-    the size).
+    the size). `fsdp` None means: on when the cluster has GPUs (the recipe resolves it).
     """
 
     model_config = ConfigDict(frozen=True)
@@ -21,10 +24,33 @@ class ParallelConfig(Section):
     tp: int = Field(1, ge=1)
     pp: int = Field(1, ge=1)
     cp: int = Field(1, ge=1)
+    fsdp: bool | None = Field(
+        None,
+        description="shard parameters, gradients and optimizer state over the dp ranks with FSDP2 "
+        "(true), or keep a full replica per rank (false); default: true when the cluster has GPUs",
+    )
+    mixed_precision: Literal["none", "bf16"] = Field(
+        "none",
+        description="bf16: compute in bf16 with fp32 gradient reduction, over model.dtype master weights "
+        "(needs fsdp: true)",
+    )
+    activation_checkpointing: bool = Field(False, description="recompute each decoder layer in the backward")
+    cpu_offload: bool = Field(False, description="keep sharded parameters and optimizer state in host memory (fsdp)")
+    reduce_every_micro_batch: bool = Field(
+        False,
+        description="fsdp: reduce-scatter gradients after every micro-batch, so they stay sharded (what big "
+        "models need); default: once per step, after the last micro-batch, which holds the whole model's "
+        "gradients unsharded in between and is bitwise equal to the replicated layout",
+    )
 
     @property
     def world_size(self) -> int:
         return self.dp * self.tp * self.pp * self.cp
+
+    @property
+    def sharded(self) -> bool:
+        """FSDP2 on (after the recipe resolved the default)."""
+        return bool(self.fsdp)
 
     def describe(self) -> str:
         """One line for error messages, e.g. "dp=2 tp=1 pp=1 cp=1 (2 ranks)"."""

@@ -37,6 +37,8 @@ class Recipe(Section):
 
     @model_validator(mode="after")
     def _cross_checks(self) -> Recipe:
+        if self.parallel.fsdp is None:  # the default: shard on GPUs, replicate on CPU
+            self.parallel = self.parallel.model_copy(update={"fsdp": self.cluster.gpus_per_node > 0})
         t, p = self.train, self.parallel
         if t.global_batch_size % (p.dp * t.micro_batch_size):
             raise CrossFieldError(
@@ -50,6 +52,16 @@ class Recipe(Section):
             raise CrossFieldError(
                 "parallel.tp", p.tp, "the hf backend shards by data parallelism only: set parallel.tp, pp and cp to 1"
             )
+        if not p.fsdp:
+            for field, value, default in (
+                ("mixed_precision", p.mixed_precision, "none"),
+                ("cpu_offload", p.cpu_offload, False),
+                ("reduce_every_micro_batch", p.reduce_every_micro_batch, False),
+            ):
+                if value != default:
+                    raise CrossFieldError(
+                        f"parallel.{field}", value, "needs parallel.fsdp: true (an FSDP2 setting; replicas hold it all)"
+                    )
         c = self.cluster
         if c.gpus_per_node and p.world_size != c.gpus:
             raise CrossFieldError(

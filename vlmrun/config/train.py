@@ -44,3 +44,8 @@ class CheckpointConfig(Section):
     save_period: int = Field(50, ge=0, description="save every N steps; 0 = only when stopping and at the end")
     keep: int = Field(2, ge=1)
     requeue: RequeueBudget = Field(default_factory=RequeueBudget)
+    restart_data_order: bool = Field(
+        False,
+        description="resume from a checkpoint of another parallel.dp: keep model, optimizer and counters, "
+        "start the data order over (set by `vlmrun resume --restart-data-order`)",
+    )

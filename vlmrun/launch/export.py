@@ -1,7 +1,9 @@
 """`vlmrun export`: a run's checkpoint as a Hugging Face model directory that a recipe's `model.path` can name.
 
 1. The checkpoint is read through the checkpoint store (the newest one that verifies, or `--step N`,
-   which must verify too); its `model` part is the policy's full state_dict by HF parameter name.
+   which must verify too); its `model` part is the policy's full state_dict by HF parameter name, or,
+   from a sharded (FSDP2) run, the model's entries of the DCP checkpoint, assembled from every rank's
+   shard in this one process.
 2. The run's own model directory (`ensure_model`: the tiny model in the run's cache, or `model.path`)
    gives the architecture, the processor, the tokenizer and the chat template; the checkpoint's
    weights go into that architecture in the run's `model.dtype`, so the export's logits equal those
@@ -116,7 +118,11 @@ def _write_model(model_dir: Path, checkpoint: Checkpoint, dtype: str, tmp: Path)
         model = AutoModelForImageTextToText.from_pretrained(
             model_dir, dtype=torch.bfloat16 if dtype == "bfloat16" else torch.float32
         )
-        model.load_state_dict(checkpoint.read("model"), strict=True)
+        if checkpoint.has_sharded("policy"):  # FSDP2: every rank's shard, assembled here (no process group)
+            state = {"model": model.state_dict()}
+            checkpoint.read_sharded("policy", state)  # in place, into the model's own tensors
+        else:
+            model.load_state_dict(checkpoint.read("model"), strict=True)
         model.save_pretrained(tmp)
         AutoProcessor.from_pretrained(model_dir).save_pretrained(tmp)
     finally:

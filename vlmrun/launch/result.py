@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from vlmrun.models.fit import MemoryFit
+
 
 @dataclass
 class SubmitResult:
@@ -16,6 +18,7 @@ class SubmitResult:
     job_id: str | None = None
     state: str | None = None
     exit_code: int = 0
+    memory: MemoryFit | None = None  # submit's memory estimate (models/fit.py)
 
     def summary(self) -> dict:
         out = {"run_dir": str(self.run_dir), "cluster": self.cluster, "dry_run": self.dry_run}
@@ -23,6 +26,8 @@ class SubmitResult:
             out["job_id"] = self.job_id
         if self.state is not None:
             out["state"] = self.state
+        if self.memory is not None:
+            out["memory_estimate"] = self.memory.to_json()
         if self.dry_run:
             out["recipe"] = self.rendered
             if self.script:

@@ -1,7 +1,9 @@
 """`vlmrun resume`: continue an ended run from its newest complete checkpoint, as a new attempt.
 
 1. `--set` may change only RESUMABLE fields (step budget, validation and checkpoint cadence, cluster,
-   logger); anything else is refused before anything starts, naming the field.
+   logger); anything else is refused before anything starts, naming the field. With
+   `--restart-data-order`, parallel.dp too: the job then takes the model, optimizer and counters from
+   a checkpoint of another dp (DCP reshards a sharded one) and starts the data order over.
 2. Whatever changed the recipe (`--set`, or an edited recipe.yaml), the fields that define the run
    (config/identity.py: batch sizes, layout, seed, data and splits, sequence length, loop, algorithm,
    model) must equal those the newest checkpoint recorded, or the resume is refused listing each
@@ -39,9 +41,23 @@ RESUMABLE = (
     "cluster",
     "logger",
 )
+# Fields `--restart-data-order` lets a resume change, and what it costs.
+RESHARDABLE = ("parallel.dp",)
+RESHARD_REFUSED = (
+    "a resume at another dp keeps the model, optimizer state, LR schedule and step counters, but loses "
+    "every loader shard's position and every rank's RNG stream (the data order starts over); "
+    "pass --restart-data-order to accept that"
+)
 
 
-def resume_run(target: str, overrides: list[str], *, wait: bool, echo: Callable[[str], None] | None = None):
+def resume_run(
+    target: str,
+    overrides: list[str],
+    *,
+    wait: bool,
+    restart_data_order: bool = False,
+    echo: Callable[[str], None] | None = None,
+):
     from vlmrun.config.load import parse_override, set_dotted, validate
 
     rd, last_job = find_run(target)
@@ -59,16 +75,21 @@ def resume_run(target: str, overrides: list[str], *, wait: bool, echo: Callable[
     if job is not None and not slurm and (pid := job_record.running_pid(job)) is not None:
         raise InputError("RUN_DIR", target, message=f"{target} is still running (pid {pid}); stop it before resuming")
     raw = rd.recipe_data()
+    was_restarting = bool((raw.get("checkpoint") or {}).get("restart_data_order", False))
+    resumable = RESUMABLE + (RESHARDABLE if restart_data_order else ())
     for item in overrides:
         key, value = parse_override(item)
-        if not any(key == p or key.startswith(p + ".") for p in RESUMABLE):
+        if key in RESHARDABLE and not restart_data_order:
+            raise InputError(key, value, message=f"{key}: {value}: {RESHARD_REFUSED}")
+        if not any(key == p or key.startswith(p + ".") for p in resumable):
             raise InputError(
                 key,
                 value,
                 "changing it would change the sample stream or placement the checkpoint "
-                f"belongs to; a resume may change {', '.join(RESUMABLE)}",
+                f"belongs to; a resume may change {', '.join(resumable)}",
             )
         set_dotted(raw, key, value)
+    set_dotted(raw, "checkpoint.restart_data_order", restart_data_order)  # for this attempt only
     recipe = validate(raw)
     check_recipe(recipe)
     check_resumable(rd, recipe)
@@ -81,7 +102,7 @@ def resume_run(target: str, overrides: list[str], *, wait: bool, echo: Callable[
     preflight_run(recipe, runs_here=not slurm)
     lock = RunLock.acquire(rd.path)  # before our first write: one attempt per run dir (exit 2 naming the holder)
     try:
-        if overrides:
+        if overrides or restart_data_order != was_restarting:
             write_atomic(rd.recipe_file, dump_recipe(recipe))
         if slurm:
             from vlmrun.launch.slurm.submit import resume_slurm
@@ -100,7 +121,8 @@ def check_resumable(rd, recipe) -> None:
     newest = CheckpointStore(rd.checkpoints(recipe), recipe.checkpoint.keep).newest_manifest()
     if newest is not None:
         step, manifest = newest
-        check_same_identity(manifest.get("identity", {}), recipe, where=f"the checkpoint of step {step}")
+        ignore = RESHARDABLE if recipe.checkpoint.restart_data_order else ()
+        check_same_identity(manifest.get("identity", {}), recipe, where=f"the checkpoint of step {step}", ignore=ignore)
 
 
 def _nothing_left(rd, recipe) -> int | None:

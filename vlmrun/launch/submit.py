@@ -9,6 +9,7 @@ from pathlib import Path
 from vlmrun.cluster.preflight import preflight_run
 from vlmrun.errors import InputError
 from vlmrun.launch.result import SubmitResult
+from vlmrun.models.fit import check_memory_fit
 from vlmrun.run.directory import RunDirectory, check_recipe, default_run_dir, dump_recipe
 from vlmrun.run.lock import RunLock, RunLocked, live_holder
 
@@ -36,7 +37,9 @@ def submit_run(
     """Validate everything first, so a bad recipe or argument starts and submits nothing.
 
     Raises InputError (before a run dir is created or data generated) for a bad recipe, argument, a
-    missing model or data set, or too few GPUs on this machine for a local run (cluster/preflight.py).
+    missing model or data set, too few GPUs on this machine for a local run (cluster/preflight.py), or
+    a GPU recipe whose memory estimate exceeds cluster.gpu_memory_gb (models/fit.py). The estimate
+    rides on the result (`memory`); its warning (within 10% of the limit) goes to `echo` before a run.
     """
     from vlmrun.config.load import load_recipe
 
@@ -52,16 +55,20 @@ def submit_run(
             str(rd.path),
             f"already holds a run; continue it with `vlmrun resume {rd.path}` or choose another --run-dir",
         )
+    memory = check_memory_fit(recipe)  # before preflight: a layout that cannot fit, wherever the weights are
     preflight_run(recipe, runs_here=chosen == "local")  # a dry run reports the same errors as a submit
+    if memory.warning and echo is not None and not dry_run:
+        echo(f"warning: {memory.warning}")
     if chosen == "slurm":
         from vlmrun.launch.slurm.submit import submit_slurm
 
         result = submit_slurm(rd, recipe, dry_run=dry_run, wait=wait, echo=echo)
         if dry_run:
             result.script, result.rendered = result.rendered, dump_recipe(recipe)
+        result.memory = memory
         return result
     if dry_run:
-        return SubmitResult(rd.path, chosen, True, rendered=dump_recipe(recipe))
+        return SubmitResult(rd.path, chosen, True, rendered=dump_recipe(recipe), memory=memory)
     from vlmrun.launch.local import start_local
 
     lock = RunLock.acquire(rd.path)  # before our first write: one attempt per run dir (exit 2 naming the holder)
@@ -70,4 +77,6 @@ def submit_run(
     except BaseException:
         lock.release()
         raise
-    return start_local(rd, recipe, wait=wait, lock=lock, echo=echo)
+    result = start_local(rd, recipe, wait=wait, lock=lock, echo=echo)
+    result.memory = memory
+    return result

@@ -1,7 +1,7 @@
 """The policy seam: what any training backend offers the algorithms, one instance per rank.
 
-Algorithms (SFT now, GRPO next) call only these methods; a backend (`hf` on gloo/CPU today, FSDP2 on
-NCCL and megatron-core later) implements them. The instance lives inside its rank's worker actor;
+Algorithms (SFT, GRPO) call only these methods; a backend (`hf`: a full replica per rank, or FSDP2
+shards, on gloo/CPU or NCCL/GPU; megatron-core later) implements them. The instance lives inside its rank's worker actor;
 collectives between ranks happen inside the calls, so every rank must make the same calls in the same
 order (as with torch.distributed itself).
 
@@ -12,7 +12,8 @@ order (as with torch.distributed itself).
 3. `logprobs` scores a batch under the current weights (GRPO's prev logprobs, tests);
    `reference_logprobs` under the initial weights (GRPO's KL penalty).
 4. `state_dict` / `load_state_dict`: the parts of a checkpoint this backend owns, by part name
-   (`CHECKPOINT_PARTS`); the checkpoint store decides where they go.
+   (`CHECKPOINT_PARTS`); the checkpoint store decides where they go. A `sharded_state` backend
+   returns this rank's shards (DTensors), which every rank saves and loads together through DCP.
 5. `weights_for_refit`: the full weights, by parameter name, for a generation engine.
 """
 
@@ -69,8 +70,9 @@ class TokenLoss(abc.ABC):
 class PolicyBackend(abc.ABC):
     """A model being trained on one rank; see the module docstring for the contract."""
 
-    #: True when every rank's state_dict is the same (replicas): rank 0 alone saves it for all.
-    replicated_state: bool = True
+    #: False when every rank's state_dict is the same (replicas): rank 0 alone saves it for all; True
+    #: when each rank holds a shard of it: every rank saves its own, together.
+    sharded_state: bool = False
 
     @abc.abstractmethod
     def setup(self, *, master_addr: str, master_port: int, max_steps: int) -> dict[str, Any]:

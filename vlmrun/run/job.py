@@ -67,6 +67,7 @@ class Attempt(_Record):
     requeue_decision: str | None = None
     # What the node records about how the attempt went (RunOutcome.details()).
     resumed_from: int | None = None
+    restarted_data_order: str | None = None
     first_step_s: float | None = None
     max_steps: int | None = None
     checkpoint_save_s: list[float] | None = None

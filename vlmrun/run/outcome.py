@@ -22,6 +22,7 @@ class RunOutcome:
     stop_signal: str | None = None
     max_steps: int | None = None
     resumed_from: int | None = None
+    restarted_data_order: str | None = None  # resumed from another dp: from which layout, what was kept and lost
     first_step_s: float | None = None
     checkpoint_save_s: list[float] = field(default_factory=list)
     skipped_checkpoints: list[str] = field(default_factory=list)

@@ -6,6 +6,8 @@
         controller.pt                the controller's RNG and step counters
         policy/model.pt              the policy's parts (one copy when every rank holds the same state)
         policy/optimizer.pt          optimizer and LR schedule
+        policy/sharded/              or, for a sharded policy (FSDP2): model, optimizer and LR schedule
+                                     through torch.distributed.checkpoint, one file per rank + .metadata
         rng/rank_<k>.pt              every rank's RNG
         loader/shard_<r>.pt          every loader shard's Energon state, with its identity fingerprint
         plane/shard_<r>.pt           the data plane's state of replica r, where it is not empty
@@ -15,8 +17,11 @@
    reads `checkpoint.read(part, index)`; the part's file name is decided here (`PARTS`) and nowhere
    else. `PendingCheckpoint` and `Checkpoint` are small picklable records, so they travel to the Ray
    actors that write and read their parts (the checkpoint folder is on a filesystem all nodes see).
-2. `finish` seals a checkpoint: checksums into the manifest, fsync, rename tmp_step_<N> -> step_<N>,
-   then keeps the newest `keep`. `latest` returns the newest checkpoint that verifies (every listed
+   A sharded part (`write_sharded` / `read_sharded`) is written by every rank at once through DCP:
+   each rank writes its own shard, nobody gathers the whole state.
+2. Every writer returns {file: size and sha256} of what it wrote, hashed right after writing in the
+   writer's process (ranks hash in parallel, from the page cache); `finish` puts them in the manifest,
+   fsyncs, renames tmp_step_<N> -> step_<N>, then keeps the newest `keep`. `latest` returns the newest checkpoint that verifies (every listed
    file has its size and checksum, and the parts every checkpoint needs are there); a torn or corrupt
    one is reported and skipped.
 3. Format 1 (written before the layered layout: `meta.json`, `model.pt`, `optim.pt`, and loader and
@@ -49,8 +54,13 @@ PARTS = {
     "plane": "plane/shard_{index}.pt",
     "generation": "generation/replica_{index}.pt",
 }
-#: Parts without which no checkpoint can be resumed.
-REQUIRED = ("controller", "model", "optimizer")
+#: Sharded part -> folder: DCP's files (`__<rank>_<i>.distcp` and `.metadata`) go inside.
+SHARDED_PARTS = {"policy": "policy/sharded"}
+#: Parts without which no checkpoint can be resumed; the policy's are either both REPLICATED_POLICY or
+#: the sharded policy's metadata.
+REQUIRED = ("controller",)
+REPLICATED_POLICY = ("model", "optimizer")
+_DCP_METADATA = ".metadata"
 # Format 1: file per part, and the key a part sat under when two parts shared one file.
 _V1_MANIFEST = "meta.json"
 _V1_PARTS = {
@@ -84,15 +94,27 @@ class PendingCheckpoint:
     step: int
     path: str
 
-    def write(self, part: str, state: Any, index: int | None = None) -> str:
-        """Save `state` (tensors and plain containers) as `part`; returns its file name for `finish`."""
+    def write(self, part: str, state: Any, index: int | None = None) -> dict[str, dict]:
+        """Save `state` (tensors and plain containers) as `part`; returns {file: digest} for `finish`."""
         import torch
 
         name = part_file(part, index)
         target = Path(self.path) / name
         target.parent.mkdir(parents=True, exist_ok=True)
         torch.save(state, target)
-        return name
+        return {name: digest(target)}
+
+    def write_sharded(self, part: str, state: dict, *, rank: int) -> dict[str, dict]:
+        """Save this rank's shard of `state` (DTensors, tensors, plain values) as `part` with
+        torch.distributed.checkpoint. Collective: every rank of the process group calls it together.
+        Returns {file: digest} of the files this rank wrote (rank 0 also writes the metadata)."""
+        import torch.distributed.checkpoint as dcp
+
+        folder = Path(self.path) / SHARDED_PARTS[part]
+        folder.mkdir(parents=True, exist_ok=True)
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(str(folder), thread_count=1, sync_files=False))
+        mine = sorted(folder.glob(f"__{rank}_*.distcp")) + ([folder / _DCP_METADATA] if rank == 0 else [])
+        return {str(f.relative_to(self.path)): digest(f) for f in mine}
 
 
 @dataclass(frozen=True)
@@ -122,6 +144,18 @@ class Checkpoint:
             return state[_V1_KEYS[part]]
         return state
 
+    def has_sharded(self, part: str) -> bool:
+        return f"{SHARDED_PARTS[part]}/{_DCP_METADATA}" in self.manifest["files"]
+
+    def read_sharded(self, part: str, state: dict) -> None:
+        """Load `part` into `state` in place (its DTensors are resharded to this process group's
+        layout, which may differ from the writer's). Collective, like `write_sharded`."""
+        import torch.distributed.checkpoint as dcp
+
+        if not self.has_sharded(part):
+            raise KeyError(f"checkpoint {self.path} has no sharded {part} ({SHARDED_PARTS[part]})")
+        dcp.load(state, storage_reader=dcp.FileSystemReader(str(self.path / SHARDED_PARTS[part])))
+
     def _file(self, part: str, index: int | None) -> str:
         return part_file(part, index, layout=_V1_PARTS if self.format == 1 else PARTS)
 
@@ -140,18 +174,15 @@ class CheckpointStore:
         tmp.mkdir(parents=True)
         return PendingCheckpoint(step, str(tmp))
 
-    def finish(self, pending: PendingCheckpoint, files: list[str], meta: dict) -> Path:
-        """Seal `pending` (checksums into the manifest, fsync) and rename it to step_<N>; apply retention."""
+    def finish(self, pending: PendingCheckpoint, files: dict[str, dict], meta: dict) -> Path:
+        """Seal `pending` ({file: digest} from the writers into the manifest, fsync) and rename it to
+        step_<N>; apply retention."""
         tmp = Path(pending.path)
-        missing = [p for p in REQUIRED if part_file(p) not in files]
+        missing = _lacking(files, PARTS)
         if missing:
             raise ValueError(f"checkpoint step {pending.step} lacks the parts {missing}")
         manifest = dict(
-            meta,
-            format=FORMAT,
-            step=pending.step,
-            saved_at=time.time(),
-            files={f: {"size": (tmp / f).stat().st_size, "sha256": _sha256(tmp / f)} for f in sorted(files)},
+            meta, format=FORMAT, step=pending.step, saved_at=time.time(), files={f: files[f] for f in sorted(files)}
         )
         with open(tmp / MANIFEST, "w") as f:
             json.dump(manifest, f, indent=1, sort_keys=True)
@@ -224,8 +255,7 @@ def verify(path: Path) -> dict:
     fmt = manifest.get("format")
     if fmt not in (1, FORMAT) or not isinstance(manifest.get("files"), dict):
         raise CorruptCheckpoint(f"unknown checkpoint format {fmt!r} (this vlmrun reads formats 1 and {FORMAT})")
-    layout = _V1_PARTS if fmt == 1 else PARTS
-    lacking = [p for p in REQUIRED if part_file(p, layout=layout) not in manifest["files"]]
+    lacking = _lacking(manifest["files"], _V1_PARTS if fmt == 1 else PARTS)
     if lacking:
         raise CorruptCheckpoint(f"the manifest lists no {', '.join(lacking)} part")
     for name, want in manifest["files"].items():
@@ -237,6 +267,19 @@ def verify(path: Path) -> dict:
         if _sha256(f) != want.get("sha256"):
             raise CorruptCheckpoint(f"{name} checksum mismatch")
     return manifest
+
+
+def _lacking(files, layout: dict[str, str]) -> list[str]:
+    """The required parts `files` lacks: the controller's, and the policy's (replicated or sharded)."""
+    lacking = [p for p in REQUIRED if part_file(p, layout=layout) not in files]
+    if f"{SHARDED_PARTS['policy']}/{_DCP_METADATA}" not in files:
+        lacking += [p for p in REPLICATED_POLICY if part_file(p, layout=layout) not in files]
+    return lacking
+
+
+def digest(path: Path) -> dict:
+    """{size, sha256} of a written file, as the manifest records it."""
+    return {"size": path.stat().st_size, "sha256": _sha256(path)}
 
 
 def _read_manifest(path: Path) -> dict:

@@ -7,8 +7,9 @@ holds what does not depend on the algorithm; a subclass supplies the algorithm's
    `found` is the checkpoint it will resume from, already checked to belong to this run.
 2. `_train_step(step, counters)` runs one optimizer step and returns its metrics row (the run
    contract's keys: loss, grad_norm, lr, valid_tokens, consumed_samples, sample_ids, timings, ...).
-3. `_save_parts(pending)` / `_load_parts(found)` write and read the algorithm's checkpoint parts
-   (this class writes the controller's own: its RNG and counters).
+3. Checkpoints: every worker's `save(pending)` / `load(found, restart_data=...)` writes and reads its
+   rank's parts; this class writes the controller's own (its RNG and counters) and the loader shards
+   a driver-fed loop owns (`self.loaders`, shard -> loader).
 4. `_close()` releases workers and loaders.
 
 A stop request (signal -> flag -> `request_stop`) is acted on at the next step boundary: every rank
@@ -40,6 +41,13 @@ from vlmrun.run.outcome import RunOutcome
 from vlmrun.run.state import State
 
 log = logging.getLogger(__name__)
+
+
+#: What a resume with another dp keeps and loses (`checkpoint.restart_data_order`).
+RESHARD_TERMS = (
+    "keep the model, optimizer state, LR schedule and step counters (resharded to the new dp) and lose "
+    "every loader shard's position and every rank's RNG stream: the data order starts over"
+)
 
 
 class DriverLost(CheckFailed):
@@ -88,11 +96,19 @@ class StepLoop:
     def _train_step(self, step: int, counters: dict) -> dict:
         raise NotImplementedError
 
-    def _save_parts(self, pending: PendingCheckpoint) -> list[str]:
-        raise NotImplementedError
+    def _save_parts(self, pending: PendingCheckpoint) -> dict[str, dict]:
+        """Every rank's parts (the workers' `save`) and the loader shards this process owns."""
+        files = {f: d for written in self.group.all_ranks("save", pending) for f, d in written.items()}
+        for shard, loader in self.loaders.items():
+            files |= pending.write("loader", loader.state_dict(), index=shard)
+        return files
 
-    def _load_parts(self, found: Checkpoint) -> None:
-        raise NotImplementedError
+    def _load_parts(self, found: Checkpoint, *, restart_data: bool) -> None:
+        """Every rank's parts, and the owned loader shards unless the data order restarts."""
+        self.group.all_ranks("load", found, restart_data=restart_data)
+        if not restart_data:
+            for shard, loader in self.loaders.items():
+                loader.load_state_dict(found.read("loader", index=shard))
 
     def _close(self) -> None:
         raise NotImplementedError
@@ -131,8 +147,9 @@ class StepLoop:
             run_id=wandb_id(self.rd.path),
         )
         found, skipped = self.chosen if self.chosen is not None else self.store.latest()
+        self.restart_data = False
         if found is not None:  # before any worker starts: a refused resume costs nothing
-            self._check_belongs(found)
+            self.restart_data = self._check_belongs(found)
         self._start(found)
         start_step, counters, notes = self._resume(found, skipped)
         first_step_at = None
@@ -187,18 +204,26 @@ class StepLoop:
             **notes,
         )
 
-    def _check_belongs(self, found: Checkpoint) -> None:
-        """Refuse a checkpoint written by another run definition or layout (InputError, exit 2)."""
-        meta = found.manifest
-        check_same_identity(meta.get("identity", {}), self.recipe, where=f"checkpoint {found.path}")
-        if meta["placement_hash"] != self.plan.placement_hash:
+    def _check_belongs(self, found: Checkpoint) -> bool:
+        """Refuse a checkpoint written by another run definition or layout (InputError, exit 2).
+        Returns True when it was written with another dp and `checkpoint.restart_data_order` lets the
+        run take its model, optimizer and counters while the data order starts over."""
+        meta, restart = found.manifest, self.recipe.checkpoint.restart_data_order
+        ignore = ("parallel.dp",) if restart else ()
+        check_same_identity(meta.get("identity", {}), self.recipe, where=f"checkpoint {found.path}", ignore=ignore)
+        if meta["placement_hash"] == self.plan.placement_hash:
+            return False
+        if not restart:
             raise InputError(
                 "parallel",
                 self.plan.describe(),
                 f"checkpoint {found.path} was written with layout {meta['layout']} "
                 f"(placement {meta['placement_hash']}), this run has {self.plan.describe()} "
-                f"(placement {self.plan.placement_hash}); resume with the same layout",
+                f"(placement {self.plan.placement_hash}); resume with the same layout, or "
+                f"`vlmrun resume --restart-data-order` to {RESHARD_TERMS}",
             )
+        log.warning("%s: %s", found.path, RESHARD_TERMS)
+        return True
 
     def _resume(self, found: Checkpoint | None, skipped: list[str]) -> tuple[int, dict, dict]:
         rng.seed_all(self.recipe.train.seed)
@@ -206,11 +231,14 @@ class StepLoop:
         notes = {"skipped_checkpoints": skipped} if skipped else {}
         if found is None:
             return 0, counters, notes
-        self._load_parts(found)
+        self._load_parts(found, restart_data=self.restart_data)
         ctrl = found.read("controller")
-        rng.set_rng_state(ctrl["rng"])
+        if not self.restart_data:
+            rng.set_rng_state(ctrl["rng"])
         counters = dict(ctrl["counters"])
         notes["resumed_from"] = found.step
+        if self.restart_data:
+            notes["restarted_data_order"] = f"from {found.manifest['layout']}: {RESHARD_TERMS}"
         log.info("resumed from %s", found.path)
         return found.step, counters, notes
 
@@ -246,7 +274,7 @@ class StepLoop:
         t0 = time.perf_counter()
         pending = self.store.begin(step)
         files = self._save_parts(pending)
-        files.append(pending.write("controller", {"rng": rng.rng_state(), "counters": counters}))
+        files |= pending.write("controller", {"rng": rng.rng_state(), "counters": counters})
         meta = {
             "placement_hash": self.plan.placement_hash,
             "layout": self.plan.describe(),

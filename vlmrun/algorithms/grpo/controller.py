@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import time
 
-from vlmrun.algorithms.common.checkpoint import Checkpoint, PendingCheckpoint
+from vlmrun.algorithms.common.checkpoint import Checkpoint
 from vlmrun.algorithms.common.loop import StepLoop
 from vlmrun.algorithms.grpo.metrics import step_row
 from vlmrun.algorithms.grpo.partition import ReplicaPlanes, StagePlane
@@ -95,14 +95,3 @@ class GrpoController(StepLoop):
         )
         counters["total_valid_tokens"] += row["valid_tokens"]
         return row
-
-    # ---- checkpoints -----------------------------------------------------------------------------
-    def _save_parts(self, pending: PendingCheckpoint) -> list[str]:
-        files = [f for part in self.group.all_ranks("save", pending) for f in part]
-        files += [pending.write("loader", loader.state_dict(), index=shard) for shard, loader in self.loaders.items()]
-        return files
-
-    def _load_parts(self, found: Checkpoint) -> None:
-        self.group.all_ranks("load", found)
-        for shard, loader in self.loaders.items():
-            loader.load_state_dict(found.read("loader", index=shard))

@@ -24,6 +24,7 @@ import time
 import torch
 
 from vlmrun.algorithms.common.checkpoint import Checkpoint, PendingCheckpoint
+from vlmrun.algorithms.common.policy_parts import load_policy, save_policy
 from vlmrun.algorithms.grpo.loss import ClippedPgLoss
 from vlmrun.algorithms.grpo.micro_batches import model_batches, pg_micro_batches, response_values
 from vlmrun.algorithms.grpo.partition import StagePlane, partition_name, rollout_spec, split_fields, stage_fields
@@ -42,7 +43,7 @@ from vlmrun.generation.prompts import join_prompts
 from vlmrun.plane.fields import Stage
 from vlmrun.plane.interface import SampleBatch
 from vlmrun.policy import rng
-from vlmrun.policy.interface import CHECKPOINT_PARTS, PolicyBackend, StepResult
+from vlmrun.policy.interface import PolicyBackend, StepResult
 
 
 class GrpoWorker(RankActor):
@@ -67,9 +68,7 @@ class GrpoWorker(RankActor):
         self.rank, self.replica, self.owner = rank, replica, owner
         self.recipe = r = Recipe.model_validate_json(recipe_json)
         self.model_dir = model_dir
-        self.policy: PolicyBackend = HfPolicy(
-            rank=rank, world_size=world_size, model_dir=model_dir, train=r.train, dtype=r.model.dtype
-        )
+        self.policy: PolicyBackend = HfPolicy.from_recipe(r, rank=rank, world_size=world_size, model_dir=model_dir)
         self.generator = HfGenerator(model_dir=model_dir, replica=replica, dtype=r.model.dtype, threads=threads)
         self.dtype = torch.bfloat16 if r.model.dtype == "bfloat16" else torch.float32
         self.sampling = SamplingParams(
@@ -220,21 +219,22 @@ class GrpoWorker(RankActor):
         """This rank's [nll, tokens, correct, answered] over its share of the val batches."""
         return self.policy.score(loss_batches, prompt_batches)
 
-    def save(self, pending: PendingCheckpoint) -> list[str]:
-        """This rank's parts: the policy's (rank 0 alone when every rank holds the same), its RNG, and,
-        on a replica's owner, the sampling stream and the owned loader shard."""
-        written = []
-        if self.rank == 0 or not self.policy.replicated_state:
-            written += [pending.write(part, state) for part, state in self.policy.state_dict().items()]
-        written.append(pending.write("rng", rng.rng_state(), index=self.rank))
+    def save(self, pending: PendingCheckpoint) -> dict[str, dict]:
+        """This rank's parts: its share of the policy, its RNG, and, on a replica's owner, the sampling
+        stream and the owned loader shard; returns {file: digest}."""
+        written = save_policy(self.policy, pending, rank=self.rank)
+        written |= pending.write("rng", rng.rng_state(), index=self.rank)
         if self.owner:
-            written.append(pending.write("generation", self.generator.state_dict(), index=self.replica))
+            written |= pending.write("generation", self.generator.state_dict(), index=self.replica)
         if self.loader is not None:
-            written.append(pending.write("loader", self.loader.state_dict(), index=self.loader.shard))
+            written |= pending.write("loader", self.loader.state_dict(), index=self.loader.shard)
         return written
 
-    def load(self, checkpoint: Checkpoint) -> None:
-        self.policy.load_state_dict({part: checkpoint.read(part) for part in CHECKPOINT_PARTS})
+    def load(self, checkpoint: Checkpoint, restart_data: bool = False) -> None:
+        """Restore this rank's parts; with `restart_data` (another dp wrote it) only the policy's."""
+        load_policy(self.policy, checkpoint)
+        if restart_data:
+            return
         rng.set_rng_state(checkpoint.read("rng", index=self.rank))
         self.generator.load_state_dict(checkpoint.read("generation", index=self.replica))
         if self.loader is not None:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import time
 
-from vlmrun.algorithms.common.checkpoint import Checkpoint, PendingCheckpoint
+from vlmrun.algorithms.common.checkpoint import Checkpoint
 from vlmrun.algorithms.common.loop import StepLoop
 from vlmrun.algorithms.sft.worker import SftWorker
 from vlmrun.distributed.worker_group import Placement, WorkerGroup, gather
@@ -102,14 +102,3 @@ class SftController(StepLoop):
             "peak_rss_mb": max(r["peak_rss_mb"] for r in results),
             "time": round(time.time(), 3),
         }
-
-    # ---- checkpoints -----------------------------------------------------------------------------
-    def _save_parts(self, pending: PendingCheckpoint) -> list[str]:
-        files = [f for part in self.group.all_ranks("save", pending) for f in part]
-        files += [pending.write("loader", loader.state_dict(), index=shard) for shard, loader in self.loaders.items()]
-        return files
-
-    def _load_parts(self, found: Checkpoint) -> None:
-        self.group.all_ranks("load", found)
-        for shard, loader in self.loaders.items():
-            loader.load_state_dict(found.read("loader", index=shard))

@@ -13,12 +13,13 @@ import time
 import torch
 
 from vlmrun.algorithms.common.checkpoint import Checkpoint, PendingCheckpoint
+from vlmrun.algorithms.common.policy_parts import load_policy, save_policy
 from vlmrun.distributed.worker_group import RankActor
 from vlmrun.plane.interface import DataPlane
 from vlmrun.plane.local import LocalDataPlane
 from vlmrun.plane.micro_batches import get_micro_batches, put_micro_batches
 from vlmrun.policy import rng
-from vlmrun.policy.interface import CHECKPOINT_PARTS, PolicyBackend
+from vlmrun.policy.interface import PolicyBackend
 
 
 class SftWorker(RankActor):
@@ -30,12 +31,8 @@ class SftWorker(RankActor):
         self.rank = rank
         self.recipe = Recipe.model_validate_json(recipe_json)
         self.model_dir = model_dir
-        self.policy: PolicyBackend = HfPolicy(
-            rank=rank,
-            world_size=world_size,
-            model_dir=model_dir,
-            train=self.recipe.train,
-            dtype=self.recipe.model.dtype,
+        self.policy: PolicyBackend = HfPolicy.from_recipe(
+            self.recipe, rank=rank, world_size=world_size, model_dir=model_dir
         )
         self.loader = None
         self.plane: DataPlane = LocalDataPlane()
@@ -88,22 +85,23 @@ class SftWorker(RankActor):
         """This rank's [nll, tokens, correct, answered] over its share of the val batches."""
         return self.policy.score(loss_batches, prompt_batches)
 
-    def save(self, pending: PendingCheckpoint) -> list[str]:
-        """Write this rank's parts into `pending` (the policy's only from rank 0 when every rank holds the
-        same state); returns the files written."""
-        written = []
-        if self.rank == 0 or not self.policy.replicated_state:
-            written += [pending.write(part, state) for part, state in self.policy.state_dict().items()]
-        written.append(pending.write("rng", rng.rng_state(), index=self.rank))
+    def save(self, pending: PendingCheckpoint) -> dict[str, dict]:
+        """Write this rank's parts into `pending` (collective when the policy is sharded); returns
+        {file: digest} of what this rank wrote."""
+        written = save_policy(self.policy, pending, rank=self.rank)
+        written |= pending.write("rng", rng.rng_state(), index=self.rank)
         if self.loader is not None:
-            written.append(pending.write("loader", self.loader.state_dict(), index=self.loader.shard))
+            written |= pending.write("loader", self.loader.state_dict(), index=self.loader.shard)
             plane = self.plane.state_dict()
             if plane:
-                written.append(pending.write("plane", plane, index=self.loader.shard))
+                written |= pending.write("plane", plane, index=self.loader.shard)
         return written
 
-    def load(self, checkpoint: Checkpoint) -> None:
-        self.policy.load_state_dict({part: checkpoint.read(part) for part in CHECKPOINT_PARTS})
+    def load(self, checkpoint: Checkpoint, restart_data: bool = False) -> None:
+        """Restore this rank's parts; with `restart_data` (another dp wrote it) only the policy's."""
+        load_policy(self.policy, checkpoint)
+        if restart_data:
+            return
         rng.set_rng_state(checkpoint.read("rng", index=self.rank))
         if self.loader is not None:
             self.loader.load_state_dict(checkpoint.read("loader", index=self.loader.shard))

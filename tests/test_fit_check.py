@@ -1,0 +1,319 @@
+"""The memory-fit check at submit: parameter counts from config.json alone, the estimate, and the verdict
+(a GPU recipe that cannot fit exits 2 naming what to change; within 10% of the GPU it warns)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from vlmrun.config.load import load_recipe
+from vlmrun.errors import InputError
+from vlmrun.models.architecture import REFERENCE_DIR, load_architecture
+from vlmrun.models.fit import check_memory_fit
+from vlmrun.models.memory import GIB, TrainingShape, estimate_memory
+from vlmrun.models.params import UnknownArchitecture, count_architecture
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPES = ROOT / "recipes"
+OMNI = RECIPES / "omni-clevr-1n8g.yaml"
+TINY = RECIPES / "tiny-clevr-cpu.yaml"
+GPU_RECIPES = [
+    "omni-clevr-1n8g.yaml",
+    "omni-clevr-grpo-1n8g.yaml",
+    "qwen2.5-vl-3b-clevr-1n2g.yaml",
+    "qwen2.5-vl-3b-clevr-grpo-1n2g.yaml",
+]
+# the 30B on one 80 GiB GPU, its whole training state on the GPU
+ONE_GPU = [
+    "parallel.dp=1",
+    "cluster.gpus_per_node=1",
+    "parallel.cpu_offload=false",
+    "parallel.reduce_every_micro_batch=false",
+]
+
+
+def vlmrun(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "vlmrun.cli", *args],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        env=os.environ | {"HF_HUB_OFFLINE": "1"},
+        timeout=120,
+    )
+
+
+def placeholder_model(tmp_path: Path) -> Path:
+    """A model directory whose config.json describes nothing (the weights live elsewhere)."""
+    d = tmp_path / "model"
+    d.mkdir(exist_ok=True)
+    (d / "config.json").write_text("{}")
+    return d
+
+
+def reference(name: str) -> dict:
+    config = json.loads((REFERENCE_DIR / f"{name}.json").read_text())
+    config.pop("source", None)
+    return config
+
+
+# ---------------------------------------------------------------- the verdict
+
+
+def test_30b_on_one_gpu_is_refused_naming_the_fields_to_change():
+    with pytest.raises(InputError) as e:
+        check_memory_fit(load_recipe(OMNI, ONE_GPU))
+    msg = str(e.value)
+    assert e.value.field == "cluster.gpu_memory_gb" and len(msg.splitlines()) == 1
+    assert "80.0 GiB" in msg and "33.02B parameters" in msg
+    for part in ("weights 123.0", "gradients 123.0", "optimizer 246.0", "accumulated gradients 123.0", "overhead"):
+        assert part in msg
+    for field in (
+        "parallel.cpu_offload=true",
+        "parallel.dp",
+        "parallel.reduce_every_micro_batch",
+        "cluster.gpu_memory_gb",
+    ):
+        assert field in msg
+
+
+def test_cli_refuses_with_exit_2_before_any_run_dir(tmp_path):
+    sets = [f"model.path={placeholder_model(tmp_path)}", *ONE_GPU]
+    out = vlmrun(
+        "submit", str(OMNI), "--dry-run", "--cluster", "slurm", *[a for s in sets for a in ("--set", s)], cwd=tmp_path
+    )
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert "Traceback" not in out.stderr and len(out.stderr.strip().splitlines()) <= 2
+    assert "cluster.gpu_memory_gb" in out.stderr and "parallel.cpu_offload=true" in out.stderr
+    assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize("name", GPU_RECIPES)
+def test_shipped_gpu_recipes_fit_their_80_gib_gpus(name):
+    fit = check_memory_fit(load_recipe(RECIPES / name))
+    assert fit.warning is None and fit.limit == 80 * GIB
+    assert fit.estimate.device_total < 0.9 * fit.limit
+    assert fit.source.startswith("vlmrun/models/reference/") and "model.reference_config" in fit.source_note
+    assert fit.host_limit is None or fit.host_per_node < 0.9 * fit.host_limit
+
+
+def test_omni_1n8g_offloads_its_state_to_the_hosts_memory():
+    fit = check_memory_fit(load_recipe(OMNI))
+    e = fit.estimate
+    assert e.offloaded and e.params == 33_015_727_040
+    assert fit.host_per_node == 8 * e.host_per_rank and fit.host_per_node < 1000 * GIB
+    with pytest.raises(InputError, match="cluster.mem_gb"):
+        check_memory_fit(load_recipe(OMNI, ["cluster.mem_gb=400"]))
+
+
+def test_within_10_percent_warns_and_the_dry_run_shows_it(tmp_path):
+    estimate = check_memory_fit(load_recipe(OMNI)).estimate.device_total
+    tight = -(-estimate // GIB)  # the estimate rounded up to whole GiB: within 10% for a 38 GiB estimate
+    fit = check_memory_fit(load_recipe(OMNI, [f"cluster.gpu_memory_gb={tight}"]))
+    assert fit.warning and "within 10%" in fit.warning and "cluster.gpu_memory_gb" in fit.warning
+    sets = [f"model.path={placeholder_model(tmp_path)}", f"cluster.gpu_memory_gb={tight}"]
+    out = vlmrun(
+        "submit", str(OMNI), "--dry-run", "--cluster", "slurm", *[a for s in sets for a in ("--set", s)], cwd=tmp_path
+    )
+    assert out.returncode == 0, out.stderr
+    assert "# warning: the estimate" in out.stdout and "# memory estimate per GPU: 33.02B parameters" in out.stdout
+
+
+def test_dry_run_json_carries_the_estimate(tmp_path):
+    out = vlmrun(
+        "submit",
+        str(OMNI),
+        "--dry-run",
+        "--cluster",
+        "slurm",
+        "--json",
+        "--set",
+        f"model.path={placeholder_model(tmp_path)}",
+        cwd=tmp_path,
+    )
+    assert out.returncode == 0, out.stderr
+    data = json.loads(out.stdout)
+    assert {"run_dir", "cluster", "dry_run", "recipe", "sbatch_script"} <= data.keys()
+    memory = data["memory_estimate"]
+    assert memory["config"] == "vlmrun/models/reference/nemotron_omni_30b_a3b.json"
+    assert memory["device_total"] < memory["limit_bytes"] == 80 * GIB and memory["warning"] is None
+
+
+def test_cpu_recipes_are_estimated_never_refused():
+    fit = check_memory_fit(load_recipe(TINY, ["cluster.gpu_memory_gb=1", "data.max_seq_len=65536"]))
+    assert fit.limit is None and fit.warning is None and fit.estimate.overhead == 0
+    assert fit.source == "vlmrun/models/reference/tiny_qwen2_5_vl.json"
+
+
+def test_a_config_that_cannot_be_counted_is_reported_not_refused(tmp_path):
+    recipe = load_recipe(OMNI, [f"model.path={placeholder_model(tmp_path)}", "model.reference_config=null"])
+    fit = check_memory_fit(recipe)
+    assert fit.estimate is None and "model.reference_config" in fit.warning
+    assert "memory fit not checked" in fit.report_lines()[0]
+
+
+def test_a_readable_config_json_wins_over_the_reference(tmp_path):
+    d = tmp_path / "qwen"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(reference("qwen2_5_vl_3b")))
+    recipe = load_recipe(RECIPES / "qwen2.5-vl-3b-clevr-1n2g.yaml", [f"model.path={d}"])
+    found = load_architecture(recipe.model)
+    assert found.source == str(d / "config.json") and found.architecture.total == 3_754_622_976
+
+
+@pytest.mark.parametrize(
+    "name, words", [("no_such_model", "choose one of"), ("qwen2_5_vl_3b", "not model.family nemotron_omni")]
+)
+def test_a_bad_reference_config_names_the_field(tmp_path, name, words):
+    recipe = load_recipe(OMNI, [f"model.path={placeholder_model(tmp_path)}", f"model.reference_config={name}"])
+    with pytest.raises(InputError, match=words) as e:
+        check_memory_fit(recipe)
+    assert e.value.field == "model.reference_config"
+
+
+# ---------------------------------------------------------------- the estimate's terms
+
+
+def test_each_setting_moves_the_term_it_should():
+    arch = count_architecture("qwen2_5_vl", reference("qwen2_5_vl_3b"))
+    base = TrainingShape(fsdp=True, dp=2, sequences=4, seq_len=2048)
+    e = estimate_memory(arch, base)
+    assert e.weights == e.gradients == -(-arch.total // 2) * 4 and e.optimizer == 2 * e.weights
+    assert estimate_memory(arch, replace(base, dp=4)).weights == -(-arch.total // 4) * 4
+    assert estimate_memory(arch, TrainingShape(sequences=4, seq_len=2048)).gathered_params == 0
+    assert estimate_memory(arch, TrainingShape(optimizer="sgd")).optimizer == 0
+    checkpointed = estimate_memory(
+        arch, TrainingShape(fsdp=True, dp=2, sequences=4, seq_len=2048, activation_checkpointing=True)
+    )
+    assert checkpointed.activations < e.activations / 10
+    bf16 = estimate_memory(arch, TrainingShape(fsdp=True, dp=2, sequences=4, seq_len=2048, mixed_precision="bf16"))
+    assert bf16.weights == e.weights and bf16.activations == e.activations // 2
+    offloaded = estimate_memory(arch, TrainingShape(fsdp=True, dp=2, cpu_offload=True))
+    assert offloaded.host_per_rank == offloaded.sharded_state and not any(offloaded.resident_terms().values())
+    accumulating = estimate_memory(arch, replace(base, micro_batches=2, mixed_precision="bf16"))
+    assert accumulating.accumulated_gradients == arch.total * 4  # unsharded, fp32, whatever dp is
+    grpo = estimate_memory(arch, TrainingShape(fsdp=True, dp=2, reference_model=True, generation_sequences=8))
+    assert grpo.reference == grpo.weights and grpo.generation > arch.total * 4
+
+
+# ---------------------------------------------------------------- counts against transformers
+
+
+def _meta_count(config) -> int:
+    torch = pytest.importorskip("torch")
+    from transformers import AutoModelForImageTextToText
+
+    with torch.device("meta"):
+        model = AutoModelForImageTextToText.from_config(config)
+    return sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "nemotron_omni"])
+def test_tiny_counts_match_the_builders_model(family):
+    pytest.importorskip("transformers")
+    from vlmrun.models.tiny import family_module
+    from vlmrun.models.tiny.tokenizer import train_tokenizer
+
+    module = family_module(family)
+    config = module.build_config(train_tokenizer(module.TOKENIZER_SPEC))
+    expected = _meta_count(config)
+    assert count_architecture(family, config.to_dict()).total == expected
+    snapshot = count_architecture(family, reference(f"tiny_{family}"))  # what a dry run of a tiny recipe counts
+    assert snapshot.total == expected and snapshot.vocab == config.text_config.vocab_size
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "family, name, total",
+    [("qwen2_5_vl", "qwen2_5_vl_3b", 3_754_622_976), ("nemotron_omni", "nemotron_omni_30b_a3b", 33_015_727_040)],
+)
+def test_reference_counts_match_meta_instantiation(family, name, total):
+    from transformers import AutoConfig
+
+    config = reference(name)
+    assert count_architecture(family, config).total == total == _meta_count(AutoConfig.for_model(**config))
+
+
+LEGACY_OMNI = {  # the released checkpoints' key names: llm_config, sound_config, vit_hidden_size, a pattern string
+    "model_type": "nemotron_h_omni",
+    "vit_hidden_size": 32,
+    "projector_hidden_size": 48,
+    "vision_config": {
+        "patch_size": 16,
+        "hidden_size": 32,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 2,
+        "max_img_size": 256,
+        "video_temporal_patch_size": 2,
+    },
+    "sound_config": {
+        "hidden_size": 64,
+        "num_attention_heads": 4,
+        "num_hidden_layers": 2,
+        "intermediate_size": 128,
+        "subsampling_conv_channels": 16,
+        "num_mel_bins": 128,
+        "projection_hidden_size": 96,
+        "projection_bias": False,
+    },
+    "llm_config": {
+        "model_type": "nemotron_h",
+        "vocab_size": 300,
+        "hidden_size": 64,
+        "hybrid_override_pattern": "ME*-",
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "intermediate_size": 96,
+        "mamba_num_heads": 4,
+        "mamba_head_dim": 16,
+        "ssm_state_size": 16,
+        "n_groups": 2,
+        "n_routed_experts": 4,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32,
+        "moe_shared_expert_intermediate_size": 48,
+        "num_nextn_predict_layers": 1,
+    },
+}
+
+
+@pytest.mark.slow
+def test_legacy_key_names_count_like_transformers_reads_them():
+    from transformers import AutoConfig
+
+    assert count_architecture("nemotron_omni", LEGACY_OMNI).total == _meta_count(AutoConfig.for_model(**LEGACY_OMNI))
+    flat = reference("qwen2_5_vl_3b")  # Qwen2.5-VL's own config.json: text keys at the top level
+    text = flat.pop("text_config")
+    flat |= {k: v for k, v in text.items() if k != "model_type"} | {"num_hidden_layers": 2}
+    flat["vision_config"]["depth"] = 2
+    assert count_architecture("qwen2_5_vl", flat).total == _meta_count(AutoConfig.for_model(**flat))
+
+
+def test_an_empty_config_is_unknown():
+    for family in ("qwen2_5_vl", "nemotron_omni"):
+        with pytest.raises(UnknownArchitecture):
+            count_architecture(family, {})
+
+
+# ---------------------------------------------------------------- the estimate against a measurement
+
+
+@pytest.mark.slow
+def test_tiny_estimate_is_within_2x_of_the_measured_peak():
+    pytest.importorskip("torch")
+    spec = importlib.util.spec_from_file_location("measure_memory", ROOT / "tools" / "measure_memory.py")
+    measure = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(measure)
+    for family in ("qwen2_5_vl", "nemotron_omni"):
+        recipe = load_recipe(TINY, [f"model.family={family}", f"data.family={family}"])
+        row = measure.measure_family(family, recipe)
+        assert 0.5 <= row["ratio_estimate_to_measured"] <= 2.0, row

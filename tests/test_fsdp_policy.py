@@ -1,0 +1,99 @@
+"""The hf policy sharded with FSDP2 against the replicated policy, on CPU with 2 gloo ranks.
+
+Each layout runs in its own pair of spawned processes over the same micro-batches (image batches from
+the session's CLEVR set; rank 0's last is text-only, so the vision tower gets no gradient from it); losses, gradient norms and final parameters must be bitwise equal. Then the sharded policy
+saves through DCP, a fresh pair loads it and must take the same next step, and a single rank loads
+the 2-rank checkpoint (DCP reshards).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from data_samples import make_recipe
+
+STEPS = 4
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _text_only_batch(tokenizer, rank: int):
+    from vlmrun.data.batch import Batch
+
+    ids = torch.tensor([tokenizer.encode("how many cubes are there? answer: 3 cubes")])
+    return Batch([f"text-{rank}"], ids, torch.ones_like(ids), ids.clone())
+
+
+def _policy(recipe, rank: int, world: int, model_dir: str, layout: dict, port: int):
+    from vlmrun.policy.hf import HfPolicy
+
+    recipe = recipe.model_copy(update={"parallel": recipe.parallel.model_copy(update={"dp": world, **layout})})
+    policy = HfPolicy.from_recipe(recipe, rank=rank, world_size=world, model_dir=model_dir)
+    policy.setup(master_addr="127.0.0.1", master_port=port, max_steps=20)
+    return policy
+
+
+def _rank_main(rank, world, recipe, model_dir, batches, layout, port, out, all_text):
+    """One rank: STEPS steps (rank 0's last micro-batch is text-only, or all of them with `all_text`);
+    rank 0 writes rows and weights."""
+    torch.set_num_threads(1)
+    policy = _policy(recipe, rank, world, model_dir, layout, port)
+    mine = batches[rank::world]
+    if rank == 0:  # ranks take the same number of micro-batches (FSDP2 gathers per forward)
+        text = _text_only_batch(policy.tokenizer, rank)
+        mine = [text] * len(mine) if all_text else [*mine[:-1], text]
+    rows = [policy.train_step(mine) for _ in range(STEPS)]
+    weights = policy.weights_for_refit()
+    if rank == 0:
+        torch.save({"rows": [(r.loss, r.grad_norm, r.valid_tokens) for r in rows], "weights": weights}, out)
+    policy.shutdown()
+    os._exit(0)  # skip interpreter teardown: gloo's threads sometimes abort in C++ destructors at exit
+
+
+def _run(tmp_path, name, recipe, model_dir, batches, *, layout, all_text=False):
+    out = tmp_path / f"{name}.pt"
+    args = (2, recipe, model_dir, batches, layout, _free_port(), str(out), all_text)
+    mp.start_processes(_rank_main, args=args, nprocs=2, start_method="spawn")
+    return torch.load(out, weights_only=False)
+
+
+@pytest.fixture(scope="module")
+def setup(clevr_set, tiny_dirs, request):
+    from vlmrun.data.loader import val_batches
+
+    family = request.param
+    recipe = make_recipe(clevr_set, family=family, train={"lr": 1e-2, "grad_clip": 0.5})
+    loss_batches, _ = val_batches(recipe, processor_dir=tiny_dirs[family], samples=8, batch_size=2)
+    return recipe, tiny_dirs[family], loss_batches
+
+
+@pytest.mark.parametrize("setup", ["qwen2_5_vl", "nemotron_omni"], indirect=True)
+def test_fsdp_matches_replicated_bitwise_with_a_text_only_micro_batch(setup, tmp_path):
+    recipe, model_dir, batches = setup
+    replicated = _run(tmp_path, "replicated", recipe, model_dir, batches, layout={"fsdp": False})
+    sharded = _run(tmp_path, "sharded", recipe, model_dir, batches, layout={"fsdp": True})
+    assert sharded["rows"] == replicated["rows"]
+    assert len({r[1] for r in sharded["rows"]}) == STEPS  # the steps moved the weights
+    assert sharded["weights"].keys() == replicated["weights"].keys()
+    for name, w in replicated["weights"].items():
+        assert torch.equal(sharded["weights"][name], w), name
+
+
+@pytest.mark.parametrize("setup", ["nemotron_omni"], indirect=True)
+def test_bf16_mixed_precision_trains_with_a_rank_of_text_only_micro_batches(setup, tmp_path):
+    """bf16 over fp32 master weights, activation checkpointing: rank 0 sees no image in the step (the
+    vision tower gets no gradient there), rank 1 only images (Nemotron's video projection gets none)."""
+    recipe, model_dir, batches = setup
+    layout = {"fsdp": True, "mixed_precision": "bf16", "activation_checkpointing": True}
+    got = _run(tmp_path, "bf16", recipe, model_dir, batches, layout=layout, all_text=True)
+    losses = [row[0] for row in got["rows"]]
+    assert all(loss == loss and loss < 20 for loss in losses) and losses[-1] < losses[0]
+    assert {w.dtype for w in got["weights"].values() if w.is_floating_point()} == {torch.float32}  # fp32 masters

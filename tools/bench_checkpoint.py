@@ -1,0 +1,136 @@
+"""Checkpoint save cost: the sharded path (every rank writes its DCP shard, then hashes it) against one
+plain `torch.save` of the same model and optimizer state, measured side by side in one run.
+
+    .venv/bin/python tools/bench_checkpoint.py --mb 512 --ranks 2 --json
+
+The model is a stack of Linear layers of `--mb` MB of fp32 parameters, sharded with FSDP2 over
+`--ranks` gloo ranks (one unit per layer); one AdamW step gives it optimizer state (2x the
+parameters). Prints one JSON object: seconds for the plain save, for the sharded save (the slowest
+rank) split into writing and hashing, and their ratios. Files go under --dir (default: a temp dir on
+the same filesystem as /tmp) and are removed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.multiprocessing as mp
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+WIDTH = 2048  # one layer: WIDTH x WIDTH fp32 = 16 MB
+
+
+def build(mb: int) -> tuple[torch.nn.Module, int]:
+    """The model (seeded) and its layer count."""
+    torch.manual_seed(0)
+    layers = max(1, mb // (WIDTH * WIDTH * 4 >> 20))
+    model = torch.nn.Sequential(*[torch.nn.Linear(WIDTH, WIDTH, bias=False) for _ in range(layers)])
+    return model, layers
+
+
+def step(model: torch.nn.Module) -> torch.optim.Optimizer:
+    """One AdamW step, so the optimizer holds its two moments per parameter."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=False)
+    model(torch.randn(4, WIDTH)).sum().backward()
+    optimizer.step()
+    return optimizer
+
+
+def plain_save(mb: int, folder: Path) -> dict:
+    model, layers = build(mb)
+    optimizer = step(model)
+    path = folder / "plain.pt"
+    t0 = time.perf_counter()
+    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, path)
+    seconds = time.perf_counter() - t0
+    return {"seconds": seconds, "bytes": path.stat().st_size, "layers": layers}
+
+
+def _rank(rank: int, world: int, mb: int, folder: str, port: int, out: str) -> None:
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from vlmrun.algorithms.common.checkpoint import CheckpointStore, digest
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    model, _ = build(mb)
+    mesh = init_device_mesh("cpu", (world,))
+    for layer in model:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optimizer = step(model)
+    model_state, optim_state = get_state_dict(model, optimizer)
+    store = CheckpointStore(Path(folder) / "sharded", keep=1)
+    pending = store.begin(1) if rank == 0 else None
+    box = [pending]
+    dist.broadcast_object_list(box, src=0)
+    dist.barrier()
+    t0 = time.perf_counter()
+    files = box[0].write_sharded("policy", {"model": model_state, "optimizer": optim_state}, rank=rank)
+    total = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    for name in files:
+        digest(Path(box[0].path) / name)
+    hashing = time.perf_counter() - t0  # the same hashing write_sharded did, from a warm page cache
+    size = sum(d["size"] for d in files.values())
+    results = [None] * world
+    dist.all_gather_object(results, {"total": total, "hash": hashing, "bytes": size})
+    if rank == 0:
+        Path(out).write_text(json.dumps(results))
+    dist.destroy_process_group()
+
+
+def sharded_save(mb: int, ranks: int, folder: Path) -> dict:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = folder / "ranks.json"
+    mp.start_processes(_rank, args=(ranks, mb, str(folder), port, str(out)), nprocs=ranks, start_method="spawn")
+    per_rank = json.loads(out.read_text())
+    slowest = max(per_rank, key=lambda r: r["total"])
+    return {
+        "seconds": slowest["total"],
+        "write_s": slowest["total"] - slowest["hash"],
+        "hash_s": slowest["hash"],
+        "bytes": sum(r["bytes"] for r in per_rank),
+        "per_rank": per_rank,
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--mb", type=int, default=512, help="fp32 parameter MB (the checkpoint is ~3x)")
+    parser.add_argument("--ranks", type=int, default=2)
+    parser.add_argument("--dir", default=None, help="where to write (default: a temp dir)")
+    parser.add_argument("--json", action="store_true", help="print only the JSON object")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="vlmrun-bench-ckpt-", dir=args.dir) as tmp:
+        folder = Path(tmp)
+        plain = plain_save(args.mb, folder)
+        (folder / "plain.pt").unlink()
+        sharded = sharded_save(args.mb, args.ranks, folder)
+    report = {
+        "param_mb": args.mb,
+        "ranks": args.ranks,
+        "plain_torch_save": plain,
+        "sharded_dcp": sharded,
+        "sharded_over_plain": round(sharded["seconds"] / plain["seconds"], 3),
+        "hash_over_write": round(sharded["hash_s"] / max(sharded["write_s"], 1e-9), 3),
+    }
+    print(json.dumps(report, indent=None if args.json else 2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,135 @@
+"""The `hf` policy itself on one device, without Ray or a recipe: the code path a GPU rank runs.
+
+    python3 tools/gpu/policy_check.py --model-dir DIR [--out FILE]
+
+DIR is a Hugging Face model directory (build the tiny one here with
+`vlmrun.models.tiny.ensure_tiny_model("qwen2_5_vl", CACHE)` and carry it). One rank, FSDP2, bf16
+mixed precision over fp32 master weights, activation checkpointing, on `cuda:0` when torch sees a GPU
+(NCCL for GPU tensors, gloo for the CPU scalars) else on the CPU: three training steps, a sharded
+checkpoint through the checkpoint store, a fresh policy that loads it and takes the same next step
+bit for bit, and validation (greedy generation with the whole model gathered). Writes one JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+import sys
+import tempfile
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from vlmrun.algorithms.common.checkpoint import CheckpointStore
+from vlmrun.algorithms.common.policy_parts import load_policy, save_policy
+from vlmrun.data.batch import Batch, PromptBatch
+from vlmrun.policy.hf import HfPolicy
+
+TRAIN = SimpleNamespace(
+    seed=1234,
+    lr=1e-3,
+    betas=(0.9, 0.95),
+    weight_decay=0.0,
+    optimizer="adamw",
+    warmup_steps=0,
+    lr_schedule="constant",
+    min_lr_ratio=1.0,
+    grad_clip=1.0,
+)
+PARALLEL = SimpleNamespace(
+    fsdp=True, mixed_precision="bf16", activation_checkpointing=True, cpu_offload=False, reduce_every_micro_batch=False
+)
+TEXTS = ["how many red cubes? answer: 3", "how many spheres are there? answer: 2", "what color is it? answer: blue"]
+
+
+def policy(model_dir: str, port: int) -> HfPolicy:
+    p = HfPolicy(
+        rank=0,
+        world_size=1,
+        model_dir=model_dir,
+        train=TRAIN,
+        parallel=PARALLEL,
+        gpus=torch.cuda.is_available(),
+    )
+    p.setup(master_addr="127.0.0.1", master_port=port, max_steps=10)
+    return p
+
+
+def batches(tokenizer) -> list[Batch]:
+    out = []
+    for i, text in enumerate(TEXTS[:2]):
+        ids = torch.tensor([tokenizer.encode(text)])
+        out.append(Batch([f"s{i}"], ids, torch.ones_like(ids), ids.clone()))
+    return out
+
+
+def prompts(tokenizer) -> list[PromptBatch]:
+    ids = torch.tensor([tokenizer.encode("how many cubes? answer:")])
+    return [PromptBatch(["p0"], ids, torch.ones_like(ids), answers=["3"])]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run(model_dir: str, folder: Path) -> dict:
+    first = policy(model_dir, free_port())
+    micro = batches(first.tokenizer)
+    steps = [first.train_step(micro) for _ in range(3)]
+    device = str(next(first.model.parameters()).device)
+    store = CheckpointStore(folder, keep=1)
+    pending = store.begin(3)
+    files = save_policy(first, pending, rank=0)
+    files |= pending.write("controller", {"counters": {}})
+    store.finish(pending, files, {})
+    t0 = time.perf_counter()
+    val = first.score(micro, prompts(first.tokenizer), max_new_tokens=3)
+    score_s = time.perf_counter() - t0
+    next_a = first.train_step(micro)
+    first.shutdown()
+    second = policy(model_dir, free_port())
+    load_policy(second, store.at(3))
+    next_b = second.train_step(micro)
+    second.shutdown()
+    return {
+        "device": device,
+        "losses": [s.loss for s in steps],
+        "grad_norms": [s.grad_norm for s in steps],
+        "loss_falls": steps[-1].loss < steps[0].loss,
+        "checkpoint_files": sorted(files),
+        "validation": {"nll": val[0], "tokens": val[1], "answered": val[3], "seconds": round(score_s, 3)},
+        "next_step_after_load": [next_a.loss, next_b.loss],
+        "next_step_equal": next_a.loss == next_b.loss and next_a.grad_norm == next_b.grad_norm,
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model-dir", required=True, help="a Hugging Face model directory (tiny is enough)")
+    parser.add_argument("--out", default=None, help="also write the JSON here")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="vlmrun-policy-check-") as tmp:
+        try:
+            report = {"ok": True, **run(args.model_dir, Path(tmp))}
+            report["ok"] = report["loss_falls"] and report["next_step_equal"]
+        except Exception as e:  # noqa: BLE001 - one JSON either way: the report says what broke
+            report = {"ok": False, "error": f"{type(e).__name__}: {e}"}
+            import traceback
+
+            report["traceback"] = traceback.format_exc()
+    text = json.dumps(report, indent=2)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+    return 0 if report["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

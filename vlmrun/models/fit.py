@@ -1,0 +1,196 @@
+"""The memory-fit check at submit: refuse a GPU recipe whose estimate exceeds the GPU, warn near it.
+
+Only GPU recipes (cluster.gpus_per_node > 0) are checked against `cluster.gpu_memory_gb`, and, with
+parallel.cpu_offload, the node's host memory against `cluster.mem_gb` when it is set. A CPU recipe's
+estimate (host memory per rank) is reported and never refused.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from vlmrun.errors import InputError
+from vlmrun.models.architecture import ArchitectureSource, load_architecture
+from vlmrun.models.memory import GIB, MemoryEstimate, TrainingShape, estimate_memory
+from vlmrun.models.params import UnknownArchitecture
+
+WARN_FRACTION = 0.9
+# the image side assumed when the recipe does not say (data.synthetic unset)
+DEFAULT_IMAGE_SIZE = 448
+
+
+@dataclass(frozen=True)
+class MemoryFit:
+    """The estimate of a recipe, its limit and verdict; `estimate` is None when it could not be made."""
+
+    estimate: MemoryEstimate | None
+    source: str
+    limit: int | None
+    source_note: str = ""
+    host_limit: int | None = None
+    ranks_per_node: int = 1
+    warning: str | None = None
+    assumption: str = ""
+
+    @property
+    def host_per_node(self) -> int:
+        return self.estimate.host_per_rank * self.ranks_per_node if self.estimate else 0
+
+    def to_json(self) -> dict:
+        """For `--json` output: bytes per rank of every term, the limit and the verdict."""
+        out = {"config": self.source, "config_note": self.source_note, "limit_bytes": self.limit}
+        out["warning"] = self.warning
+        if self.estimate is not None:
+            out |= self.estimate.to_json() | {"host_per_node": self.host_per_node, "assumption": self.assumption}
+            out["device_total_gib"] = round(self.estimate.device_total / GIB, 2)
+        return out
+
+    def report_lines(self) -> list[str]:
+        """The estimate as lines for a person (the dry run prints them as YAML comments)."""
+        if self.estimate is None:
+            return [f"memory estimate: none ({self.warning})"]
+        e, where = self.estimate, "per GPU" if self.limit is not None else "per rank (CPU: host memory)"
+        note = f" ({self.source_note})" if self.source_note else ""
+        lines = [f"memory estimate {where}: {_count(e.params)} parameters, config {self.source}{note}"]
+        lines.append(f"  peak at the end of the {e.peak_phase}:")
+        lines += [f"  {name:<22} {_size(value):>10}" for name, value in e.peak_terms().items()]
+        verdict = f"of {_size(self.limit)} (cluster.gpu_memory_gb)" if self.limit else ""
+        lines.append(f"  {'total':<22} {_size(e.device_total):>10} {verdict}".rstrip())
+        if e.offloaded:
+            held = f"weights, gradients and optimizer state of {self.ranks_per_node} rank(s)"
+            lines.append(f"  {'host, per node':<22} {_size(self.host_per_node):>10} ({held})")
+        lines.append(f"  assuming {self.assumption}")
+        return lines + ([f"warning: {self.warning}"] if self.warning else [])
+
+
+def check_memory_fit(recipe) -> MemoryFit:
+    """Estimate `recipe`'s memory per rank; raise InputError (naming what to change) when a GPU recipe
+    cannot fit, and return the estimate with a warning within 10% of a limit.
+
+    An architecture that cannot be counted is not refused: the fit comes back unchecked, with a warning
+    saying why (e.g. set model.reference_config).
+    """
+    on_gpu = recipe.cluster.gpus_per_node > 0
+    limit = recipe.cluster.gpu_memory_gb * GIB if on_gpu else None
+    try:
+        found = load_architecture(recipe.model)
+    except UnknownArchitecture as e:
+        return MemoryFit(None, "", limit, warning=f"memory fit not checked: {e}")
+    fit = _fit(recipe, found, limit)
+    if on_gpu and fit.estimate.device_total > limit:
+        raise InputError("cluster.gpu_memory_gb", recipe.cluster.gpu_memory_gb, message=_refusal(recipe, fit))
+    if fit.host_limit and fit.host_per_node > fit.host_limit:
+        raise InputError("cluster.mem_gb", recipe.cluster.mem_gb, message=_host_refusal(recipe, fit))
+    return _with_warning(fit)
+
+
+def training_shape(recipe) -> tuple[TrainingShape, str]:
+    """The per-rank shape of `recipe`'s biggest step, and the assumption it makes, in words."""
+    t, d, p = recipe.train, recipe.data, recipe.parallel
+    grpo = t.algorithm == "grpo"
+    per_prompt = recipe.grpo.num_generations if grpo else 1
+    steps_per_batch = recipe.grpo.inner_steps if grpo else 1
+    micro_batches = max(1, t.global_batch_size // (p.dp * t.micro_batch_size) // steps_per_batch)
+    seq_len = d.max_seq_len + (recipe.grpo.max_new_tokens if grpo else 0)  # a GRPO prompt is cut to max_seq_len
+    image = d.synthetic.image_size if d.synthetic is not None else DEFAULT_IMAGE_SIZE
+    shape = TrainingShape(
+        master_dtype=recipe.model.dtype,
+        mixed_precision=p.mixed_precision,
+        fsdp=p.sharded,
+        dp=p.dp,
+        cpu_offload=p.cpu_offload,
+        activation_checkpointing=p.activation_checkpointing,
+        reduce_every_micro_batch=p.reduce_every_micro_batch,
+        optimizer=t.optimizer,
+        sequences=t.micro_batch_size * per_prompt,
+        micro_batches=micro_batches,
+        seq_len=seq_len,
+        image_size=image,
+        on_gpu=recipe.cluster.gpus_per_node > 0,
+        reference_model=grpo and recipe.grpo.kl_coef > 0,
+        generation_sequences=t.micro_batch_size * per_prompt if grpo else 0,
+    )
+    seqs = f"{t.micro_batch_size} x {per_prompt}" if grpo else f"{t.micro_batch_size}"
+    where = "data.synthetic.image_size" if d.synthetic is not None else "assumed: data.synthetic is unset"
+    length = f"data.max_seq_len={d.max_seq_len}" + (f" + grpo.max_new_tokens={seq_len - d.max_seq_len}" if grpo else "")
+    said = (
+        f"{micro_batches} micro-batch(es) per step of {seqs} sequence(s) of {length} tokens, one {image} px image "
+        f"each ({where})"
+    )
+    return shape, said
+
+
+def _fit(recipe, found: ArchitectureSource, limit: int | None) -> MemoryFit:
+    shape, said = training_shape(recipe)
+    c = recipe.cluster
+    host_limit = c.mem_gb * GIB if (c.mem_gb and shape.cpu_offload and shape.on_gpu) else None
+    estimate = estimate_memory(found.architecture, shape)
+    ranks = max(1, c.gpus_per_node)
+    return MemoryFit(estimate, found.source, limit, found.note, host_limit, ranks, assumption=said)
+
+
+def _with_warning(fit: MemoryFit) -> MemoryFit:
+    e = fit.estimate
+    if fit.limit and e.device_total > WARN_FRACTION * fit.limit:
+        why = f"the estimate {_gib(e.device_total)} is within 10% of cluster.gpu_memory_gb ({_gib(fit.limit)})"
+        return replace(fit, warning=f"{why}: the run may run out of GPU memory")
+    if fit.host_limit and fit.host_per_node > WARN_FRACTION * fit.host_limit:
+        why = f"offloaded state {_gib(fit.host_per_node)} per node is within 10% of cluster.mem_gb"
+        return replace(fit, warning=f"{why} ({_gib(fit.host_limit)})")
+    return fit
+
+
+def _refusal(recipe, fit: MemoryFit) -> str:
+    e = fit.estimate
+    parts = " + ".join(f"{name} {v / GIB:.1f}" for name, v in e.peak_terms().items())
+    return (
+        f"cluster.gpu_memory_gb: this run needs ~{_gib(e.device_total)} per GPU (end of the {e.peak_phase}), more than the "
+        f"{_gib(fit.limit)} of cluster.gpu_memory_gb={recipe.cluster.gpu_memory_gb} ({_count(e.params)} "
+        f"parameters, {fit.source}: {parts} GiB); change {', '.join(_remedies(recipe, e))}"
+    )
+
+
+def _host_refusal(recipe, fit: MemoryFit) -> str:
+    return (
+        f"cluster.mem_gb: parallel.cpu_offload keeps ~{_gib(fit.host_per_node)} of weights, gradients and "
+        f"optimizer state in host memory per node ({fit.ranks_per_node} ranks x {_gib(fit.estimate.host_per_rank)}), "
+        f"more than cluster.mem_gb={recipe.cluster.mem_gb}; raise cluster.mem_gb, or raise parallel.dp "
+        "(more nodes), or model.dtype=bfloat16 (halves it, at the cost of bf16 master weights)"
+    )
+
+
+def _remedies(recipe, e: MemoryEstimate) -> list[str]:
+    """The fields whose change lowers this estimate, most effective first."""
+    p, t = recipe.parallel, recipe.train
+    out = []
+    if not p.sharded:
+        out.append("parallel.fsdp=true")
+    if e.accumulated_gradients:
+        out.append("parallel.reduce_every_micro_batch=true (gradients stay sharded between micro-batches)")
+    if not p.cpu_offload and e.weights + e.optimizer > e.device_total / 3:
+        out.append("parallel.cpu_offload=true")
+    out.append("parallel.dp (more GPUs: FSDP shards weights, gradients and optimizer state)")
+    if not p.activation_checkpointing:
+        out.append("parallel.activation_checkpointing=true")
+    if p.sharded and p.mixed_precision == "none" and recipe.model.dtype == "float32":
+        out.append("parallel.mixed_precision=bf16")
+    if e.reference:
+        out.append("grpo.kl_coef=0 (no reference copy)")
+    if e.peak_phase == "generation":
+        out.append("grpo.num_generations")
+    if t.micro_batch_size > 1:
+        out.append("train.micro_batch_size")
+    return [*out, "data.max_seq_len", "cluster.gpu_memory_gb (bigger GPUs)"]
+
+
+def _gib(n: int | None) -> str:
+    return f"{(n or 0) / GIB:.1f} GiB"
+
+
+def _size(n: int | None) -> str:
+    n = n or 0
+    return _gib(n) if n >= GIB else f"{n / (1 << 20):.1f} MiB"
+
+
+def _count(params: int) -> str:
+    return f"{params / 1e9:.2f}B" if params >= 1e9 else f"{params / 1e6:.2f}M"

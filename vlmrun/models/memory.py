@@ -1,0 +1,234 @@
+"""Per-rank memory of one training step, estimated from the architecture and the parallel layout.
+
+Pure arithmetic over `params.Architecture` (no torch): `vlmrun submit` runs it on a login node.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+from vlmrun.models.params import Architecture, Block
+
+GIB = 1 << 30
+GPU_OVERHEAD = 2 * GIB
+ADAMW_STATES = 2
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainingShape:
+    """What one rank runs: precision, sharding and the biggest micro-batch.
+
+    `sequences` per training micro-batch (GRPO: prompts x generations), each of `seq_len` tokens with
+    one `image_size` px image, `micro_batches` of them per optimizer step; `generation_sequences` > 0 when the rank also samples (GRPO) with the
+    whole policy gathered; `reference_model`: a frozen copy of the policy is resident (GRPO kl_coef > 0).
+    """
+
+    master_dtype: str = "float32"
+    mixed_precision: str = "none"
+    fsdp: bool = False
+    dp: int = 1
+    cpu_offload: bool = False
+    activation_checkpointing: bool = False
+    reduce_every_micro_batch: bool = False
+    optimizer: str = "adamw"
+    sequences: int = 1
+    micro_batches: int = 1
+    seq_len: int = 1024
+    image_size: int = 448
+    on_gpu: bool = True
+    reference_model: bool = False
+    generation_sequences: int = 0
+
+
+@dataclass(frozen=True, kw_only=True)
+class MemoryEstimate:
+    """Bytes per rank of each term (numbered in `estimate_memory`); offloaded terms live in host memory."""
+
+    params: int
+    weights: int
+    gradients: int
+    optimizer: int
+    offloaded: bool
+    accumulated_gradients: int
+    gathered_params: int
+    gathered_gradients: int
+    activations: int
+    vision_activations: int
+    logits: int
+    reference: int
+    generation: int
+    overhead: int
+    replica_accumulates: bool = False
+
+    @property
+    def sharded_state(self) -> int:
+        """Weights, gradients and optimizer state held by this rank (on the device or, offloaded, the host)."""
+        return self.weights + self.gradients + self.optimizer
+
+    @property
+    def host_per_rank(self) -> int:
+        return self.sharded_state + self.reference if self.offloaded else 0
+
+    def resident_terms(self) -> dict[str, int]:
+        """Device bytes held through the whole step (the overhead is added last, in `peak_terms`)."""
+        on_device = 0 if self.offloaded else 1
+        return {
+            "weights": self.weights * on_device,
+            "optimizer": self.optimizer * on_device,
+            "reference model": self.reference * on_device,
+        }
+
+    def phase_terms(self) -> dict[str, dict[str, int]]:
+        """Device bytes on top of the resident ones at each moment that can peak (item 12)."""
+        grads = 0 if self.offloaded else self.gradients
+        forward = {
+            "gradients": grads if self.replica_accumulates else 0,
+            "accumulated gradients": self.accumulated_gradients,
+            "fsdp gathers": self.gathered_params,
+            "activations": self.activations,
+            "vision activations": self.vision_activations,
+            "logits": self.logits,
+        }
+        backward = {
+            "gradients": grads,
+            "accumulated gradients": self.accumulated_gradients,
+            "fsdp gathers": self.gathered_params + self.gathered_gradients,
+        }
+        phases = {"forward": forward, "backward": backward}
+        if self.generation:
+            phases["generation"] = {"gradients": grads, "generation": self.generation}
+        return phases
+
+    @property
+    def peak_phase(self) -> str:
+        phases = self.phase_terms()
+        return max(phases, key=lambda name: sum(phases[name].values()))
+
+    def peak_terms(self) -> dict[str, int]:
+        """The non-zero terms that sum to `device_total`."""
+        terms = self.resident_terms() | self.phase_terms()[self.peak_phase] | {"overhead": self.overhead}
+        return {name: value for name, value in terms.items() if value}
+
+    @property
+    def device_total(self) -> int:
+        """The estimated peak on the device (GPU, or host memory for a CPU run)."""
+        return sum(self.peak_terms().values())
+
+    def to_json(self) -> dict:
+        out = asdict(self)
+        out.update(device_total=self.device_total, host_per_rank=self.host_per_rank, peak_phase=self.peak_phase)
+        return out
+
+
+def estimate_memory(arch: Architecture, shape: TrainingShape) -> MemoryEstimate:
+    """Estimate the peak bytes per rank of one training step of `arch` laid out as `shape`.
+
+    The model, each term numbered as in the list below:
+
+    1. Weights: every parameter (vision, projector, audio and all MoE experts included) in the
+       master dtype (model.dtype), divided by dp under FSDP, whole on every rank otherwise.
+    2. Gradients: same dtype and sharding as the weights; they exist from the step's reduce-scatter
+       (FSDP) or first backward (replicas) on: the step starts with `zero_grad(set_to_none=True)`.
+    3. Optimizer: AdamW keeps 2 states per parameter in the parameter's dtype (torch.optim.AdamW
+       allocates them like the parameter: fp32 for fp32 master weights); SGD without momentum, none.
+    4. cpu_offload moves 1-3 to host memory (FSDP2 CPUOffloadPolicy); `host_per_rank` reports them.
+    5. Accumulated gradients: with FSDP and several micro-batches per step, the policy reduce-scatters
+       only after the last one, and FSDP2 keeps every parameter's gradient unsharded until then, in
+       fp32 under bf16 mixed precision (`set_requires_gradient_sync(False)`): the whole model's, on
+       every GPU, offloaded or not; none with `parallel.reduce_every_micro_batch`.
+    6. FSDP gathers: the unsharded copy, in the compute dtype, of the root unit (embeddings, head,
+       vision and audio towers: FSDP2 keeps the root gathered from forward to backward) and of 2
+       decoder layers (the one computing and the one prefetched); in the backward also their
+       unsharded gradients before the reduce-scatter (with bf16 also the fp32 copy it reduces).
+    7. Activations per micro-batch of `sequences x seq_len` tokens: per decoder layer, per token,
+       8 x hidden (norms, their fp32 upcast, residual) + 3 x (q+k+v) (projections, rotary copies,
+       attention output) + 4 (gated) or 3 x the feed-forward width (top-k experts and the shared one
+       for MoE; 2 x hidden x top-k for the dispatch copies) + 3 x Mamba's scan width, in the compute
+       dtype. With activation checkpointing: each layer keeps only its input (hidden per token) and one
+       layer at a time is recomputed. No seq_len^2 term: SDPA runs a fused kernel on these inputs
+       (measured: restricting it to flash/memory-efficient kernels changed nothing). The constants
+       are checked against measured peaks (docs/measurements.md), not derived op by op.
+    8. Vision activations: the same per-token rule over one image's patches per sequence, every
+       block kept (the vision tower is not checkpointed).
+    9. Logits: tokens x vocab in the compute dtype, its fp32 upcast and the fp32 log-softmax the
+       loss keeps (the loss upcasts before cross-entropy).
+    10. Reference (GRPO with kl_coef > 0): a frozen copy in model.dtype, sharded and offloaded like
+        the policy.
+    11. Generation (GRPO): the whole policy gathered in the compute dtype, KV cache and Mamba state
+        for `generation_sequences x seq_len` tokens, one layer's working set.
+    12. The peak: what stays resident (1 and 3 unless offloaded, 10, 13) plus the largest of three
+        moments: the end of the last micro-batch's forward (5, 6, 7, 8, 9; and 2 for replicas that
+        accumulate), the end of the backward (2, 5, 6 with gradients) and generation (2, 11).
+    13. Overhead: CUDA context, NCCL buffers and allocator slack, 2 GiB on a GPU; none on CPU.
+    """
+    compute = 2 if shape.mixed_precision == "bf16" or shape.master_dtype == "bfloat16" else 4
+    master = 2 if shape.master_dtype == "bfloat16" else 4
+    sharded = math.ceil(arch.total / (shape.dp if shape.fsdp else 1))
+    accumulates = shape.micro_batches > 1 and not (shape.fsdp and shape.reduce_every_micro_batch)
+    tokens = shape.sequences * shape.seq_len
+    return MemoryEstimate(
+        params=arch.total,
+        weights=sharded * master,
+        gradients=sharded * master,
+        optimizer=sharded * master * (ADAMW_STATES if shape.optimizer == "adamw" else 0),
+        offloaded=shape.cpu_offload,
+        accumulated_gradients=arch.total * _reduce_bytes(shape, master) if shape.fsdp and accumulates else 0,
+        gathered_params=(arch.root_params + 2 * arch.largest_layer) * compute if shape.fsdp else 0,
+        gathered_gradients=(arch.root_params + arch.largest_layer) * (compute + _upcast(shape)) if shape.fsdp else 0,
+        activations=_decoder_activations(arch, shape.activation_checkpointing, tokens) * compute,
+        vision_activations=_vision_activations(arch, shape.image_size, shape.sequences) * compute,
+        logits=tokens * arch.vocab * (compute + 8),
+        reference=sharded * master if shape.reference_model else 0,
+        generation=_generation(arch, shape, compute),
+        overhead=GPU_OVERHEAD if shape.on_gpu else 0,
+        replica_accumulates=accumulates and not shape.fsdp,
+    )
+
+
+def _upcast(shape: TrainingShape) -> int:
+    """Bytes of the fp32 gradient copy bf16 mixed precision reduces in (0 without it)."""
+    return 4 if shape.mixed_precision == "bf16" else 0
+
+
+def _reduce_bytes(shape: TrainingShape, master: int) -> int:
+    return 4 if shape.mixed_precision == "bf16" else master
+
+
+def saved_per_token(block: Block) -> int:
+    """Elements autograd keeps per token for one layer (item 6 of `estimate_memory`)."""
+    ffn = (4 if block.gated else 3) * block.ffn_width
+    dispatch = 2 * block.hidden * block.experts_per_token
+    return 8 * block.hidden + 3 * block.attn_width + ffn + dispatch + 3 * block.scan_width
+
+
+def _decoder_activations(arch: Architecture, checkpointing: bool, tokens: int) -> int:
+    if checkpointing:
+        inputs = sum(b.hidden for b in arch.layers)
+        return tokens * (inputs + max(saved_per_token(b) for b in arch.layers))
+    return tokens * sum(saved_per_token(b) for b in arch.layers)
+
+
+def image_tokens(arch: Architecture, image_size: int) -> int:
+    """Vision-tower tokens of one square image: patches (the side rounded up to an even count) plus
+    the tower's cls/register tokens."""
+    side = 2 * math.ceil(image_size / arch.vision.patch_size / 2)
+    return side * side + arch.vision.extra_tokens
+
+
+def _vision_activations(arch: Architecture, image_size: int, images: int) -> int:
+    v = arch.vision
+    return images * image_tokens(arch, image_size) * v.depth * saved_per_token(v.block)
+
+
+def _generation(arch: Architecture, shape: TrainingShape, compute: int) -> int:
+    sequences = shape.generation_sequences
+    if not sequences:
+        return 0
+    tokens = sequences * shape.seq_len
+    gathered = arch.total * compute if shape.fsdp else 0
+    cache = tokens * sum(b.kv_width for b in arch.layers) * compute
+    cache += sequences * sum(b.state_elems for b in arch.layers) * 4  # Mamba's state is kept in fp32
+    working = tokens * max(saved_per_token(b) for b in arch.layers) * compute
+    working += sequences * image_tokens(arch, shape.image_size) * saved_per_token(arch.vision.block) * compute
+    return gathered + cache + working + sequences * arch.vocab * 8

@@ -1,0 +1,40 @@
+"""Where a rank computes: its GPU when it has one, else the CPU; and moving micro-batches there."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import torch
+
+
+def rank_device(gpus: bool) -> torch.device:
+    """`cuda:0` (Ray gives each rank one GPU through CUDA_VISIBLE_DEVICES) when `gpus`, else the CPU.
+    Raises RuntimeError when the recipe asks for GPUs on a node where torch sees none."""
+    if not gpus:
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        raise RuntimeError(
+            "cluster.gpus_per_node > 0 but torch sees no CUDA device on this node "
+            f"(CUDA_VISIBLE_DEVICES={visible!r}, torch {torch.__version__})"
+        )
+    torch.cuda.set_device(0)
+    return torch.device("cuda", 0)
+
+
+def to_device(value, device: torch.device):
+    """`value` (a tensor, or a dataclass, dict, list or tuple holding tensors) with every tensor on
+    `device`; the same object when the device is the CPU, so CPU runs copy nothing."""
+    if device.type == "cpu":
+        return value
+    if isinstance(value, torch.Tensor):
+        return value.to(device, non_blocking=True)
+    if isinstance(value, dict):
+        return {k: to_device(v, device) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(to_device(v, device) for v in value)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        changes = {f.name: to_device(getattr(value, f.name), device) for f in dataclasses.fields(value) if f.init}
+        return dataclasses.replace(value, **changes)
+    return value

@@ -1,0 +1,207 @@
+"""FSDP2 for the hf backend: shard a transformers VLM over the data-parallel ranks, on any device.
+
+Only torch is imported here (no Ray, no vlmrun config), so `tools/gpu/check.py` runs the same code on a
+GPU machine that has nothing but torch and transformers.
+
+1. One FSDP unit per decoder layer of the language model, then the root (embeddings, media towers and
+   projectors, norm, head). The towers stay in the root, which every rank gathers at every forward: a
+   unit of their own would be gathered only by ranks whose micro-batch has media (a collective
+   mismatch). A text-only micro-batch leaves their parameters without gradient:
+   `set_reduce_scatter_unused_params(True)` reduces zeros for them (gloo aborts with "collective
+   mismatch" otherwise; NCCL would hang), and `touch_towers` gives them an exact zero gradient in the
+   compute dtype, without which a bf16 mixed-precision root mixes bf16 gradients with fp32 zeros,
+   which FSDP2's reduce-scatter refuses.
+2. Gradients are SUMMED over ranks (the loss is already divided by the step's global token count):
+   `set_gradient_divide_factor(1.0)` and `set_force_sum_reduction_for_comms(True)` on every unit (gloo
+   has no PREMUL_SUM; neither setting recurses, so set only on the root, layer grads come out halved).
+3. With gradient sync only on the last micro-batch (`set_requires_gradient_sync`), and the gradient
+   norm taken over whole gradients as clip_grad_norm_ does (`grad_norm`), the parameters and norms
+   are bitwise those of a replicated model with one flat all-reduce (dp=2, CPU).
+4. `generate` needs the whole weights: `unsharded(model)` gathers them for the duration (transformers
+   calls the vision tower outside `forward`, where FSDP2 would not gather it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True, kw_only=True)
+class Sharding:
+    """How the model is sharded: `mixed_precision` "bf16" computes in bf16 over the model's own dtype
+    (fp32 master weights when the model was loaded in fp32) and reduces gradients in fp32."""
+
+    mixed_precision: str = "none"
+    activation_checkpointing: bool = False
+    cpu_offload: bool = False
+
+
+def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The language model's decoder layers: the blocks of `_no_split_modules` under `language_model`.
+
+    Raises ValueError when the model has none (a family whose layout this does not know yet).
+    """
+    block_names = set(getattr(model, "_no_split_modules", None) or ())
+    layers = []
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.ModuleList) and "language_model" in name.split("."):
+            layers += [m for m in module if type(m).__name__ in block_names]
+    if not layers:
+        raise ValueError(f"{type(model).__name__}: no decoder layers found under language_model ({block_names})")
+    return layers
+
+
+#: Names of the towers and projectors beside the language model (Qwen2.5-VL `visual`; Nemotron-Omni
+#: `vision_model`, `multi_modal_projector`, `sound_*`): each is an FSDP unit of its own.
+_TOWER_WORDS = ("visual", "vision", "projector", "sound", "audio")
+
+
+def media_towers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The modules (depth <= 2) that encode or project media, outside the language model."""
+    towers = []
+    for name, module in model.named_modules():
+        parts = name.split(".")
+        if 0 < len(parts) <= 2 and "language_model" not in parts and any(w in parts[-1] for w in _TOWER_WORDS):
+            if not any(module is not t and _contains(t, module) for t in towers):
+                towers.append(module)
+    return towers
+
+
+def _contains(outer: torch.nn.Module, inner: torch.nn.Module) -> bool:
+    return any(m is inner for m in outer.modules())
+
+
+def touch_towers(model: torch.nn.Module, loss: torch.Tensor) -> torch.Tensor:
+    """`loss` plus 0 x the sum of every media tower parameter, called after the forward (the root's
+    parameters are still gathered then): each tower parameter gets a gradient in this micro-batch,
+    zero where the micro-batch did not use it, and used ones get exactly their own gradient."""
+    touched = [p.sum() for tower in media_towers(model) for p in tower.parameters() if p.requires_grad]
+    if not touched:
+        return loss
+    return loss + 0.0 * torch.stack(touched).sum().to(loss.dtype)
+
+
+def shard_model(model: torch.nn.Module, mesh, sharding: Sharding = Sharding()) -> torch.nn.Module:
+    """Apply FSDP2 in place (see the module docstring) over the 1-D `mesh`; returns `model`."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+    # transformers returns its logits as a view; nothing here modifies them in place, which is what
+    # FSDP2 warns about on every forward
+    warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
+    kwargs = {"mesh": mesh}
+    if sharding.mixed_precision == "bf16":
+        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        for tower in media_towers(model):  # some cast their pixels to their config's dtype (Nemotron-Omni)
+            if getattr(tower, "config", None) is not None:
+                tower.config.dtype = torch.bfloat16
+    kwargs["offload_policy"] = CPUOffloadPolicy() if sharding.cpu_offload else OffloadPolicy()
+    layers = decoder_layers(model)
+    if sharding.activation_checkpointing:
+        layers = checkpoint_layers(model, layers)
+    for layer in layers:
+        fully_shard(layer, **kwargs)
+    fully_shard(model, **kwargs)
+    units = fsdp_units(model)
+    if not hasattr(units[0], "set_reduce_scatter_unused_params") and mesh.size() > 1:
+        raise RuntimeError(
+            f"FSDP2 over {mesh.size()} ranks needs FSDPModule.set_reduce_scatter_unused_params (torch >= 2.12; "
+            f"this is torch {torch.__version__}): without it a text-only micro-batch on one rank breaks the "
+            "gradient reduce-scatter; use parallel.fsdp: false or a newer torch"
+        )
+    for unit in units:
+        unit.set_gradient_divide_factor(1.0)
+        unit.set_force_sum_reduction_for_comms(True)
+        if hasattr(unit, "set_reduce_scatter_unused_params"):  # one rank: nothing to mismatch
+            unit.set_reduce_scatter_unused_params(True)
+    return model
+
+
+def fsdp_units(model: torch.nn.Module) -> list:
+    from torch.distributed.fsdp import FSDPModule
+
+    return [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+
+def set_gradient_sync(model: torch.nn.Module, enabled: bool) -> None:
+    """Reduce-scatter gradients after this backward (the step's last micro-batch) or accumulate locally."""
+    model.set_requires_gradient_sync(enabled, recurse=True)
+
+
+@contextlib.contextmanager
+def unsharded(model: torch.nn.Module) -> Iterator[None]:
+    """Full weights on every rank for the duration, with no collective inside it: each rank may then
+    run any number of forwards and `generate` calls (validation, whose batches differ per rank). A
+    no-op for a plain module."""
+    units = fsdp_units(model)
+    for unit in units:
+        unit.set_reshard_after_forward(False, recurse=False)
+        unit.unshard()
+    try:
+        yield
+    finally:
+        for unit in units:
+            unit.reshard()
+            unit.set_reshard_after_forward(unit is not model, recurse=False)
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor parameter or gradient; a plain tensor unchanged."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def grad_norm(params: list[torch.nn.Parameter], *, sharded: bool) -> float:
+    """The L2 norm of all gradients, identical on every rank.
+
+    Replicas, and shards on a CPU mesh, take torch's clip_grad_norm_ arithmetic: fp32 norms per
+    gradient (a shard's whole gradient is gathered one tensor at a time), then the norm of those. So a
+    sharded run on CPU reports, and clips with, the bits of the replicated run (and of runs written
+    before FSDP existed). On a GPU mesh gathering every gradient would cost a second all-gather of
+    the model: each rank sums the squares of its shards in fp64 and the sums are all-reduced.
+    """
+    grads = [p.grad.detach() for p in params if p.grad is not None]
+    if not grads:
+        return 0.0
+    mesh = getattr(grads[0], "device_mesh", None)
+    if sharded and mesh is not None and mesh.device_type != "cpu":
+        total = torch.zeros((), dtype=torch.float64, device=local_tensor(grads[0]).device)
+        for g in grads:
+            total += local_tensor(g).to(torch.float64).pow(2).sum()
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(total, op=dist.ReduceOp.SUM)
+        return float(torch.tensor(math.sqrt(float(total)), dtype=torch.float32))
+    norms = [torch.linalg.vector_norm(g.full_tensor() if hasattr(g, "full_tensor") else g, 2.0) for g in grads]
+    return float(torch.linalg.vector_norm(torch.stack([n.cpu() for n in norms]), 2.0))
+
+
+def clip_gradients(params: list[torch.nn.Parameter], norm: float, max_norm: float) -> None:
+    """Scale gradients in place so their norm is at most `max_norm` (<= 0: no clipping), with the
+    fp32 coefficient torch's clip_grad_norm_ computes (so the scaled bits match it)."""
+    if max_norm <= 0:
+        return
+    coef = torch.clamp(max_norm / (torch.tensor(norm, dtype=torch.float32) + 1e-6), max=1.0)
+    for p in params:
+        if p.grad is not None:
+            g = local_tensor(p.grad).detach()
+            g.mul_(coef.to(device=g.device, dtype=g.dtype))
+
+
+def checkpoint_layers(model: torch.nn.Module, layers: list[torch.nn.Module]) -> list[torch.nn.Module]:
+    """Wrap each of `layers` in place in a non-reentrant activation checkpoint (its activations are
+    recomputed in the backward); returns the wrappers. Parameter names do not change."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    targets, wrapped = {id(m) for m in layers}, []
+    for module in list(model.modules()):
+        if isinstance(module, torch.nn.ModuleList):
+            for i, child in enumerate(module):
+                if id(child) in targets:
+                    module[i] = checkpoint_wrapper(child)
+                    wrapped.append(module[i])
+    return wrapped
