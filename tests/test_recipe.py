@@ -98,6 +98,9 @@ def test_overrides_coerce_types():
         ("cluster.gpus_per_node=4", "parallel.dp", "must equal the allocation's GPUs"),
         ("data.family=nemotron_omni", "data.family", "must match model.family"),
         ("train.max_steps.x=1", "train.max_steps.x", "is a value, not a section"),
+        ("parallel.mixed_precision=bf16", "parallel.mixed_precision", "needs parallel.fsdp: true"),
+        ("parallel.fsdp=maybe", "parallel.fsdp", "valid boolean"),
+        ("parallel.cpu_offload=true", "parallel.cpu_offload", "needs GPUs"),
     ],
 )
 def test_bad_values_name_field_value_and_allowed(override, field, words):

@@ -1,9 +1,9 @@
 """One FSDP2 training step of the 3B-sized model, timed: tokens/s, peak memory and MFU.
 
 The step is the one vlmrun's FSDP path takes: bf16 mixed precision over fp32 master weights
-(`Sharding(mixed_precision="bf16")`), loss over the labelled tokens, `grad_norm` (an fp64 sum of squares
-of every gradient, on the CPU) and `clip_gradients` from `vlmrun.policy.fsdp`, then AdamW. Each phase is
-timed on its own (the device is synchronized at each boundary), so a slow gradient norm shows up as such;
+(`Sharding(mixed_precision="bf16")`), loss over the labelled tokens, `grad_norm` (on a GPU mesh an
+fp64 sum of squares of the gradient shards, on the device) and `clip_gradients` from
+`vlmrun.policy.fsdp`, then AdamW. Each phase is timed on its own (the device is synchronized at each boundary), so a slow gradient norm shows up as such;
 MFU is reported for the whole step and for forward + backward alone.
 """
 

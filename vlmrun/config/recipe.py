@@ -52,6 +52,13 @@ class Recipe(Section):
             raise CrossFieldError(
                 "parallel.tp", p.tp, "the hf backend shards by data parallelism only: set parallel.tp, pp and cp to 1"
             )
+        if p.cpu_offload and not self.cluster.gpus_per_node:
+            raise CrossFieldError(
+                "parallel.cpu_offload",
+                True,
+                "needs GPUs (cluster.gpus_per_node > 0): it moves GPU-resident state to host memory, "
+                "where a CPU run keeps it already",
+            )
         if not p.fsdp:
             for field, value, default in (
                 ("mixed_precision", p.mixed_precision, "none"),

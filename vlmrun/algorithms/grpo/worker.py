@@ -69,7 +69,13 @@ class GrpoWorker(RankActor):
         self.recipe = r = Recipe.model_validate_json(recipe_json)
         self.model_dir = model_dir
         self.policy: PolicyBackend = HfPolicy.from_recipe(r, rank=rank, world_size=world_size, model_dir=model_dir)
-        self.generator = HfGenerator(model_dir=model_dir, replica=replica, dtype=r.model.dtype, threads=threads)
+        self.generator = HfGenerator(  # on the rank's GPU (Ray made it cuda:0), in the compute dtype
+            model_dir=model_dir,
+            replica=replica,
+            dtype="bfloat16" if r.parallel.mixed_precision == "bf16" else r.model.dtype,
+            device="cuda" if r.cluster.gpus_per_node else "cpu",
+            threads=threads,
+        )
         self.dtype = torch.bfloat16 if r.model.dtype == "bfloat16" else torch.float32
         self.sampling = SamplingParams(
             temperature=r.grpo.temperature,
