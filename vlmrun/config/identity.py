@@ -35,6 +35,13 @@ IDENTITY_FIELDS = (
     "model.backend",
     "model.dtype",
 )
+#: Identity fields a resume may change with `--restart-data-order` (checkpoint.restart_data_order),
+#: and what that costs, in the words every message about it uses.
+RESHARDABLE = ("parallel.dp",)
+RESHARD_TERMS = (
+    "keep the model, optimizer state, LR schedule and step counters (resharded to the new dp) and lose "
+    "every loader shard's position and every rank's RNG stream: the data order starts over"
+)
 
 
 def run_identity(recipe) -> dict[str, Any]:

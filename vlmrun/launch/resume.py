@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 from vlmrun.algorithms.common.checkpoint import CheckpointStore
 from vlmrun.cluster.preflight import preflight_run
-from vlmrun.config.identity import check_same_identity
+from vlmrun.config.identity import RESHARD_TERMS, RESHARDABLE, check_same_identity
 from vlmrun.errors import InputError
 from vlmrun.launch.local import start_local
 from vlmrun.launch.result import SubmitResult
@@ -40,13 +40,6 @@ RESUMABLE = (
     "checkpoint.requeue",
     "cluster",
     "logger",
-)
-# Fields `--restart-data-order` lets a resume change, and what it costs.
-RESHARDABLE = ("parallel.dp",)
-RESHARD_REFUSED = (
-    "a resume at another dp keeps the model, optimizer state, LR schedule and step counters, but loses "
-    "every loader shard's position and every rank's RNG stream (the data order starts over); "
-    "pass --restart-data-order to accept that"
 )
 
 
@@ -80,7 +73,12 @@ def resume_run(
     for item in overrides:
         key, value = parse_override(item)
         if key in RESHARDABLE and not restart_data_order:
-            raise InputError(key, value, message=f"{key}: {value}: {RESHARD_REFUSED}")
+            raise InputError(
+                key,
+                value,
+                message=f"{key}: {value}: a resume at another dp would {RESHARD_TERMS}; "
+                "pass --restart-data-order to accept that",
+            )
         if not any(key == p or key.startswith(p + ".") for p in resumable):
             raise InputError(
                 key,

@@ -29,7 +29,9 @@ from vlmrun.policy import rng
 from vlmrun.policy.device import rank_device, to_device
 from vlmrun.policy.fsdp import (
     Sharding,
+    checkpoint_layers,
     clip_gradients,
+    decoder_layers,
     grad_norm,
     set_gradient_sync,
     shard_model,
@@ -95,8 +97,6 @@ class HfPolicy(PolicyBackend):
     def _build_model(self, *, trainable: bool = True) -> torch.nn.Module:
         """The model directory's model on this rank's device, sharded when `parallel.fsdp`."""
         from transformers import AutoModelForImageTextToText
-
-        from vlmrun.policy.fsdp import checkpoint_layers, decoder_layers
 
         dtype = torch.bfloat16 if self.dtype == "bfloat16" else torch.float32
         model = AutoModelForImageTextToText.from_pretrained(self.model_dir, dtype=dtype)

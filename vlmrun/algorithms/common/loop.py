@@ -28,7 +28,7 @@ from pathlib import Path
 
 from vlmrun.algorithms.common.checkpoint import Checkpoint, CheckpointStore, PendingCheckpoint
 from vlmrun.algorithms.common.steps import plan_steps
-from vlmrun.config.identity import check_same_identity, run_identity
+from vlmrun.config.identity import RESHARD_TERMS, RESHARDABLE, check_same_identity, run_identity
 from vlmrun.distributed.topology import plan_placement
 from vlmrun.distributed.worker_group import WorkerGroup
 from vlmrun.errors import CheckFailed, InputError
@@ -41,13 +41,6 @@ from vlmrun.run.outcome import RunOutcome
 from vlmrun.run.state import State
 
 log = logging.getLogger(__name__)
-
-
-#: What a resume with another dp keeps and loses (`checkpoint.restart_data_order`).
-RESHARD_TERMS = (
-    "keep the model, optimizer state, LR schedule and step counters (resharded to the new dp) and lose "
-    "every loader shard's position and every rank's RNG stream: the data order starts over"
-)
 
 
 class DriverLost(CheckFailed):
@@ -209,7 +202,7 @@ class StepLoop:
         Returns True when it was written with another dp and `checkpoint.restart_data_order` lets the
         run take its model, optimizer and counters while the data order starts over."""
         meta, restart = found.manifest, self.recipe.checkpoint.restart_data_order
-        ignore = ("parallel.dp",) if restart else ()
+        ignore = RESHARDABLE if restart else ()
         check_same_identity(meta.get("identity", {}), self.recipe, where=f"checkpoint {found.path}", ignore=ignore)
         if meta["placement_hash"] == self.plan.placement_hash:
             return False
