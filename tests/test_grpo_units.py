@@ -17,11 +17,19 @@ from vlmrun.algorithms.grpo.micro_batches import (
     place_response_values,
     response_values,
 )
-from vlmrun.algorithms.grpo.partition import partition_name, rollout_spec, split_fields, stage_fields, value_bytes
+from vlmrun.algorithms.grpo.partition import (
+    StagePlane,
+    partition_name,
+    rollout_spec,
+    split_fields,
+    stage_fields,
+    value_bytes,
+)
 from vlmrun.algorithms.grpo.rewards import REWARDS, clevr_exact, score_responses
 from vlmrun.algorithms.grpo.rollout_rows import (
     ended_with,
     join,
+    prompt_columns,
     prompt_of,
     prompt_sample_ids,
     response_sample_ids,
@@ -29,11 +37,11 @@ from vlmrun.algorithms.grpo.rollout_rows import (
 )
 from vlmrun.config.grpo import GrpoConfig
 from vlmrun.config.load import load_recipe
-from vlmrun.data.batch import IGNORE_INDEX, Batch
+from vlmrun.data.batch import IGNORE_INDEX, Batch, PromptBatch
 from vlmrun.errors import InputError
 from vlmrun.generation.rollouts import Rollouts
 from vlmrun.plane.fields import Stage
-from vlmrun.plane.interface import SampleBatch
+from vlmrun.plane.interface import DataPlaneError, Get, PartitionSpec, Put, SampleBatch
 from vlmrun.plane.local import LocalDataPlane
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -155,6 +163,24 @@ def test_rollout_columns_unpad_prompts_and_cut_responses_at_their_end():
     assert [float(x) for x in rows["rewards"]] == [1.0, 0.0, 0.0, 0.0]
 
 
+def test_prompt_samples_known_before_generation_are_the_ones_the_rollout_gives():
+    r = text_rollouts()
+    batch = PromptBatch(
+        sample_ids=["p", "q"],
+        input_ids=r.prompt_ids[::2],
+        attention_mask=r.prompt_mask[::2],
+        answers=["3", "1"],
+        token_inputs={k: v[::2] for k, v in r.token_inputs.items()},
+    )
+    before = prompt_columns(batch, family="qwen2_5_vl", image_token_id=None)
+    after = rollout_columns(r, [clevr_exact("", "1", True, 0.0)] * 4, family="qwen2_5_vl", image_token_id=None)
+    assert before.sample_ids == after.prompts.sample_ids
+    for name, values in after.prompts.columns.items():
+        assert [v.tolist() if torch.is_tensor(v) else v for v in before[name]] == [
+            v.tolist() if torch.is_tensor(v) else v for v in values
+        ]
+
+
 def joined_rows() -> SampleBatch:
     written = rollout_columns(
         text_rollouts(), [clevr_exact("", "1", True, 0.0)] * 4, family="qwen2_5_vl", image_token_id=None
@@ -209,6 +235,26 @@ def test_the_partition_round_trip_is_exact_and_each_stage_reads_its_fields():
     assert "ref_logprobs" not in stage_fields(recipe, Stage.TRAIN)  # no KL: nobody writes it
     assert stage_fields(recipe, Stage.ADVANTAGE) == ("rewards",)
     assert value_bytes({"rewards": written.responses["rewards"]}) == 16
+
+
+def test_stage_plane_runs_queued_calls_in_order_and_raises_their_errors_at_the_next_wait():
+    plane = StagePlane(LocalDataPlane(), None)
+    reward = {"rewards": [torch.tensor(1.0)]}
+    plane.register("p", PartitionSpec.for_stages("qwen2_5_vl", ("advantage",), 4), wait=False)
+    plane.put_many([Put("p", ["a"], reward)], wait=False)  # after the register: in order
+    plane.prefetch([Get("p", ["a"], ["rewards"])])
+    assert plane.get_many([Get("p", ["a"], ["rewards"])])[0].stack("rewards").tolist() == [1.0]
+    plane.put_many([Put("p", ["a"], reward)], wait=False)  # refused when it runs: already written
+    with pytest.raises(DataPlaneError, match="already written"):
+        plane.get_many([Get("p", ["a"], ["rewards"])])
+    plane.put_many([Put("p", ["b"], {"logits": [torch.zeros(1)]})], wait=False)
+    with pytest.raises(DataPlaneError, match="unknown field"):
+        plane.flush()
+    plane.prefetch([Get("p", ["a"], ["rewards"])])
+    plane.clear("p", wait=False)  # drops the prefetch nobody took
+    plane.flush()
+    assert plane.plane.partitions() == [] and plane.take()["bytes"] == 2 * 4  # the put and the get that went through
+    plane.close()
 
 
 # ---- the recipe ----------------------------------------------------------------------------------

@@ -14,7 +14,14 @@ import pytest
 import torch
 from hypothesis import given, settings
 from test_plane_mooncake_master import free_blocks
-from test_plane_wire import GRPO_CONSUMERS, HYPOTHESIS, assert_same, check_round_trip, ragged_batches
+from test_plane_wire import (
+    GRPO_CONSUMERS,
+    HYPOTHESIS,
+    assert_same,
+    check_put_many_and_get_many,
+    check_round_trip,
+    ragged_batches,
+)
 
 from vlmrun.cluster.mooncake import mooncake_unavailable, running_plane_servers
 from vlmrun.plane.fields import Stage
@@ -176,3 +183,7 @@ def test_errors_raise_clearly(planes):
     finally:
         plane.clear("grpo-step-2")
     assert plane.state_dict() == {}  # nothing left at the step boundary
+
+
+def test_put_many_and_get_many_overlap_their_requests_and_check_them_first(planes):
+    check_put_many_and_get_many(planes[torch.float32], "tq")  # a refused put leaves no sample behind

@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from vlmrun.plane.fields import FIELDS, Alignment, Stage, field_spec, media_fields
-from vlmrun.plane.interface import DataPlane, DataPlaneError, PartitionSpec
+from vlmrun.plane.interface import DataPlane, DataPlaneError, Get, PartitionSpec, Put
 from vlmrun.plane.local import LocalDataPlane
 from vlmrun.plane.wire import WireError, decode_column, encode_column, pack_media, rows_of, to_jagged
 from vlmrun.plane.wire.codec import empty_row, row_numel
@@ -267,3 +267,50 @@ def test_state_dict_is_empty_at_a_step_boundary_and_restores_open_partitions():
     with pytest.raises(DataPlaneError, match="no partition"):
         plane.list_sample_ids(part)
     plane.clear(part)  # clearing twice is fine
+
+
+def check_put_many_and_get_many(plane: DataPlane, tag: str) -> None:
+    """Several requests, two partitions, one call each way; a put_many with one bad request writes nothing.
+    Shared with tests/test_plane_transfer_queue.py."""
+    a, b = f"many-{tag}-a", f"many-{tag}-b"
+    for p in (a, b):
+        plane.register(p, PartitionSpec.for_stages("qwen2_5_vl", GRPO_CONSUMERS, 3))
+    try:
+        prompts = {
+            "prompt_ids": [torch.arange(3), torch.arange(5)],
+            "pixel_values": [[torch.randn(4, 6)], []],
+            "image_grid_thw": [[torch.tensor([[1, 2, 2]])], []],
+        }
+        responses = {"response_ids": [torch.arange(2)], "rewards": [torch.tensor(1.0)]}
+        refused = [
+            ([Put(a, ["p", "q"], prompts), Put(a, ["r", "s"], {"rewards": [torch.tensor(0.0)] * 2})], "exceed its 3"),
+            ([Put(a, ["p", "q"], prompts), Put(a, ["q"], {"rewards": [torch.tensor(0.0)]})], "once"),
+            ([Put(a, ["p", "q"], prompts), Put(b, ["x"], {"logits": [torch.zeros(1)]})], "unknown field"),
+            ([Put(b, ["_vlmrun:spec"], {"rewards": [torch.tensor(0.0)]})], "may not start with"),
+        ]
+        for requests, match in refused:
+            with pytest.raises(DataPlaneError, match=match):
+                plane.put_many(requests)
+        assert plane.list_sample_ids(a) == [] and plane.list_sample_ids(b) == []  # nothing written
+        plane.put_many([Put(a, ["p", "q"], prompts), Put(b, ["p#0"], responses), Put(a, ["p#0"], responses)])
+        got = plane.get_many(
+            [
+                Get(b, ["p#0"], ["rewards"]),
+                Get(a, ["q", "p"], ["prompt_ids", "pixel_values"]),
+                Get(a, ["p#0"], ["response_ids"]),
+            ]
+        )
+        assert got[0].stack("rewards").tolist() == [1.0]
+        assert got[1].sample_ids == ["q", "p"]
+        assert_same(got[1]["prompt_ids"], [torch.arange(5), torch.arange(3)])
+        assert_same(got[1]["pixel_values"], [[], prompts["pixel_values"][0]])
+        assert_same(got[2]["response_ids"], [torch.arange(2)])
+        assert sorted(plane.list_sample_ids(a)) == ["p", "p#0", "q"]
+    finally:
+        plane.clear(a)
+        plane.clear(b)
+    assert a not in plane.partitions() and b not in plane.partitions()
+
+
+def test_put_many_checks_every_request_before_it_writes_and_get_many_keeps_their_order():
+    check_put_many_and_get_many(LocalDataPlane(), "local")

@@ -102,3 +102,15 @@ def test_placement_strategy_follows_nodes_and_ranks():
     assert Placement(nodes=2).strategy(2) == "STRICT_SPREAD"
     assert Placement(nodes=2).strategy(4) == "SPREAD"
     assert Placement(nodes=1, gpus_per_rank=1).bundle() == {"CPU": 1, "GPU": 1}
+
+
+def test_freeze_heap_leaves_what_lives_now_out_of_later_collections():
+    import gc
+
+    from vlmrun.distributed.worker_group import freeze_heap
+
+    try:
+        freeze_heap()
+        assert gc.get_freeze_count() > 1000  # torch and the test session's objects
+    finally:
+        gc.unfreeze()

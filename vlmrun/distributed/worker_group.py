@@ -49,8 +49,26 @@ def gather(refs: Sequence, *, grace_s: float = 10.0) -> list:
         raise first from None
 
 
+def freeze_heap() -> None:
+    """Collect once, then leave every object alive now out of all later collections (`gc.freeze`).
+
+    A training process holds millions of long-lived objects (torch, transformers, Ray); a full
+    collection walks them all: a pause of ~0.2 s at whichever step the collector's counters come due
+    (measured on the GRPO controller: one step in ten, 0.2 s longer). Call it once set-up is done;
+    what is made later is collected as usual.
+    """
+    import gc
+
+    gc.collect()
+    gc.freeze()
+
+
 class RankActor:
-    """What the group asks of every actor class: where the rank runs, and a free port there."""
+    """What the group asks of every actor class: where the rank runs, a free port there, and
+    `freeze_heap` once its set-up is done."""
+
+    def freeze_heap(self) -> None:
+        freeze_heap()
 
     def node_address(self) -> str:
         """The address other ranks reach this one at (127.0.0.1 on the embedded default)."""
@@ -151,13 +169,16 @@ class WorkerGroup:
         """`method(**kwargs)` on every rank of data-parallel replica `shard` (its part of a batch)."""
         return [getattr(self.workers[rank], method).remote(**kwargs) for rank in self.plan.shards[shard].delivery_ranks]
 
-    def by_dp(self, method: str, parts: Sequence[dict[str, Any]]) -> list:
-        """Every rank gets `parts[its dp index]` as keyword arguments; the results in shard, then rank order."""
+    def submit_by_dp(self, method: str, parts: Sequence[dict[str, Any]]) -> list:
         if len(parts) != len(self.plan.shards):
             raise ValueError(
                 f"by_dp needs one part per data-parallel replica ({len(self.plan.shards)}), got {len(parts)}"
             )
-        return gather([ref for s in self.plan.shards for ref in self.submit_replica(s.shard, method, **parts[s.shard])])
+        return [ref for s in self.plan.shards for ref in self.submit_replica(s.shard, method, **parts[s.shard])]
+
+    def by_dp(self, method: str, parts: Sequence[dict[str, Any]]) -> list:
+        """Every rank gets `parts[its dp index]` as keyword arguments; the results in shard, then rank order."""
+        return gather(self.submit_by_dp(method, parts))
 
     def per_rank(self, method: str, kwargs_of: Callable[[int], dict[str, Any]]) -> list:
         """`method(**kwargs_of(rank))` on every rank (each its own share); the results in rank order."""

@@ -12,6 +12,10 @@
 4. `state_dict` holds every registered partition (at a step boundary there is none: it is empty).
 5. Writes to one sample must not run concurrently (a sample's tags are replaced whole by some
    backends); sync GRPO writes each sample from one stage at a time.
+6. `put_many` / `get_many` take a stage's requests at once (e.g. a step's prompt samples and its
+   response samples, or every replica's partition): an adapter over the network overlaps their round
+   trips. They mean what the same `put`s / `get`s one after the other mean, and one `put_many` writes a
+   sample at most once.
 
 Adapters: `local` (process-local; SFT v2) and `transfer_queue` (TransferQueue with its simple
 in-memory storage or Mooncake). Algorithms import this module, never a backend package.
@@ -118,6 +122,25 @@ class SampleBatch:
         return torch.stack(self.columns[name])
 
 
+@dataclass(frozen=True)
+class Put:
+    """One request of `put_many`: `put(partition, sample_ids, columns, tags)`."""
+
+    partition: str
+    sample_ids: Sequence[str]
+    columns: Columns
+    tags: Sequence[Mapping[str, Any]] | None = None
+
+
+@dataclass(frozen=True)
+class Get:
+    """One request of `get_many`: `get(partition, sample_ids, fields)`."""
+
+    partition: str
+    sample_ids: Sequence[str]
+    fields: Sequence[str]
+
+
 class DataPlane(abc.ABC):
     @abc.abstractmethod
     def register(self, partition: str, spec: PartitionSpec) -> None:
@@ -142,6 +165,15 @@ class DataPlane(abc.ABC):
     @abc.abstractmethod
     def get(self, partition: str, sample_ids: Sequence[str], fields: Sequence[str]) -> SampleBatch:
         """The values of `fields` (an explicit list of names) for `sample_ids`, in that order."""
+
+    def put_many(self, requests: Sequence[Put]) -> None:
+        """Every request of `requests` (module doc, 6)."""
+        for r in requests:
+            self.put(r.partition, r.sample_ids, r.columns, r.tags)
+
+    def get_many(self, requests: Sequence[Get]) -> list[SampleBatch]:
+        """What each request of `requests` gets, in order (module doc, 6)."""
+        return [self.get(r.partition, r.sample_ids, r.fields) for r in requests]
 
     @abc.abstractmethod
     def list_sample_ids(self, partition: str) -> list[str]:

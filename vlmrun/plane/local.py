@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from vlmrun.plane.interface import DataPlaneError
-from vlmrun.plane.rows import RESERVED_TAG, RowPieces, RowPlane, Rows, RowStore
+from vlmrun.plane.rows import RESERVED_TAG, Lookup, Read, RowPlane, Rows, RowStore, Tagged, Write
 from vlmrun.plane.wire.codec import join
 
 
@@ -39,9 +39,8 @@ class LocalStore(RowStore):
             raise DataPlaneError(f"partition {partition!r} is already registered (clear it first)")
         self._parts[partition] = _Partition(spec=dict(spec))
 
-    def partition_spec(self, partition: str) -> dict[str, Any] | None:
-        part = self._parts.get(partition)
-        return None if part is None else dict(part.spec)
+    def partition_specs(self, partitions: list[str]) -> list[dict[str, Any] | None]:
+        return [dict(self._parts[p].spec) if p in self._parts else None for p in partitions]
 
     def partition_names(self) -> list[str]:
         return list(self._parts)
@@ -49,28 +48,42 @@ class LocalStore(RowStore):
     def sample_ids(self, partition: str) -> list[str]:
         return list(self._parts[partition].samples)
 
-    def sample_tags(self, partition: str, ids: list[str]) -> list[dict[str, Any] | None]:
-        samples = self._parts[partition].samples
-        return [samples[i].tags if i in samples else None for i in ids]
+    def sample_tags(self, requests: list[tuple[str, list[str]]]) -> list[Tagged]:
+        return [Tagged(self._tags(partition, ids)) for partition, ids in requests]
 
-    def write(
-        self, partition: str, ids: list[str], tags: list[dict[str, Any]], rows: RowPieces, *, create: bool
-    ) -> None:
-        samples = self._parts[partition].samples
-        for i, sid in enumerate(ids):
-            if create:
-                samples[sid] = _Sample(tags=tags[i])
-            sample = samples[sid]
-            sample.tags = tags[i]
-            wire = tags[i][RESERVED_TAG]["fields"]
-            sample.rows.update({name: join(column[i], wire[name]) for name, column in rows.items()})
+    def lookup(self, requests: list[tuple[str, list[str]]]) -> list[Lookup]:
+        out = []
+        for partition, ids in requests:
+            part = self._parts.get(partition)
+            count, spec = (0, None) if part is None else (len(part.samples), dict(part.spec))
+            out.append(Lookup(self._tags(partition, ids), count=count, spec=spec))
+        return out
 
-    def read(self, partition: str, ids: list[str], fields: list[str], tags: list[dict[str, Any]]) -> Rows:
-        samples = self._parts[partition].samples
-        return {name: [samples[sid].rows[name] for sid in ids] for name in fields}
+    def write(self, writes: list[Write]) -> None:
+        for w in writes:
+            samples = self._parts[w.partition].samples
+            for i, sid in enumerate(w.ids):
+                if w.create:
+                    samples[sid] = _Sample(tags=w.tags[i])
+                sample = samples[sid]
+                sample.tags = w.tags[i]
+                wire = w.tags[i][RESERVED_TAG]["fields"]
+                sample.rows.update({name: join(column[i], wire[name]) for name, column in w.rows.items()})
+
+    def read(self, reads: list[Read]) -> list[Rows]:
+        out = []
+        for r in reads:
+            samples = self._parts[r.partition].samples
+            out.append({name: [samples[sid].rows[name] for sid in r.ids] for name in r.fields})
+        return out
 
     def drop(self, partition: str) -> None:
         self._parts.pop(partition, None)
+
+    def _tags(self, partition: str, ids: list[str]) -> list[dict[str, Any] | None]:
+        part = self._parts.get(partition)
+        samples = {} if part is None else part.samples
+        return [samples[i].tags if i in samples else None for i in ids]
 
 
 class LocalDataPlane(RowPlane):

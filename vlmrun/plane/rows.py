@@ -5,27 +5,76 @@ flat 1-D rows with the wire (wire/codec.py) and keeps, per sample, one tag dict:
 keys plus `_vlmrun` = {"fields": {field: wire tag}}. The wire tags say which fields a sample holds,
 their dtypes and true shapes, so a store only moves rows: it never interprets shapes, and it may
 leave rows of length 0 out of transit (Mooncake cannot store them) and rebuild them from the tag.
+
+A store takes its requests in batches (`lookup`, `sample_tags`, `read`, `write` each take a list): a
+store over the network overlaps their round trips, and `put_many` / `get_many` hand it a stage's
+requests at once. What a store learns in a lookup it may keep in the `handle` it returns, for the
+write or read of the same samples that follows in the same call (TransferQueue: their metadata).
 """
 
 from __future__ import annotations
 
 import abc
 import copy
+from collections import Counter
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from vlmrun.plane.fields import FIELDS, Alignment, field_spec
-from vlmrun.plane.interface import Columns, DataPlane, DataPlaneError, PartitionSpec, SampleBatch
+from vlmrun.plane.interface import Columns, DataPlane, DataPlaneError, Get, PartitionSpec, Put, SampleBatch
 from vlmrun.plane.wire.codec import FieldTag, Pieces, decode_column, encode_column
 
-#: The tag key the plane keeps for itself; writers' tags may use any other key.
+#: The tag key the plane keeps for itself; writers' tags may use any other key. Sample ids may not
+#: start with it followed by ":" (a store may keep its own records under such keys).
 RESERVED_TAG = "_vlmrun"
 #: field -> one 1-D row per sample (what a store reads back)
 Rows = dict[str, list[torch.Tensor]]
 #: field -> one row per sample as the wire's pieces (what a store writes; wire/codec.py)
 RowPieces = dict[str, list[Pieces]]
+
+
+@dataclass
+class Tagged:
+    """Each requested id's full tag dict (None for an id the partition lacks), and the store's handle."""
+
+    tags: list[dict[str, Any] | None]
+    handle: Any = None
+
+
+@dataclass
+class Lookup(Tagged):
+    """What a put must know before it writes: `Tagged`, plus how many samples the partition holds and
+    its spec as the store has it now (None: not registered)."""
+
+    count: int = 0
+    spec: dict[str, Any] | None = None
+
+
+@dataclass
+class Write:
+    """Create the samples `ids` (`create`) or add columns to them; `tags` replace theirs whole;
+    `rows[field][i]` is sample `ids[i]`'s row, as pieces."""
+
+    partition: str
+    ids: list[str]
+    tags: list[dict[str, Any]]
+    rows: RowPieces
+    create: bool
+    handle: Any = None  # from the lookup of the same ids
+
+
+@dataclass
+class Read:
+    """`rows[field][i]` of sample `ids[i]`, whose tags are `tags[i]`."""
+
+    partition: str
+    ids: list[str]
+    fields: list[str]
+    tags: list[dict[str, Any]]
+    handle: Any = None  # from the sample_tags of the same ids
 
 
 class RowStore(abc.ABC):
@@ -36,7 +85,8 @@ class RowStore(abc.ABC):
         """Record `spec`; `DataPlaneError` when `partition` exists."""
 
     @abc.abstractmethod
-    def partition_spec(self, partition: str) -> dict[str, Any] | None: ...
+    def partition_specs(self, partitions: list[str]) -> list[dict[str, Any] | None]:
+        """Each partition's spec; None for one that is not registered."""
 
     @abc.abstractmethod
     def partition_names(self) -> list[str]: ...
@@ -45,24 +95,19 @@ class RowStore(abc.ABC):
     def sample_ids(self, partition: str) -> list[str]: ...
 
     @abc.abstractmethod
-    def sample_tags(self, partition: str, ids: list[str]) -> list[dict[str, Any] | None]:
-        """Each id's full tag dict, None for an id the partition lacks."""
-
-    def tags_and_count(self, partition: str, ids: list[str]) -> tuple[list[dict[str, Any] | None], int]:
-        """`sample_tags(partition, ids)` and how many samples the partition holds (a store over the
-        network answers both with one request)."""
-        return self.sample_tags(partition, ids), len(self.sample_ids(partition))
+    def sample_tags(self, requests: list[tuple[str, list[str]]]) -> list[Tagged]:
+        """Per (partition, ids): each id's tags."""
 
     @abc.abstractmethod
-    def write(
-        self, partition: str, ids: list[str], tags: list[dict[str, Any]], rows: RowPieces, *, create: bool
-    ) -> None:
-        """Create the samples `ids` (`create`) or add columns to them; `tags` replace theirs whole;
-        `rows[field][i]` is sample `ids[i]`'s row, as pieces."""
+    def lookup(self, requests: list[tuple[str, list[str]]]) -> list[Lookup]:
+        """Per (partition, ids): each id's tags, the partition's sample count and spec."""
 
     @abc.abstractmethod
-    def read(self, partition: str, ids: list[str], fields: list[str], tags: list[dict[str, Any]]) -> Rows:
-        """`rows[field][i]` of sample `ids[i]`, whose tags are `tags[i]`."""
+    def write(self, writes: list[Write]) -> None:
+        """Every write; no two write one sample."""
+
+    @abc.abstractmethod
+    def read(self, reads: list[Read]) -> list[Rows]: ...
 
     @abc.abstractmethod
     def drop(self, partition: str) -> None: ...
@@ -77,8 +122,8 @@ class RowPlane(DataPlane):
     def __init__(self, store: RowStore, *, pixel_dtype: torch.dtype | None = None):
         self.store = store
         self.pixel_dtype = pixel_dtype
-        # A registered spec never changes, so it is asked for once per partition; a first write asks
-        # again (the partition may have been cleared meanwhile by another client).
+        # A registered spec never changes, so it is asked for once per partition; a first write gets
+        # it again from its lookup (the partition may have been cleared meanwhile by another client).
         self._specs: dict[str, PartitionSpec] = {}
 
     def register(self, partition: str, spec: PartitionSpec) -> None:
@@ -87,16 +132,18 @@ class RowPlane(DataPlane):
         self.store.create_partition(_name(partition), spec.to_dict())
         self._specs[partition] = spec
 
-    def spec(self, partition: str, *, fresh: bool = False) -> PartitionSpec:
-        name = _name(partition)
-        if not fresh and name in self._specs:
-            return self._specs[name]
-        d = self.store.partition_spec(name)
-        if d is None:
-            self._specs.pop(name, None)
-            raise DataPlaneError(f"no partition {partition!r} (registered: {self.partitions()})")
-        self._specs[name] = PartitionSpec.from_dict(d)
-        return self._specs[name]
+    def spec(self, partition: str) -> PartitionSpec:
+        return self._known_specs([partition])[0]
+
+    def _known_specs(self, partitions: list[str]) -> list[PartitionSpec]:
+        """The specs of `partitions`, asking the store at once for those not asked before."""
+        names = [_name(p) for p in partitions]
+        unknown = list(dict.fromkeys(n for n in names if n not in self._specs))
+        for name, d in zip(unknown, self.store.partition_specs(unknown) if unknown else [], strict=True):
+            if d is None:
+                raise DataPlaneError(f"no partition {name!r} (registered: {self.partitions()})")
+            self._specs[name] = PartitionSpec.from_dict(d)
+        return [self._specs[n] for n in names]
 
     def put(
         self,
@@ -105,42 +152,51 @@ class RowPlane(DataPlane):
         columns: Columns,
         tags: Sequence[Mapping[str, Any]] | None = None,
     ) -> None:
-        spec = self.spec(partition)
-        ids = _ids(sample_ids)
-        if not isinstance(columns, Mapping) or not columns:
-            raise DataPlaneError(f"{partition}: put takes a non-empty mapping of field -> values per sample")
-        _known_fields(partition, spec, list(columns))
-        user_tags = _user_tags(tags, len(ids))
-        old, held = self.store.tags_and_count(partition, ids)
-        create = _is_first_write(partition, ids, old)
-        if create:
-            spec = self.spec(partition, fresh=True)
-        if create and held + len(ids) > spec.num_samples:
-            raise DataPlaneError(f"{partition}: {len(ids)} more samples exceed its {spec.num_samples}")
-        rows, field_tags = self._encode(partition, ids, columns)
-        merged = _merge_tags(partition, ids, old, field_tags, user_tags)
-        self.store.write(partition, ids, merged, rows, create=create)
+        self.put_many([Put(partition, sample_ids, columns, tags)])
+
+    def put_many(self, requests: Sequence[Put]) -> None:
+        """Every request is checked, and refused, before anything is written."""
+        self._known_specs([r.partition for r in requests])
+        checked = [self._checked_put(r) for r in requests]
+        _distinct_samples([(r.partition, ids) for r, ids, _ in checked])
+        lookups = self.store.lookup([(r.partition, ids) for r, ids, _ in checked])
+        new: Counter[str] = Counter()  # samples each partition gains
+        writes = []
+        for (r, ids, user_tags), found in zip(checked, lookups, strict=True):
+            create = _is_first_write(r.partition, ids, found.tags)
+            if create:
+                new[r.partition] += len(ids)
+                self._check_capacity(r.partition, list(r.columns), found, new[r.partition])
+            rows, field_tags = self._encode(r.partition, ids, r.columns)
+            merged = _merge_tags(r.partition, ids, found.tags, field_tags, user_tags)
+            writes.append(Write(r.partition, ids, merged, rows, create, found.handle))
+        self.store.write(writes)
 
     def get(self, partition: str, sample_ids: Sequence[str], fields: Sequence[str]) -> SampleBatch:
-        spec = self.spec(partition)
-        if isinstance(fields, str) or not isinstance(fields, Sequence) or not fields:
-            raise DataPlaneError(f"{partition}: get takes an explicit, non-empty list of field names, not {fields!r}")
-        fields = list(fields)
-        if len(set(fields)) != len(fields):
-            raise DataPlaneError(f"{partition}: field list {fields} names a field twice")
-        _known_fields(partition, spec, fields)
-        ids = _ids(sample_ids)
-        tags = self._existing_tags(partition, ids)
-        for name in fields:
-            lacking = [i for i, t in zip(ids, tags, strict=True) if name not in t[RESERVED_TAG]["fields"]]
-            if lacking:
-                raise DataPlaneError(f"{partition}: field {name!r} was not written for sample(s) {lacking[:5]}")
-        rows = self.store.read(partition, ids, fields, tags)
-        columns = {
-            name: decode_column(field_spec(name), rows[name], [t[RESERVED_TAG]["fields"][name] for t in tags])
-            for name in fields
-        }
-        return SampleBatch(sample_ids=ids, columns=columns, tags=[_strip(t) for t in tags])
+        return self.get_many([Get(partition, sample_ids, fields)])[0]
+
+    def get_many(self, requests: Sequence[Get]) -> list[SampleBatch]:
+        self._known_specs([r.partition for r in requests])
+        checked = [self._checked_get(r) for r in requests]
+        tagged = self.store.sample_tags([(r.partition, ids) for r, ids, _ in checked])
+        reads = []
+        for (r, ids, fields), found in zip(checked, tagged, strict=True):
+            missing = [i for i, t in zip(ids, found.tags, strict=True) if t is None]
+            if missing:
+                raise DataPlaneError(f"{r.partition}: no sample(s) {missing[:5]} ({len(missing)} missing)")
+            for name in fields:
+                lacking = [i for i, t in zip(ids, found.tags, strict=True) if name not in t[RESERVED_TAG]["fields"]]
+                if lacking:
+                    raise DataPlaneError(f"{r.partition}: field {name!r} was not written for sample(s) {lacking[:5]}")
+            reads.append(Read(r.partition, ids, fields, found.tags, found.handle))
+        out = []
+        for read, rows in zip(reads, self.store.read(reads), strict=True):
+            wire = [t[RESERVED_TAG]["fields"] for t in read.tags]
+            columns = {
+                name: decode_column(field_spec(name), rows[name], [w[name] for w in wire]) for name in read.fields
+            }
+            out.append(SampleBatch(sample_ids=read.ids, columns=columns, tags=[_strip(t) for t in read.tags]))
+        return out
 
     def list_sample_ids(self, partition: str) -> list[str]:
         self.spec(partition)
@@ -158,31 +214,64 @@ class RowPlane(DataPlane):
         state = {}
         for name in self.partitions():
             ids = self.store.sample_ids(name)
-            tags = self.store.sample_tags(name, ids) if ids else []
+            tags = self.store.sample_tags([(name, ids)])[0].tags if ids else []
             groups: dict[tuple[str, ...], list[int]] = {}
             for i, t in enumerate(tags):
                 groups.setdefault(tuple(sorted(t[RESERVED_TAG]["fields"])), []).append(i)
-            saved = []
-            for fields, idx in groups.items():
-                if fields:
-                    sub = [ids[i] for i in idx]
-                    saved.append({"ids": sub, "rows": self.store.read(name, sub, list(fields), [tags[i] for i in idx])})
-            state[name] = {"spec": self.store.partition_spec(name), "ids": ids, "tags": tags, "groups": saved}
+            reads = [
+                Read(name, [ids[i] for i in idx], list(fields), [tags[i] for i in idx])
+                for fields, idx in groups.items()
+                if fields
+            ]
+            saved = [{"ids": r.ids, "rows": rows} for r, rows in zip(reads, self.store.read(reads), strict=True)]
+            state[name] = {"spec": self.store.partition_specs([name])[0], "ids": ids, "tags": tags, "groups": saved}
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         for name, part in state.items():
             self.store.create_partition(name, part["spec"])
             if part["ids"]:
-                self.store.write(name, list(part["ids"]), list(part["tags"]), {}, create=True)
+                self.store.write([Write(name, list(part["ids"]), list(part["tags"]), {}, create=True)])
             by_id = dict(zip(part["ids"], part["tags"], strict=True))
+            writes = []
             for group in part["groups"]:
                 ids = list(group["ids"])
                 pieces = {f: [[r] for r in rows] for f, rows in group["rows"].items()}
-                self.store.write(name, ids, [by_id[i] for i in ids], pieces, create=False)
+                writes.append(Write(name, ids, [by_id[i] for i in ids], pieces, create=False))
+            if writes:
+                self.store.write(writes)
 
     def close(self) -> None:
         self.store.close()
+
+    def _checked_put(self, r: Put) -> tuple[Put, list[str], list[dict[str, Any]]]:
+        spec = self.spec(r.partition)
+        ids = _ids(r.sample_ids)
+        if not isinstance(r.columns, Mapping) or not r.columns:
+            raise DataPlaneError(f"{r.partition}: put takes a non-empty mapping of field -> values per sample")
+        _known_fields(r.partition, spec, list(r.columns))
+        return r, ids, _user_tags(r.tags, len(ids))
+
+    def _checked_get(self, r: Get) -> tuple[Get, list[str], list[str]]:
+        spec = self.spec(r.partition)
+        fields = r.fields
+        if isinstance(fields, str) or not isinstance(fields, Sequence) or not fields:
+            raise DataPlaneError(f"{r.partition}: get takes an explicit, non-empty list of field names, not {fields!r}")
+        fields = list(fields)
+        if len(set(fields)) != len(fields):
+            raise DataPlaneError(f"{r.partition}: field list {fields} names a field twice")
+        _known_fields(r.partition, spec, fields)
+        return r, _ids(r.sample_ids), fields
+
+    def _check_capacity(self, partition: str, fields: list[str], found: Lookup, new: int) -> None:
+        """A first write: against the spec the store has now, which the partition's samples fit."""
+        if found.spec is None:
+            self._specs.pop(partition, None)
+            raise DataPlaneError(f"no partition {partition!r} (registered: {self.partitions()})")
+        spec = self._specs[partition] = PartitionSpec.from_dict(found.spec)
+        _known_fields(partition, spec, fields)
+        if found.count + new > spec.num_samples:
+            raise DataPlaneError(f"{partition}: {new} more samples exceed its {spec.num_samples}")
 
     def _encode(self, partition: str, ids: list[str], columns: Columns) -> tuple[RowPieces, dict[str, list[FieldTag]]]:
         rows, tags = {}, {}
@@ -191,13 +280,6 @@ class RowPlane(DataPlane):
                 raise DataPlaneError(f"{partition}: field {name!r} has {len(values)} values for {len(ids)} samples")
             rows[name], tags[name] = encode_column(field_spec(name), values, pixel_dtype=self.pixel_dtype)
         return rows, tags
-
-    def _existing_tags(self, partition: str, ids: list[str]) -> list[dict[str, Any]]:
-        tags = self.store.sample_tags(partition, ids)
-        missing = [i for i, t in zip(ids, tags, strict=True) if t is None]
-        if missing:
-            raise DataPlaneError(f"{partition}: no sample(s) {missing[:5]} ({len(missing)} missing)")
-        return tags
 
 
 def _name(partition: str) -> str:
@@ -214,7 +296,19 @@ def _ids(sample_ids: Sequence[str]) -> list[str]:
         raise DataPlaneError(f"sample ids are non-empty strings: {ids[:5]}")
     if len(set(ids)) != len(ids):
         raise DataPlaneError(f"sample ids repeat: {sorted({i for i in ids if ids.count(i) > 1})[:5]}")
+    reserved = [i for i in ids if i.startswith(RESERVED_TAG + ":")]
+    if reserved:
+        raise DataPlaneError(f"sample ids may not start with {RESERVED_TAG + ':'!r}: {reserved[:5]}")
     return ids
+
+
+def _distinct_samples(requests: list[tuple[str, list[str]]]) -> None:
+    seen: set[tuple[str, str]] = set()
+    for partition, ids in requests:
+        again = [i for i in ids if (partition, i) in seen]
+        if again:
+            raise DataPlaneError(f"{partition}: one put_many writes each sample once, not {again[:5]} twice")
+        seen.update((partition, i) for i in ids)
 
 
 def _known_fields(partition: str, spec: PartitionSpec, fields: list[str]) -> None:

@@ -30,7 +30,7 @@ from vlmrun.algorithms.common.checkpoint import Checkpoint, CheckpointStore, Pen
 from vlmrun.algorithms.common.steps import plan_steps
 from vlmrun.config.identity import RESHARD_TERMS, RESHARDABLE, check_same_identity, run_identity
 from vlmrun.distributed.topology import plan_placement
-from vlmrun.distributed.worker_group import WorkerGroup
+from vlmrun.distributed.worker_group import WorkerGroup, freeze_heap
 from vlmrun.errors import CheckFailed, InputError
 from vlmrun.observe.wandb_sink import WandbSink
 from vlmrun.policy import rng
@@ -145,6 +145,8 @@ class StepLoop:
             self.restart_data = self._check_belongs(found)
         self._start(found)
         start_step, counters, notes = self._resume(found, skipped)
+        freeze_heap()  # set-up is done: no full collection walks it again, here or in a rank
+        self.group.all_ranks("freeze_heap")
         first_step_at = None
         step = start_step
         for step in range(start_step + 1, self.steps.max_steps + 1):

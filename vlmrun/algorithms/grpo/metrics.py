@@ -10,12 +10,15 @@
     response_length_mean/max              response tokens, end-of-turn included
     time_<stage>_s                        rollout (= loader + refit + generation + reward + plane), generation,
                                           refit, reward, logprob, advantage, train, data_plane
-    time_plane_<stage>_s                  the data plane's part of rollout, logprob, advantage (the controller), train
+    time_plane_<stage>_s                  the data plane's part of rollout, logprob, advantage (the controller), train;
+                                          advantage_beside: all of the controller's, beside the ranks' logprobs
     data_plane_fraction, plane_bytes      plane seconds / step seconds; bytes put and got, all processes
     generation_tokens_per_s               tokens the generation batches ran / the slowest replica's seconds
 
 Ranks and replicas run each stage side by side, so a stage's time is the slowest rank's; the data
-plane's time is the sum over stages of the slowest rank's plane time, plus the controller's.
+plane's time is the sum over stages of the slowest rank's plane time, plus what of the controller's the
+step waited for: the advantage stage runs beside the ranks' logprob compute (stages.py), so only what
+outlasts the slowest rank's compute and reads counts.
 `loss` and `grad_norm` are the means over the inner steps, `lr` the first's, `valid_tokens` the sum.
 """
 
@@ -99,11 +102,13 @@ def _by_template(record: StepRecord) -> dict[str, float]:
 def _plane(record: StepRecord) -> tuple[float, int, dict[str, float]]:
     """(seconds, bytes, seconds per stage) of the data plane in one step (module doc)."""
     stages = {"advantage": record.controller_plane.get("seconds", 0.0)}
+    if record.controller_plane_beside:
+        stages["advantage_beside"] = record.controller_plane_beside
     moved = record.controller_plane.get("bytes", 0)
     for name, results in (("rollout", record.rollouts), ("logprob", record.scores), ("train", record.trains)):
         stages[name] = max((r["plane"].get("seconds", 0.0) for r in results), default=0.0)
         moved += sum(r["plane"].get("bytes", 0) for r in results)
-    return sum(stages.values()), int(moved), stages
+    return sum(v for k, v in stages.items() if k != "advantage_beside"), int(moved), stages
 
 
 def _times(record: StepRecord, plane_s: float) -> dict[str, float]:

@@ -9,9 +9,13 @@ plane clients that count what they move.
    field registry decides what each reads (`Stage`); without a KL penalty nobody writes
    `ref_logprobs`, so the train stage leaves it out of its list. A stage reads its prompt-aligned
    fields and media from the prompt samples and the rest from the response samples
-   (rollout_rows.py), with one get each.
+   (rollout_rows.py), both in one `get_many`.
 3. `StagePlane` wraps a client and counts the seconds spent in it and the bytes of the values that
-   cross it (pixel values at the plane's pixel dtype); `take()` returns and resets the counts.
+   cross it (pixel values at the plane's pixel dtype); `take()` returns and resets the counts. Its
+   calls run on a thread of their own, so a stage can leave round trips to run under its compute:
+   the owner writes the prompt samples while it generates, a rank prefetches the train stage's prompt
+   fields (written once, never changed) while the controller computes advantages, and clears the
+   partition while it trains. The seconds counted are the stage's waits for the plane.
 4. `ReplicaPlanes` is how the controller reaches replica r's partition: its own client of a shared
    plane (transfer_queue), or, for `local`, the owner rank's plane through a call to that rank.
 """
@@ -20,13 +24,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any
 
 import torch
 
 from vlmrun.distributed.worker_group import gather
 from vlmrun.plane.fields import FIELDS, Alignment, Stage
-from vlmrun.plane.interface import DataPlane, PartitionSpec, SampleBatch
+from vlmrun.plane.interface import DataPlane, Get, PartitionSpec, Put, SampleBatch
 
 
 def partition_name(step: int, replica: int) -> str:
@@ -68,11 +73,25 @@ def value_bytes(values: Mapping[str, Sequence[Any]], pixel_dtype: torch.dtype | 
 
 
 class StagePlane:
-    """A data-plane client that counts what it moves (module doc, 3). Not thread-safe."""
+    """A data-plane client of one process that counts what it moves, and overlaps its round trips with
+    the caller's compute (module doc, 3). Calls run in order, on the plane's own thread (or, while it
+    is idle, on the caller's): `register`, `put_many`, `get_many` and `clear` wait for theirs (and so
+    for all queued before it);
+    with `wait=False` they queue theirs and return; `prefetch` queues a get whose result the next
+    `get_many` of the same request takes; `flush` waits for everything queued. An error of a queued
+    call is raised by the next wait. Seconds are the caller's waits: what the plane adds to a stage.
+    """
 
     def __init__(self, plane: DataPlane, pixel_dtype: torch.dtype | None):
         self.plane, self.pixel_dtype = plane, pixel_dtype
         self._seconds, self._bytes = 0.0, 0
+        threads = torch.get_num_threads()  # the plane thread reports (and restores) the caller's count
+        self._thread = ThreadPoolExecutor(
+            1, thread_name_prefix="plane", initializer=torch.set_num_threads, initargs=(threads,)
+        )
+        self._queued: list[Future] = []
+        self._nbytes: dict[Future, int] = {}  # what a queued put moves, counted once it succeeded
+        self._prefetched: dict[tuple, tuple[Future, int]] = {}  # request -> (its get_many, its index)
 
     @classmethod
     def open(cls, endpoint, *, pixel_dtype: torch.dtype | None) -> StagePlane:
@@ -81,28 +100,53 @@ class StagePlane:
 
         return cls(open_plane(endpoint, pixel_dtype=pixel_dtype), pixel_dtype)
 
-    def register(self, partition: str, spec: PartitionSpec) -> None:
-        t0 = time.perf_counter()
-        self.plane.register(partition, spec)
-        self._seconds += time.perf_counter() - t0
+    def register(self, partition: str, spec: PartitionSpec, *, wait: bool = True) -> None:
+        self._call(self.plane.register, partition, spec, wait=wait)
 
     def put(self, partition: str, sample_ids: Sequence[str], columns: Mapping[str, Sequence[Any]]) -> None:
-        t0 = time.perf_counter()
-        self.plane.put(partition, list(sample_ids), columns)
-        self._seconds += time.perf_counter() - t0
-        self._bytes += value_bytes(columns, self.pixel_dtype)
+        self.put_many([Put(partition, list(sample_ids), columns)])
+
+    def put_many(self, requests: Sequence[Put], *, wait: bool = True) -> None:
+        nbytes = sum(value_bytes(r.columns, self.pixel_dtype) for r in requests)
+        self._call(self.plane.put_many, list(requests), wait=wait, nbytes=nbytes)
 
     def get(self, partition: str, sample_ids: Sequence[str], fields: Sequence[str]) -> SampleBatch:
-        t0 = time.perf_counter()
-        got = self.plane.get(partition, list(sample_ids), list(fields))
-        self._seconds += time.perf_counter() - t0
-        self._bytes += value_bytes(got.columns)
+        return self.get_many([Get(partition, list(sample_ids), list(fields))])[0]
+
+    def get_many(self, requests: Sequence[Get]) -> list[SampleBatch]:
+        """What each request gets, in order; a prefetched request's result is taken, not fetched again."""
+        ready = {i: self._prefetched.pop(_key(r)) for i, r in enumerate(requests) if _key(r) in self._prefetched}
+        rest = [r for i, r in enumerate(requests) if i not in ready]
+        fetched = iter(self._now(self.plane.get_many, rest) if rest else [])
+        got = []
+        for i in range(len(requests)):
+            if i in ready:
+                future, index = ready[i]
+                got.append(self._wait(future)[index])
+            else:
+                got.append(next(fetched))
+        self._bytes += sum(value_bytes(g.columns) for g in got)
         return got
 
-    def clear(self, partition: str) -> None:
-        t0 = time.perf_counter()
-        self.plane.clear(partition)
-        self._seconds += time.perf_counter() - t0
+    def prefetch(self, requests: Sequence[Get]) -> None:
+        """Queue `requests` (in one `get_many`); a later `get_many` takes any of them."""
+        future = self._submit(self.plane.get_many, list(requests))
+        self._prefetched |= {_key(r): (future, i) for i, r in enumerate(requests)}
+
+    def clear(self, partition: str, *, wait: bool = True) -> None:
+        """Clear `partition`; prefetches from it that nobody took are dropped."""
+        self._prefetched = {k: f for k, f in self._prefetched.items() if k[0] != partition}
+        self._call(self.plane.clear, partition, wait=wait)
+
+    def flush(self) -> None:
+        """Wait for every queued call; raise the first error."""
+        if self._queued:
+            self._wait(self._queued[-1])
+
+    def serve(self, method: str, *args) -> Any:
+        """`plane.<method>(*args)` on the plane thread, in order, uncounted: for a caller in another
+        process that counts its own time (the controller's reach into a process-local plane)."""
+        return self._submit(getattr(self.plane, method), *args).result()
 
     def take(self) -> dict[str, float]:
         """{"seconds", "bytes"} moved since the last take."""
@@ -111,13 +155,72 @@ class StagePlane:
         return out
 
     def close(self) -> None:
-        self.plane.close()
+        try:
+            self.flush()
+        finally:
+            self._prefetched.clear()
+            self._submit(self.plane.close).result()
+            self._thread.shutdown()
+
+    def _call(self, fn, *args, wait: bool, nbytes: int = 0) -> None:
+        """`fn(*args)`, waited for or queued; `nbytes` count once it has succeeded."""
+        if wait:
+            self._now(fn, *args, nbytes=nbytes)
+        else:
+            self._submit(fn, *args, nbytes=nbytes)
+
+    def _now(self, fn, *args, nbytes: int = 0) -> Any:
+        """`fn(*args)` for a caller that waits for it: on the caller's thread when the plane thread is idle
+        (two thread hops fewer), else queued behind what runs there."""
+        if any(not f.done() for f in self._queued):
+            return self._wait(self._submit(fn, *args, nbytes=nbytes))
+        self._raise_queued()
+        t0 = time.perf_counter()
+        try:
+            out = fn(*args)
+        finally:
+            self._seconds += time.perf_counter() - t0
+        self._bytes += nbytes
+        return out
+
+    def _submit(self, fn, *args, nbytes: int = 0) -> Future:
+        future = self._thread.submit(fn, *args)
+        self._queued.append(future)
+        self._nbytes[future] = nbytes
+        return future
+
+    def _wait(self, future: Future) -> Any:
+        """`future`'s result, after raising the first error of a call queued before it."""
+        t0 = time.perf_counter()
+        try:
+            wait([future])
+        finally:
+            self._seconds += time.perf_counter() - t0
+        self._raise_queued(but=future)
+        return future.result()
+
+    def _raise_queued(self, but: Future | None = None) -> None:
+        """Forget the queued calls that are done; raise the first error among them (but `but`'s)."""
+        done = [f for f in self._queued if f.done()]
+        self._queued = [f for f in self._queued if not f.done()]
+        for f in done:
+            moved = self._nbytes.pop(f, 0)
+            if f.exception() is None:
+                self._bytes += moved
+        for f in done:
+            if f is not but and f.exception() is not None:
+                raise f.exception()
+
+
+def _key(r: Get) -> tuple:
+    return (r.partition, tuple(r.sample_ids), tuple(r.fields))
 
 
 class ReplicaPlanes:
     """The controller's way to the replicas' partitions (module doc, 4); counts like `StagePlane`.
 
-    `get_each` / `put_each` take one request per replica; through the owner ranks they run at once.
+    `get_each` / `put_each` take one request per replica, and run them at once: side by side in one
+    client of a shared plane (`get_many` / `put_many`), or through the owner ranks.
     """
 
     def __init__(self, group, *, shared: StagePlane | None):
@@ -127,7 +230,7 @@ class ReplicaPlanes:
     def get_each(self, partitions: list[str], sample_ids: list[list[str]], fields: list[str]) -> list[SampleBatch]:
         """Replica r's `fields` of `sample_ids[r]` from `partitions[r]`, for every replica r."""
         if self.shared is not None:
-            return [self.shared.get(p, ids, fields) for p, ids in zip(partitions, sample_ids, strict=True)]
+            return self.shared.get_many([Get(p, ids, fields) for p, ids in zip(partitions, sample_ids, strict=True)])
         got = self._through_owners(
             "plane_get", [(p, ids, fields) for p, ids in zip(partitions, sample_ids, strict=True)]
         )
@@ -138,8 +241,7 @@ class ReplicaPlanes:
         """Replica r's `columns[r]` for `sample_ids[r]` into `partitions[r]`, for every replica r."""
         requests = list(zip(partitions, sample_ids, columns, strict=True))
         if self.shared is not None:
-            for p, ids, cols in requests:
-                self.shared.put(p, ids, cols)
+            self.shared.put_many([Put(p, ids, cols) for p, ids, cols in requests])
             return
         self._through_owners("plane_put", requests)
         self._bytes += sum(value_bytes(cols) for _, _, cols in requests)

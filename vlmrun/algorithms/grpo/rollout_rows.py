@@ -76,14 +76,28 @@ def ended_with(rollouts: Rollouts, eos_ids: Sequence[int]) -> list[bool]:
     return [n > 0 and int(rollouts.response_ids[i, n - 1]) in eos_ids for i, n in enumerate(lengths)]
 
 
+def prompt_columns(batch: PromptBatch, *, family: str, image_token_id: int | None) -> SampleBatch:
+    """The prompt samples of a prompt batch (module doc, 1): known before generation starts."""
+    return _prompt_columns(batch, list(range(len(batch))), family=family, image_token_id=image_token_id)
+
+
+def response_columns(rollouts: Rollouts, scored: Sequence[Scored], prompt_ids: Sequence[str]) -> SampleBatch:
+    """The response samples of `rollouts` (module doc, 1), rewards from `scored` (row order); `prompt_ids`
+    are their prompts' sample ids (`prompt_columns`)."""
+    lengths = response_lengths(rollouts)
+    columns = {
+        "response_ids": [rollouts.response_ids[i, :n].clone() for i, n in enumerate(lengths)],
+        "response_mask": [torch.ones(n, dtype=torch.bool) for n in lengths],
+        "generation_logprobs": [rollouts.logprobs[i, :n].float().clone() for i, n in enumerate(lengths)],
+        "rewards": [torch.tensor(s.reward, dtype=torch.float32) for s in scored],
+    }
+    return SampleBatch(sample_ids=response_sample_ids(prompt_ids, rollouts.group_size), columns=columns)
+
+
 def rollout_columns(
     rollouts: Rollouts, scored: Sequence[Scored], *, family: str, image_token_id: int | None
 ) -> RolloutRows:
-    """The generation stage's samples of `rollouts` (module doc, 1), rewards from `scored` (row order)."""
-    spec = family_spec(family)
-    g = rollouts.group_size
-    first = list(range(0, len(rollouts), g))  # each prompt's first row
-    prompt_ids = prompt_sample_ids([rollouts.sample_ids[i] for i in first])
+    """The generation stage's samples of `rollouts` alone (its prompt rows repeat each prompt G times)."""
     view = PromptBatch(
         sample_ids=rollouts.sample_ids,
         input_ids=rollouts.prompt_ids,
@@ -92,21 +106,18 @@ def rollout_columns(
         media=rollouts.media,
         token_inputs=rollouts.token_inputs,
     )
-    media = prompt_media(view, image_token_id)
-    unpadded = rollouts.prompt_mask.bool()
-    prompts: dict[str, list] = {"prompt_ids": [rollouts.prompt_ids[i][unpadded[i]] for i in first]}
+    first = list(range(0, len(rollouts), rollouts.group_size))  # each prompt's first row
+    prompts = _prompt_columns(view, first, family=family, image_token_id=image_token_id)
+    return RolloutRows(prompts=prompts, responses=response_columns(rollouts, scored, prompts.sample_ids))
+
+
+def _prompt_columns(batch: PromptBatch, rows: list[int], *, family: str, image_token_id: int | None) -> SampleBatch:
+    spec = family_spec(family)
+    media = prompt_media(batch, image_token_id)
+    unpadded = batch.attention_mask.bool()
+    columns: dict[str, list] = {"prompt_ids": [batch.input_ids[i][unpadded[i]] for i in rows]}
     for k in spec.token_keys:
-        prompts[k] = [rollouts.token_inputs[k][i][unpadded[i]] for i in first]
+        columns[k] = [batch.token_inputs[k][i][unpadded[i]] for i in rows]
     for k in spec.media_keys:
-        prompts[k] = [[media[i][k].clone()] if media[i] else [] for i in first]
-    lengths = response_lengths(rollouts)
-    responses = {
-        "response_ids": [rollouts.response_ids[i, :n].clone() for i, n in enumerate(lengths)],
-        "response_mask": [torch.ones(n, dtype=torch.bool) for n in lengths],
-        "generation_logprobs": [rollouts.logprobs[i, :n].float().clone() for i, n in enumerate(lengths)],
-        "rewards": [torch.tensor(s.reward, dtype=torch.float32) for s in scored],
-    }
-    return RolloutRows(
-        prompts=SampleBatch(sample_ids=prompt_ids, columns=prompts),
-        responses=SampleBatch(sample_ids=response_sample_ids(prompt_ids, g), columns=responses),
-    )
+        columns[k] = [[media[i][k].clone()] if media[i] else [] for i in rows]
+    return SampleBatch(sample_ids=prompt_sample_ids([batch.sample_ids[i] for i in rows]), columns=columns)

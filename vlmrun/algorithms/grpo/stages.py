@@ -6,7 +6,12 @@ Two ways to move the step's samples, with the same stages on the same ranks and 
    shard and writes its rollout once into its partition; the ranks fetch the fields of their
    stage from the plane; the controller reads the rewards and writes the advantages there (through
    its own client, or the owner rank for a process-local plane). Only sample ids and small
-   per-response reports (rewards, lengths, timings) come back to the controller.
+   per-response reports (rewards, lengths, timings) come back to the controller. The advantage
+   stage needs nothing the logprob stage writes, so it runs while the ranks compute their logprobs:
+   it reads the rewards, computes and writes the advantages; then the ranks write their logprobs
+   (both write the response samples, and a sample's writes must not overlap: interface.py, 5). So
+   when the logprob stage ends, every field the train stage reads is written, and the ranks fetch
+   them before the controller asks them to train.
 2. `DriverStages` (`data_plane.enabled: false`, for A/B runs): the controller holds the loader
    shards, and every stage's fields travel through it: the rollout comes back to the controller,
    which sends each stage exactly the fields the field registry gives that stage.
@@ -38,7 +43,8 @@ class StepRecord:
     trains: list[dict]
     advantages: torch.Tensor
     walls: dict[str, float] = field(default_factory=dict)  # stage -> seconds, as the controller saw it
-    controller_plane: dict[str, float] = field(default_factory=dict)
+    controller_plane: dict[str, float] = field(default_factory=dict)  # what the step waited for, all bytes
+    controller_plane_beside: float = 0.0  # the controller's plane seconds, beside the ranks' logprobs
     loader_s: float = 0.0
 
 
@@ -53,12 +59,19 @@ class PlaneStages:
         rollouts = self.group.replica_owners("rollout", lambda shard: {"step": step, "n_micro": self.n_micro})
         walls["rollout"] = time.perf_counter() - t0
         ids = [r["sample_ids"] for r in rollouts]
+        parts = [partition_name(step, shard) for shard in range(len(ids))]
         t0 = time.perf_counter()
-        scores = self.group.by_dp("score", [{"step": step, "sample_ids": i} for i in ids])
+        scoring = self.group.submit_by_dp("score", [{"step": step, "sample_ids": i} for i in ids])
+        advantages = self._advantages(parts, ids)  # beside the ranks' logprobs (module doc, 1)
+        beside_s, plane = time.perf_counter() - t0, self.planes.take()
+        scores = gather(scoring)
+        # the controller's plane time the step waited for: what of it outlasted the slowest rank's compute
+        slowest = max(r["times"]["logprob"] + r["plane"]["seconds"] for r in scores)
+        waited = min(plane["seconds"], max(0.0, beside_s - slowest))
+        for score, written in zip(scores, self.group.by_dp("write_scores", [{}] * len(ids)), strict=True):
+            score["plane"] = {k: score["plane"][k] + written["plane"][k] for k in ("seconds", "bytes")}
         walls["logprob"] = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        advantages = self._advantages(step, ids)
-        walls["advantage"] = time.perf_counter() - t0
+        walls["advantage"] = beside_s
         t0 = time.perf_counter()
         trains = self.group.by_dp("train", [{"step": step, "sample_ids": i} for i in ids])
         walls["train"] = time.perf_counter() - t0
@@ -68,14 +81,14 @@ class PlaneStages:
             trains=trains,
             advantages=torch.cat(advantages),
             walls=walls,
-            controller_plane=self.planes.take(),
+            controller_plane={"seconds": waited, "bytes": plane["bytes"]},
+            controller_plane_beside=plane["seconds"],
             loader_s=max(r["times"]["loader"] for r in rollouts),
         )
 
-    def _advantages(self, step: int, ids: list[list[str]]) -> list[torch.Tensor]:
+    def _advantages(self, parts: list[str], ids: list[list[str]]) -> list[torch.Tensor]:
         """The advantage stage: every replica's rewards from its partition, advantages back into it."""
         g = self.recipe.grpo
-        parts = [partition_name(step, shard) for shard in range(len(ids))]
         got = self.planes.get_each(parts, ids, list(stage_fields(self.recipe, Stage.ADVANTAGE)))
         adv = [group_advantages(b.stack("rewards"), g.num_generations, normalize_std=g.normalize_std) for b in got]
         self.planes.put_each(parts, ids, [{"advantages": list(a)} for a in adv])

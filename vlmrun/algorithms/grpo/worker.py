@@ -8,7 +8,8 @@ Stages, each one call from the controller (stages.py):
    G responses each, score them, and write the rollout once to the replica's partition (or return
    it, on the driver path).
 2. `score`: fetch the logprob stage's fields of the replica's samples, run the policy (and the
-   reference) forward per micro-batch, write prev (and ref) logprobs back.
+   reference) forward per micro-batch; on the plane paths `write_scores` writes prev (and ref)
+   logprobs back once the controller has written the advantages (stages.py, 1).
 3. `train`: fetch the train fields, take `grpo.inner_steps` optimizer steps with the clipped PG loss,
    clear the partition.
 
@@ -33,15 +34,17 @@ from vlmrun.algorithms.grpo.rollout_rows import (
     RolloutRows,
     ended_with,
     join,
+    prompt_columns,
     prompt_of,
+    response_columns,
     response_lengths,
-    rollout_columns,
+    response_sample_ids,
 )
 from vlmrun.distributed.worker_group import RankActor
 from vlmrun.generation.interface import SamplingParams
 from vlmrun.generation.prompts import join_prompts
 from vlmrun.plane.fields import Stage
-from vlmrun.plane.interface import SampleBatch
+from vlmrun.plane.interface import Get, Put, SampleBatch
 from vlmrun.policy import rng
 from vlmrun.policy.interface import PolicyBackend, StepResult
 
@@ -86,6 +89,7 @@ class GrpoWorker(RankActor):
         self.loss = ClippedPgLoss(r.grpo)
         self.rows_per_micro = r.train.micro_batch_size * r.grpo.num_generations
         self.plane = StagePlane.open(plane_endpoint, pixel_dtype=self.dtype) if plane_enabled else None
+        self._scored: tuple[str, list[str], dict] | None = None
         self.loader = None
 
     def setup(self, master_addr: str, master_port: int, max_steps: int) -> dict:
@@ -118,20 +122,28 @@ class GrpoWorker(RankActor):
         if prompts is None:
             prompts = [self.loader.next_batch() for _ in range(n_micro)]
         times = {"loader": time.perf_counter() - t0}
+        batch = join_prompts(prompts, self.pad_token_id)
+        prompt_rows = prompt_columns(batch, family=self.recipe.family, image_token_id=self.image_token_id)
+        part = partition_name(step, self.replica)
+        g = self.recipe.grpo.num_generations
+        if self.plane is not None:  # the prompt samples go (and the next stage's read of them) while it generates
+            self.plane.register(part, rollout_spec(self.recipe, len(prompt_rows) * (1 + g)), wait=False)
+            self.plane.put_many([Put(part, prompt_rows.sample_ids, prompt_rows.columns)], wait=False)
+            response_ids = response_sample_ids(prompt_rows.sample_ids, g)
+            self.plane.prefetch(self._gets(part, response_ids, Stage.PREV_LOGPROB)[1:])  # partition.py, 3
         t0 = time.perf_counter()
         self.generator.load_weights(self.policy.weights_for_refit())
         times["refit"] = time.perf_counter() - t0
-        batch = join_prompts(prompts, self.pad_token_id)
-        rollouts = self.generator.generate(batch, self.sampling, n=self.recipe.grpo.num_generations)
+        rollouts = self.generator.generate(batch, self.sampling, n=g)
         times["generation"] = rollouts.generate_s
         t0 = time.perf_counter()
         scored = self._score(rollouts)
-        rows = rollout_columns(rollouts, scored, family=self.recipe.family, image_token_id=self.image_token_id)
+        responses = response_columns(rollouts, scored, prompt_rows.sample_ids)
         times["reward"] = time.perf_counter() - t0
         report = {
             "prompts": list(batch.sample_ids),
             "templates": list(batch.templates) or [""] * len(batch),
-            "sample_ids": rows.responses.sample_ids,
+            "sample_ids": responses.sample_ids,
             "rewards": [s.reward for s in scored],
             "correct": [s.correct for s in scored],
             "well_formed": [s.well_formed for s in scored],
@@ -140,11 +152,9 @@ class GrpoWorker(RankActor):
             "times": times,
         }
         if self.plane is None:
-            return report | {"rows": rows, "plane": {}}
-        part = partition_name(step, self.replica)
-        self.plane.register(part, rollout_spec(self.recipe, len(rows.prompts) + len(rows.responses)))
-        self.plane.put(part, rows.prompts.sample_ids, rows.prompts.columns)
-        self.plane.put(part, rows.responses.sample_ids, rows.responses.columns)
+            return report | {"rows": RolloutRows(prompts=prompt_rows, responses=responses), "plane": {}}
+        self.plane.put_many([Put(part, responses.sample_ids, responses.columns)])
+        self.plane.prefetch(self._gets(part, responses.sample_ids, Stage.PREV_LOGPROB)[:1])
         return report | {"plane": self.plane.take()}
 
     def _score(self, rollouts) -> list:
@@ -175,23 +185,38 @@ class GrpoWorker(RankActor):
         report = {"times": {"logprob": t_logprob}}
         if self.plane is None:
             return report | {"columns": out, "plane": {}}
-        self.plane.put(partition_name(step, self.replica), sample_ids, out)
+        part = partition_name(step, self.replica)
+        self._scored = (part, list(sample_ids), out)  # written by write_scores, once the advantages are in
+        self.plane.prefetch(self._gets(part, sample_ids, Stage.TRAIN)[1:])  # its prompt samples (partition.py, 3)
         return report | {"plane": self.plane.take()}
 
+    def write_scores(self) -> dict:
+        """Stage 2, the plane paths: write what `score` computed (stages.py, 1), then prefetch the
+        train stage's response fields: every one is written now."""
+        part, sample_ids, out = self._scored
+        self._scored = None
+        self.plane.put(part, sample_ids, out)
+        self.plane.prefetch(self._gets(part, sample_ids, Stage.TRAIN)[:1])
+        return {"plane": self.plane.take()}
+
     def train(self, step: int, sample_ids: list[str], rows: RolloutRows | None = None) -> dict:
-        """Stage 3: `grpo.inner_steps` optimizer steps over the replica's samples; the partition is cleared."""
+        """Stage 3: `grpo.inner_steps` optimizer steps over the replica's samples; the partition is cleared
+        (while the steps run: the plane is empty when the stage returns)."""
         try:
             got = self._fetch(step, sample_ids, Stage.TRAIN, rows)
         finally:
             if self.plane is not None:
-                self.plane.clear(partition_name(step, self.replica))
-        plane = self.plane.take() if self.plane is not None else {}
+                self.plane.clear(partition_name(step, self.replica), wait=False)
         t0 = time.perf_counter()
         batches = pg_micro_batches(got, self.rows_per_micro, **self._layout())
         k = self.recipe.grpo.inner_steps
         per = len(batches) // k
         results = [self.policy.train_step(batches[j * per : (j + 1) * per], self.loss) for j in range(k)]
-        return {"results": [_plain(r) for r in results], "times": {"train": time.perf_counter() - t0}, "plane": plane}
+        times = {"train": time.perf_counter() - t0}
+        if self.plane is not None:
+            self.plane.flush()
+        plane = self.plane.take() if self.plane is not None else {}
+        return {"results": [_plain(r) for r in results], "times": times, "plane": plane}
 
     def _fetch(self, step: int, sample_ids: list[str], stage: Stage, rows: RolloutRows | None) -> SampleBatch:
         """The stage's fields of the responses `sample_ids`, each with its prompt's: from the plane, or
@@ -202,10 +227,13 @@ class GrpoWorker(RankActor):
             if rows.responses.sample_ids != list(sample_ids) or sent != {*prompt_fields, *response_fields}:
                 raise ValueError(f"the driver sent the {stage} stage other samples or fields than it reads")
             return join(rows.prompts, rows.responses)
-        part = partition_name(step, self.replica)
-        responses = self.plane.get(part, sample_ids, response_fields)
-        prompts = self.plane.get(part, prompt_of(sample_ids), prompt_fields)
+        responses, prompts = self.plane.get_many(self._gets(partition_name(step, self.replica), sample_ids, stage))
         return join(prompts, responses)
+
+    def _gets(self, part: str, sample_ids: list[str], stage: Stage) -> list[Get]:
+        """`stage`'s requests: its fields of the responses `sample_ids`, and of their prompt samples."""
+        prompt_fields, response_fields = split_fields(stage_fields(self.recipe, stage))
+        return [Get(part, sample_ids, response_fields), Get(part, prompt_of(sample_ids), prompt_fields)]
 
     def _model_batches(self, got: SampleBatch) -> list:
         return model_batches(got, self.rows_per_micro, **self._layout())
@@ -215,10 +243,10 @@ class GrpoWorker(RankActor):
 
     # ---- the controller's reach into a process-local plane ----------------------------------------
     def plane_get(self, partition: str, sample_ids: list[str], fields: list[str]) -> SampleBatch:
-        return self.plane.plane.get(partition, sample_ids, fields)
+        return self.plane.serve("get", partition, sample_ids, fields)
 
     def plane_put(self, partition: str, sample_ids: list[str], columns: dict) -> None:
-        self.plane.plane.put(partition, sample_ids, columns)
+        self.plane.serve("put", partition, sample_ids, columns)
 
     # ---- validation and checkpoints ---------------------------------------------------------------
     def validate(self, loss_batches: list, prompt_batches: list) -> list[float]:

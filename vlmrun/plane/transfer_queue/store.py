@@ -2,17 +2,22 @@
 
 1. Each process builds its own `TransferQueueClient` from the job's `TransferQueueEndpoint` (no
    TransferQueue globals, no `tq.init`, no Mooncake auto-init). Keys are our sample ids; a sample's
-   tags are TransferQueue's per-key custom metadata; a partition's spec is the tag of the one key of a
-   companion partition `<name>#spec`, so every process sees what the driver registered.
+   tags are TransferQueue's per-key custom metadata; a partition's spec is the tag of its key
+   `_vlmrun:spec` (sample ids may not start with `_vlmrun:`), so every process sees what the driver
+   registered and one clear forgets both.
 2. Each field crosses as one torch.nested jagged tensor of 1-D rows (wire/jagged.py). Rows of length 0
    stay home (Mooncake refuses empty values): their tags say what they are. Fields whose non-empty
    samples coincide travel in one put or get.
 3. What comes back is normalized by `rows_of` (jagged, strided or dense, per backend) and checked
    against the tags before the wire decodes it, so callers get the shapes and dtypes they put.
-4. Round trips to the controller are few: a get asks for its samples' metadata once
-   (`kv_retrieve_meta`: tags and fields) and reads with it; a put lists the partition once (tags of
-   its samples and their count). The metadata a `sample_tags` fetched is held for the `read` of the
-   same samples that follows it, and dropped by any write.
+4. Round trips are what a data plane over the network costs (each is milliseconds on a busy node), so
+   they are few and overlapped. Every batch of requests (rows.py) runs as one coroutine on the client's
+   event loop, its requests side by side. A get asks for its samples' metadata (tags, fields and
+   storage indexes) once and reads with it. A put lists the partition (tags, sample count, spec) and,
+   beside that, creates or fetches its samples' metadata; adding columns to samples this client read
+   or wrote before, it writes with their metadata from then (a sample's storage index never changes;
+   its tags come from the listing). A write sends the rows to storage and the tags to the controller
+   side by side (TransferQueue's own `put` sends them one after the other).
 5. TransferQueue sets torch's thread count around every put and get (to TQ_NUM_THREADS, then to the
    count it saw at import). The adapter pins TQ_NUM_THREADS to this process's count before the import
    and restores the caller's count after every call.
@@ -20,6 +25,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import collections
 import contextlib
 import os
 import uuid
@@ -28,32 +35,23 @@ from typing import Any
 import torch
 
 from vlmrun.plane.interface import DataPlaneError
-from vlmrun.plane.rows import RESERVED_TAG, RowPieces, RowPlane, Rows, RowStore
+from vlmrun.plane.rows import RESERVED_TAG, Lookup, Read, RowPieces, RowPlane, Rows, RowStore, Tagged, Write
 from vlmrun.plane.transfer_queue.endpoint import TransferQueueEndpoint
 from vlmrun.plane.wire.codec import empty_row, row_numel
 from vlmrun.plane.wire.jagged import rows_of, to_jagged
 
-_SPEC_SUFFIX = "#spec"
-_SPEC_KEY = "spec"
+_SPEC_KEY = RESERVED_TAG + ":spec"
 _ZMQ_IO_THREADS = 2
+_METAS_HELD = 16
 
 
 def import_transfer_queue() -> None:
-    """Import TransferQueue with its thread count pinned to this process's (module doc, 4)."""
+    """Import TransferQueue with its thread count pinned to this process's (module doc, 5)."""
     import psutil
 
     cores = psutil.cpu_count(logical=False) or 1
     os.environ.setdefault("TQ_NUM_THREADS", str(max(1, min(torch.get_num_threads(), cores))))
     import transfer_queue  # noqa: F401 - reads TQ_NUM_THREADS at import
-
-
-@contextlib.contextmanager
-def _caller_threads():
-    threads = torch.get_num_threads()
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
 
 
 class TransferQueueStore(RowStore):
@@ -66,7 +64,8 @@ class TransferQueueStore(RowStore):
         self.endpoint = endpoint
         client_id = f"vlmrun-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self._client = TransferQueueClient(client_id, endpoint.controller.server_info(), zmq_io_threads=_ZMQ_IO_THREADS)
-        self._held: tuple[str, tuple[str, ...], Any] | None = None  # (partition, ids, BatchMeta) (module doc, 4)
+        # (partition, ids) -> their BatchMeta from this client's last read or write of them (module doc, 4)
+        self._metas: collections.OrderedDict[tuple[str, tuple[str, ...]], Any] = collections.OrderedDict()
         manager, config = endpoint.storage_manager()
         if manager == "MooncakeStore" and not config["local_hostname"]:
             config["local_hostname"] = _ray_node_address()
@@ -77,97 +76,96 @@ class TransferQueueStore(RowStore):
             raise
 
     def create_partition(self, partition: str, spec: dict[str, Any]) -> None:
-        if self.partition_spec(partition) is not None:
-            raise DataPlaneError(f"partition {partition!r} is already registered (clear it first)")
-        meta = self._client.kv_retrieve_meta(keys=[_SPEC_KEY], partition_id=partition + _SPEC_SUFFIX, create=True)
-        meta.update_custom_meta([{_SPEC_KEY: dict(spec)}])
-        self._client.set_custom_meta(meta)
+        async def create() -> None:
+            meta = await self._client.async_kv_retrieve_meta(keys=[_SPEC_KEY], partition_id=partition, create=True)
+            if meta.custom_meta[0]:
+                raise DataPlaneError(f"partition {partition!r} is already registered (clear it first)")
+            meta.update_custom_meta([{"spec": dict(spec)}])
+            await self._client.async_set_custom_meta(meta)
 
-    def partition_spec(self, partition: str) -> dict[str, Any] | None:
-        listing = self._listing(partition + _SPEC_SUFFIX)
-        return listing.get(_SPEC_KEY, {}).get(_SPEC_KEY)
+        self._run(create())
+
+    def partition_specs(self, partitions: list[str]) -> list[dict[str, Any] | None]:
+        listings = self._run(_gather(self._client.async_kv_list(p) for p in partitions))
+        return [_spec_of(listing.get(p, {})) for p, listing in zip(partitions, listings, strict=True)]
 
     def partition_names(self) -> list[str]:
-        names = self._client.kv_list(None)
-        return [n.removesuffix(_SPEC_SUFFIX) for n, keys in names.items() if n.endswith(_SPEC_SUFFIX) and keys]
+        return [name for name, keys in self._run(self._client.async_kv_list(None)).items() if _spec_of(keys)]
 
     def sample_ids(self, partition: str) -> list[str]:
-        return [k for k, tag in self._listing(partition).items() if tag]
+        keys = self._run(self._client.async_kv_list(partition)).get(partition, {})
+        return [k for k, tag in keys.items() if tag and k != _SPEC_KEY]
 
-    def sample_tags(self, partition: str, ids: list[str]) -> list[dict[str, Any] | None]:
-        self._held = None
-        with _caller_threads():
-            meta = self._client.kv_retrieve_meta(keys=ids, partition_id=partition, create=False)
-        if meta.size == len(ids):  # in the order of `ids`
-            self._held = (partition, tuple(ids), meta)
-            return [dict(t) or None for t in meta.custom_meta]  # a key without our tag: a write that never finished
-        listing = self._listing(partition)  # some are missing: say which
-        return [listing.get(i) or None for i in ids]
+    def sample_tags(self, requests: list[tuple[str, list[str]]]) -> list[Tagged]:
+        async def one(partition: str, ids: list[str]) -> Tagged:
+            meta = await self._retrieve(partition, ids, create=False)
+            if meta.size == len(ids):  # in the order of `ids`; a key without our tag: a write that never finished
+                self._remember(partition, ids, meta)
+                return Tagged([dict(t) or None for t in meta.custom_meta], handle=meta)
+            keys = (await self._client.async_kv_list(partition)).get(partition, {})  # some are missing: say which
+            return Tagged([keys.get(i) or None for i in ids])
 
-    def tags_and_count(self, partition: str, ids: list[str]) -> tuple[list[dict[str, Any] | None], int]:
-        listing = self._listing(partition)
-        return [listing.get(i) or None for i in ids], sum(1 for tag in listing.values() if tag)
+        return self._run(_gather(one(p, ids) for p, ids in requests))
 
-    def write(
-        self, partition: str, ids: list[str], tags: list[dict[str, Any]], rows: RowPieces, *, create: bool
-    ) -> None:
-        self._held = None
-        with _caller_threads():
-            meta = self._client.kv_retrieve_meta(keys=ids, partition_id=partition, create=create)
-            if meta.size != len(ids):
-                raise DataPlaneError(f"{partition}: TransferQueue knows {meta.size} of {len(ids)} samples {ids[:5]}")
-            meta.clear_custom_meta()
-            meta.update_custom_meta(tags)
-            self._client.set_custom_meta(meta)
-            for fields, idx in _by_nonempty_samples(rows).items():
-                data = _tensordict({f: to_jagged([rows[f][i] for i in idx]) for f in fields}, len(idx))
-                self._client.put(data, meta if len(idx) == len(ids) else meta.select_samples(idx))
+    def lookup(self, requests: list[tuple[str, list[str]]]) -> list[Lookup]:
+        partitions = list(dict.fromkeys(p for p, _ in requests))
+        held = [self._metas.get((p, tuple(ids))) for p, ids in requests]
 
-    def read(self, partition: str, ids: list[str], fields: list[str], tags: list[dict[str, Any]]) -> Rows:
-        wire = [{f: t[RESERVED_TAG]["fields"][f] for f in fields} for t in tags]
-        out: Rows = {f: [empty_row(w[f]) for w in wire] for f in fields}
-        groups: dict[tuple[int, ...], list[str]] = {}  # samples with non-empty rows -> their fields
-        for f in fields:
-            idx = tuple(i for i, w in enumerate(wire) if row_numel(w[f]) > 0)
-            if idx:
-                groups.setdefault(idx, []).append(f)
-        held, self._held = self._held, None
-        whole = held[2] if held is not None and held[:2] == (partition, tuple(ids)) else None
-        with _caller_threads():
-            for idx, group in groups.items():
-                sub = [ids[i] for i in idx]
-                if whole is not None and len(idx) == len(ids) and set(group) <= set(whole.field_names):
-                    meta = whole  # a field some samples lack is not in the whole batch's metadata: ask for theirs
-                else:
-                    meta = self._client.kv_retrieve_meta(keys=sub, partition_id=partition, create=False)
-                lost = [f for f in group if f not in meta.field_names]
-                if meta.size != len(sub) or lost:
-                    raise DataPlaneError(f"{partition}: TransferQueue lost field(s) {lost or group} of {sub[:5]}")
-                data = self._client.get_data(meta.select_fields(group))
-                for f in group:
-                    for i, row in zip(idx, rows_of(data[f], len(idx), f), strict=True):
-                        out[f][i] = row
+        async def both():
+            # Beside the listing, the metadata of samples this client has none of: created if new. If the
+            # put is then refused, a created key stays without tags (invisible, as a write that never finished).
+            return await asyncio.gather(
+                _gather(self._client.async_kv_list(p) for p in partitions),
+                _gather(
+                    self._retrieve(p, ids, create=True) for (p, ids), h in zip(requests, held, strict=True) if h is None
+                ),
+            )
+
+        listings, created = self._run(both())
+        keys_of = {p: listing.get(p, {}) for p, listing in zip(partitions, listings, strict=True)}
+        self._forget_unregistered([p for p in partitions if _spec_of(keys_of[p]) is None])
+        created = iter(created)
+        out = []
+        for (partition, ids), handle in zip(requests, held, strict=True):
+            keys = keys_of[partition]
+            count = sum(1 for k, tag in keys.items() if tag and k != _SPEC_KEY)
+            tags = [keys.get(i) or None for i in ids]
+            if handle is None:
+                handle = next(created)
+            elif not all(tags):  # held from before, but the samples are gone (the partition was cleared)
+                handle = None
+            out.append(Lookup(tags, handle, count=count, spec=_spec_of(keys)))
         return out
 
-    def drop(self, partition: str) -> None:
-        self._held = None
-        with _caller_threads():
-            samples = self._listing(partition)
-            if samples:
-                held = [
-                    t for tag in samples.values() for t in (tag or {}).get(RESERVED_TAG, {}).get("fields", {}).values()
-                ]
-                self._clear(partition, stored=any(row_numel(t) > 0 for t in held))
-            if self._listing(partition + _SPEC_SUFFIX):
-                self._clear(partition + _SPEC_SUFFIX, stored=False)
+    def _forget_unregistered(self, partitions: list[str]) -> None:
+        """A put into a partition nobody registered (cleared by another client) is refused; what its lookup
+        created is forgotten again."""
+        for partition in partitions:
+            self._run(self._client._clear_partition_in_controller(partition))
 
-    def _clear(self, name: str, *, stored: bool) -> None:
-        if stored:
-            self._client.clear_partition(name)
-        else:
-            # TransferQueue 0.1.11's KV storage managers (Mooncake) refuse to clear a partition that holds
-            # no field, though storage holds nothing of it: forget it in the controller alone.
-            self._client._run_coroutine(self._client._clear_partition_in_controller(name))
+    def write(self, writes: list[Write]) -> None:
+        self._run(_gather(self._write(w) for w in writes))
+
+    def read(self, reads: list[Read]) -> list[Rows]:
+        return self._run(_gather(self._read(r) for r in reads))
+
+    def drop(self, partition: str) -> None:
+        for key in [k for k in self._metas if k[0] == partition]:
+            del self._metas[key]
+
+        async def drop() -> None:
+            keys = (await self._client.async_kv_list(partition)).get(partition, {})
+            if not keys:
+                return
+            held = [t for tag in keys.values() for t in (tag or {}).get(RESERVED_TAG, {}).get("fields", {}).values()]
+            if any(row_numel(t) > 0 for t in held):
+                await self._client.async_clear_partition(partition)
+            else:
+                # TransferQueue 0.1.11's KV storage managers (Mooncake) refuse to clear a partition that
+                # holds no field, though storage holds nothing of it: forget it in the controller alone.
+                await self._client._clear_partition_in_controller(partition)
+
+        self._run(drop())
 
     def close(self) -> None:
         """End this client's connections. Mooncake: unmounts the memory this client lent the store (call
@@ -183,8 +181,68 @@ class TransferQueueStore(RowStore):
                 mooncake.close()
         self._client.close()
 
-    def _listing(self, partition: str) -> dict[str, dict[str, Any]]:
-        return self._client.kv_list(partition).get(partition, {})
+    # ---- one request, as a coroutine on the client's loop ----------------------------------------
+    async def _write(self, w: Write) -> None:
+        meta = w.handle if w.handle is not None else await self._retrieve(w.partition, w.ids, create=w.create)
+        if meta.size != len(w.ids):
+            raise DataPlaneError(f"{w.partition}: TransferQueue knows {meta.size} of {len(w.ids)} samples {w.ids[:5]}")
+        self._remember(w.partition, w.ids, meta)
+        meta.clear_custom_meta()
+        meta.update_custom_meta(w.tags)
+        puts = []
+        for fields, idx in _by_nonempty_samples(w.rows).items():
+            data = _tensordict({f: to_jagged([w.rows[f][i] for i in idx]) for f in fields}, len(idx))
+            # the storage put and its notice to the controller; the tags go beside it (module doc, 4)
+            puts.append(
+                self._client.storage_manager.put_data(
+                    data, meta if len(idx) == len(w.ids) else meta.select_samples(idx)
+                )
+            )
+        await asyncio.gather(self._client.async_set_custom_meta(meta), *puts)
+
+    async def _read(self, r: Read) -> Rows:
+        wire = [{f: t[RESERVED_TAG]["fields"][f] for f in r.fields} for t in r.tags]
+        out: Rows = {f: [empty_row(w[f]) for w in wire] for f in r.fields}
+        groups: dict[tuple[int, ...], list[str]] = {}  # samples with non-empty rows -> their fields
+        for f in r.fields:
+            idx = tuple(i for i, w in enumerate(wire) if row_numel(w[f]) > 0)
+            if idx:
+                groups.setdefault(idx, []).append(f)
+
+        async def group(idx: tuple[int, ...], fields: list[str]) -> None:
+            sub = [r.ids[i] for i in idx]
+            whole = r.handle
+            if whole is not None and len(idx) == len(r.ids) and set(fields) <= set(whole.field_names):
+                meta = whole  # a field some samples lack is not in the whole batch's metadata: ask for theirs
+            else:
+                meta = await self._retrieve(r.partition, sub, create=False)
+            lost = [f for f in fields if f not in meta.field_names]
+            if meta.size != len(sub) or lost:
+                raise DataPlaneError(f"{r.partition}: TransferQueue lost field(s) {lost or fields} of {sub[:5]}")
+            data = await self._client.async_get_data(meta.select_fields(fields))
+            for f in fields:
+                for i, row in zip(idx, rows_of(data[f], len(idx), f), strict=True):
+                    out[f][i] = row
+
+        await _gather(group(idx, fields) for idx, fields in groups.items())
+        return out
+
+    def _remember(self, partition: str, ids: list[str], meta) -> None:
+        self._metas[(partition, tuple(ids))] = meta
+        self._metas.move_to_end((partition, tuple(ids)))
+        while len(self._metas) > _METAS_HELD:
+            self._metas.popitem(last=False)
+
+    async def _retrieve(self, partition: str, ids: list[str], *, create: bool):
+        return await self._client.async_kv_retrieve_meta(keys=ids, partition_id=partition, create=create)
+
+    def _run(self, coroutine):
+        """Run `coroutine` on the client's event loop; torch's thread count is the caller's again after."""
+        threads = torch.get_num_threads()
+        try:
+            return self._client._run_coroutine(coroutine)
+        finally:
+            torch.set_num_threads(threads)
 
 
 class TransferQueuePlane(RowPlane):
@@ -207,6 +265,15 @@ def _ray_node_address() -> str:
         return ""
     node_id = ray.get_runtime_context().get_node_id()
     return next((n["NodeManagerAddress"] for n in ray.nodes() if n["NodeID"] == node_id), "")
+
+
+async def _gather(coroutines) -> list:
+    return list(await asyncio.gather(*coroutines))
+
+
+def _spec_of(keys: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
+    """The spec in a partition's listing (module doc, 1); None: not registered."""
+    return (keys.get(_SPEC_KEY) or {}).get("spec")
 
 
 def _by_nonempty_samples(rows: RowPieces) -> dict[tuple[str, ...], list[int]]:
