@@ -254,6 +254,9 @@ def test_stage_plane_runs_queued_calls_in_order_and_raises_their_errors_at_the_n
     plane.clear("p", wait=False)  # drops the prefetch nobody took
     plane.flush()
     assert plane.plane.partitions() == [] and plane.take()["bytes"] == 2 * 4  # the put and the get that went through
+    with pytest.raises(DataPlaneError, match="no partition"):
+        plane.serve("get", "p", ["a"], ["rewards"])  # for another process: its error is that caller's alone
+    plane.flush()
     plane.close()
 
 

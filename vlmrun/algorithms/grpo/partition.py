@@ -76,10 +76,10 @@ class StagePlane:
     """A data-plane client of one process that counts what it moves, and overlaps its round trips with
     the caller's compute (module doc, 3). Calls run in order, on the plane's own thread (or, while it
     is idle, on the caller's): `register`, `put_many`, `get_many` and `clear` wait for theirs (and so
-    for all queued before it);
-    with `wait=False` they queue theirs and return; `prefetch` queues a get whose result the next
-    `get_many` of the same request takes; `flush` waits for everything queued. An error of a queued
-    call is raised by the next wait. Seconds are the caller's waits: what the plane adds to a stage.
+    for all queued before it); with `wait=False` they queue theirs and return; `prefetch` queues a
+    get whose result the next `get_many` of the same request takes; `flush` waits for everything
+    queued. An error of a queued call is raised by the next wait. Seconds are the caller's waits:
+    what the plane adds to a stage.
     """
 
     def __init__(self, plane: DataPlane, pixel_dtype: torch.dtype | None):
@@ -145,8 +145,9 @@ class StagePlane:
 
     def serve(self, method: str, *args) -> Any:
         """`plane.<method>(*args)` on the plane thread, in order, uncounted: for a caller in another
-        process that counts its own time (the controller's reach into a process-local plane)."""
-        return self._submit(getattr(self.plane, method), *args).result()
+        process that counts its own time (the controller's reach into a process-local plane). Its error
+        goes to that caller alone."""
+        return self._thread.submit(getattr(self.plane, method), *args).result()
 
     def take(self) -> dict[str, float]:
         """{"seconds", "bytes"} moved since the last take."""
@@ -159,7 +160,7 @@ class StagePlane:
             self.flush()
         finally:
             self._prefetched.clear()
-            self._submit(self.plane.close).result()
+            self._thread.submit(self.plane.close).result()
             self._thread.shutdown()
 
     def _call(self, fn, *args, wait: bool, nbytes: int = 0) -> None:
