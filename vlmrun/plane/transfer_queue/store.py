@@ -2,7 +2,9 @@
 
 1. Each process builds its own `TransferQueueClient` from the job's `TransferQueueEndpoint` (no
    TransferQueue globals, no `tq.init`, no Mooncake auto-init). Keys are our sample ids; a sample's
-   tags are TransferQueue's per-key custom metadata; a partition's spec is the tag of its key
+   tags are TransferQueue's per-key custom metadata (our part of them as one JSON string: a nested
+   dict costs TransferQueue's msgpack ~40x more per sample, on every listing, both ways); a
+   partition's spec is the tag of its key
    `_vlmrun:spec` (sample ids may not start with `_vlmrun:`), so every process sees what the driver
    registered and one clear forgets both.
 2. Each field crosses as one torch.nested jagged tensor of 1-D rows (wire/jagged.py). Rows of length 0
@@ -28,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import json
 import os
 import uuid
 from typing import Any
@@ -101,9 +104,9 @@ class TransferQueueStore(RowStore):
             meta = await self._retrieve(partition, ids, create=False)
             if meta.size == len(ids):  # in the order of `ids`; a key without our tag: a write that never finished
                 self._remember(partition, ids, meta)
-                return Tagged([dict(t) or None for t in meta.custom_meta], handle=meta)
+                return Tagged([_unpacked(t) for t in meta.custom_meta], handle=meta)
             keys = (await self._client.async_kv_list(partition)).get(partition, {})  # some are missing: say which
-            return Tagged([keys.get(i) or None for i in ids])
+            return Tagged([_unpacked(keys.get(i)) for i in ids])
 
         return self._run(_gather(one(p, ids) for p, ids in requests))
 
@@ -129,7 +132,7 @@ class TransferQueueStore(RowStore):
         for (partition, ids), handle in zip(requests, held, strict=True):
             keys = keys_of[partition]
             count = sum(1 for k, tag in keys.items() if tag and k != _SPEC_KEY)
-            tags = [keys.get(i) or None for i in ids]
+            tags = [_unpacked(keys.get(i)) for i in ids]
             if handle is None:
                 handle = next(created)
             elif not all(tags):  # held from before, but the samples are gone (the partition was cleared)
@@ -157,7 +160,8 @@ class TransferQueueStore(RowStore):
             keys = (await self._client.async_kv_list(partition)).get(partition, {})
             if not keys:
                 return
-            held = [t for tag in keys.values() for t in (tag or {}).get(RESERVED_TAG, {}).get("fields", {}).values()]
+            tags = [_unpacked(tag) for k, tag in keys.items() if k != _SPEC_KEY]
+            held = [t for tag in tags if tag for t in tag[RESERVED_TAG]["fields"].values()]
             if any(row_numel(t) > 0 for t in held):
                 await self._client.async_clear_partition(partition)
             else:
@@ -188,7 +192,7 @@ class TransferQueueStore(RowStore):
             raise DataPlaneError(f"{w.partition}: TransferQueue knows {meta.size} of {len(w.ids)} samples {w.ids[:5]}")
         self._remember(w.partition, w.ids, meta)
         meta.clear_custom_meta()
-        meta.update_custom_meta(w.tags)
+        meta.update_custom_meta([_packed(t) for t in w.tags])
         puts = []
         for fields, idx in _by_nonempty_samples(w.rows).items():
             data = _tensordict({f: to_jagged([w.rows[f][i] for i in idx]) for f in fields}, len(idx))
@@ -269,6 +273,19 @@ def _ray_node_address() -> str:
 
 async def _gather(coroutines) -> list:
     return list(await asyncio.gather(*coroutines))
+
+
+def _packed(tag: dict[str, Any]) -> dict[str, Any]:
+    """A tag as TransferQueue keeps it: our part as one JSON string (module doc, 1)."""
+    return {**tag, RESERVED_TAG: json.dumps(tag[RESERVED_TAG], separators=(",", ":"))}
+
+
+def _unpacked(tag: dict[str, Any] | None) -> dict[str, Any] | None:
+    """A tag as TransferQueue returns it (`_packed`); None for a key without one."""
+    if not tag:
+        return None
+    ours = tag.get(RESERVED_TAG)
+    return {**tag, RESERVED_TAG: json.loads(ours)} if isinstance(ours, str) else dict(tag)
 
 
 def _spec_of(keys: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
