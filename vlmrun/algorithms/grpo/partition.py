@@ -110,9 +110,6 @@ class StagePlane:
         nbytes = sum(value_bytes(r.columns, self.pixel_dtype) for r in requests)
         self._call(self.plane.put_many, list(requests), wait=wait, nbytes=nbytes)
 
-    def get(self, partition: str, sample_ids: Sequence[str], fields: Sequence[str]) -> SampleBatch:
-        return self.get_many([Get(partition, list(sample_ids), list(fields))])[0]
-
     def get_many(self, requests: Sequence[Get]) -> list[SampleBatch]:
         """What each request gets, in order; a prefetched request's result is taken, not fetched again."""
         ready = {i: self._prefetched.pop(_key(r)) for i, r in enumerate(requests) if _key(r) in self._prefetched}
