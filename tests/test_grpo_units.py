@@ -18,6 +18,7 @@ from vlmrun.algorithms.grpo.micro_batches import (
     response_values,
 )
 from vlmrun.algorithms.grpo.partition import (
+    StageGets,
     StagePlane,
     partition_name,
     rollout_spec,
@@ -235,6 +236,32 @@ def test_the_partition_round_trip_is_exact_and_each_stage_reads_its_fields():
     assert "ref_logprobs" not in stage_fields(recipe, Stage.TRAIN)  # no KL: nobody writes it
     assert stage_fields(recipe, Stage.ADVANTAGE) == ("rewards",)
     assert value_bytes({"rewards": written.responses["rewards"]}) == 16
+
+
+def test_a_stage_reads_the_rollout_apart_from_what_was_written_since():
+    recipe = load_recipe(GRPO)
+    ids = ["grpo-s3-r1-p0#0", "grpo-s3-r1-p0#1"]
+    train = StageGets.of(recipe, "part", ids, Stage.TRAIN)
+    assert train.rollout.fields == ["response_ids", "response_mask", "generation_logprobs"]
+    assert train.later.fields == ["prev_logprobs", "advantages"]  # no KL: no ref_logprobs
+    assert train.prompts.sample_ids == prompt_of(ids) and "pixel_values" in train.prompts.fields
+    assert sorted(f for g in train.all() for f in g.fields) == sorted(stage_fields(recipe, Stage.TRAIN))
+    score = StageGets.of(recipe, "part", ids, Stage.PREV_LOGPROB)
+    assert score.later is None and len(score.all()) == 2
+    kl = StageGets.of(
+        recipe.model_copy(update={"grpo": recipe.grpo.model_copy(update={"kl_coef": 0.1})}), "p", ids, Stage.TRAIN
+    )
+    assert kl.later.fields == ["prev_logprobs", "ref_logprobs", "advantages"]
+    one = [torch.ones(2)] * 2
+    got = StageGets.joined(
+        [
+            SampleBatch(ids, {"response_ids": one}),
+            SampleBatch(ids, {"advantages": [torch.tensor(1.0)] * 2}),
+            SampleBatch(prompt_of(ids)[:1], {"prompt_ids": [torch.zeros(3)]}),
+        ]
+    )
+    assert got.sample_ids == ids and sorted(got.columns) == ["advantages", "prompt_ids", "response_ids"]
+    assert len(got["prompt_ids"]) == 2  # each response with its prompt's
 
 
 def test_stage_plane_runs_queued_calls_in_order_and_raises_their_errors_at_the_next_wait():

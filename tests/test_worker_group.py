@@ -9,7 +9,7 @@ import pytest
 
 from vlmrun.config.parallel import ParallelConfig
 from vlmrun.distributed.topology import plan_placement
-from vlmrun.distributed.worker_group import Placement, RankActor, WorkerGroup
+from vlmrun.distributed.worker_group import Placement, RankActor, WorkerGroup, side_call
 
 pytestmark = pytest.mark.slow
 
@@ -36,6 +36,25 @@ class EchoRank(RankActor):
         while not Path(flag).exists():
             time.sleep(0.01)
         raise RuntimeError("Read error: Connection reset by peer")
+
+
+class WaitingRank(RankActor):
+    """A stage call that waits for word from the controller, and the side call that brings it."""
+
+    def __init__(self, *, rank: int):
+        import threading
+
+        self.rank, self.word = rank, threading.Event()
+
+    def stage(self) -> bool:
+        return self.word.wait(timeout=20)
+
+    @side_call
+    def tell(self) -> None:
+        self.word.set()
+
+    def shutdown(self) -> None:
+        pass
 
 
 @pytest.fixture(scope="module")
@@ -97,11 +116,42 @@ def test_a_dead_rank_is_the_error_raised_not_the_errors_of_its_peers(ray_local, 
         remove_placement_group(group.pg)
 
 
+def test_a_side_call_reaches_a_rank_busy_with_a_stage_call(ray_local):
+    import ray
+
+    plan = plan_placement(ParallelConfig(dp=2))
+    group = WorkerGroup(WaitingRank, plan, Placement(nodes=1), init=lambda rank: {"rank": rank})
+    try:
+        busy = group.submit_all_ranks("stage")
+        assert ray.wait(busy, num_returns=2, timeout=1.0)[0] == []  # both wait for word
+        group.all_ranks("tell")  # a call in the default group would queue behind the stage: a deadlock
+        assert ray.get(busy, timeout=10) == [True, True]
+    finally:
+        group.shutdown()
+
+
 def test_placement_strategy_follows_nodes_and_ranks():
     assert Placement(nodes=1).strategy(4) == "PACK"
     assert Placement(nodes=2).strategy(2) == "STRICT_SPREAD"
     assert Placement(nodes=2).strategy(4) == "SPREAD"
     assert Placement(nodes=1, gpus_per_rank=1).bundle() == {"CPU": 1, "GPU": 1}
+
+
+def test_a_step_gate_lets_a_waiter_through_once_its_step_is_opened():
+    import threading
+
+    from vlmrun.distributed.worker_group import StepGate
+
+    gate = StepGate(timeout_s=0.2)
+    with pytest.raises(TimeoutError, match="step 1: no word"):
+        gate.wait(1)
+    gate = StepGate(timeout_s=10)
+    threading.Timer(0.05, gate.open, (1, True)).start()
+    gate.wait(1)  # returns once opened
+    gate.wait(1)  # and stays open for step 1
+    gate.open(2, False)
+    with pytest.raises(RuntimeError, match="step 2: the controller's part of it failed"):
+        gate.wait(2)
 
 
 def test_freeze_heap_leaves_what_lives_now_out_of_later_collections():

@@ -12,12 +12,16 @@
    that the surviving ranks see a moment later (a gloo "Connection reset by peer" names no culprit).
 3. Ranks meet in torch.distributed through `rendezvous()`: rank 0's node address and a free port
    there. Actor classes inherit `RankActor` for that.
+4. An actor runs its calls one after the other, except the methods marked `side_call`: those run on
+   one side thread, beside the call the actor is busy with (a signal to a rank that waits inside its
+   stage, a read of its process-local plane while it computes).
 
 Ray is imported where it is used, so the placement logic stays importable on a login node.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -47,6 +51,55 @@ def gather(refs: Sequence, *, grace_s: float = 10.0) -> list:
             except ray.exceptions.RayError:
                 continue
         raise first from None
+
+
+#: The Ray concurrency group of an actor's `side_call` methods: one thread beside the default group's.
+SIDE_GROUP = "side"
+
+
+def side_call(method: Callable) -> Callable:
+    """Mark an actor method to run on the actor's side thread, beside the call its main thread is running
+    rather than after it (module doc, 4). It must be safe against that call: short, and touching only
+    state made for both threads."""
+    method._vlmrun_side_call = True  # type: ignore[attr-defined]
+    return method
+
+
+def remote_class(actor_cls: type):
+    """`ray.remote(actor_cls)`, with a side thread when it has `side_call` methods."""
+    import ray
+
+    members = [getattr(actor_cls, name) for name in dir(actor_cls)]
+    side = [fn for fn in members if getattr(fn, "_vlmrun_side_call", False)]
+    if not side:
+        return ray.remote(actor_cls)
+    for fn in side:
+        ray.method(concurrency_group=SIDE_GROUP)(fn)
+    return ray.remote(concurrency_groups={SIDE_GROUP: 1})(actor_cls)
+
+
+class StepGate:
+    """The step a controller has let through (`open`, from a side call), for a stage call that waits
+    for it (`wait`). Steps only grow; a step opened as failed raises in its waiters, and a wait gives
+    up with TimeoutError after `timeout_s`."""
+
+    def __init__(self, timeout_s: float = 600.0):
+        self.timeout_s = timeout_s
+        self._cond = threading.Condition()
+        self._step: int | None = None
+        self._ok = True
+
+    def open(self, step: int, ok: bool) -> None:
+        with self._cond:
+            self._step, self._ok = step, ok
+            self._cond.notify_all()
+
+    def wait(self, step: int) -> None:
+        with self._cond:
+            if not self._cond.wait_for(lambda: self._step is not None and self._step >= step, self.timeout_s):
+                raise TimeoutError(f"step {step}: no word from the controller in {self.timeout_s:.0f} s")
+            if self._step == step and not self._ok:
+                raise RuntimeError(f"step {step}: the controller's part of it failed (the controller says why)")
 
 
 def freeze_heap() -> None:
@@ -125,7 +178,7 @@ class WorkerGroup:
         world = plan.layout.world_size
         self.pg = placement_group([placement.bundle() for _ in range(world)], strategy=placement.strategy(world))
         ray.get(self.pg.ready(), timeout=ready_timeout_s)
-        remote = ray.remote(actor_cls)
+        remote = remote_class(actor_cls)
         self.workers = [
             remote.options(
                 num_cpus=1,

@@ -9,13 +9,14 @@ plane clients that count what they move.
    field registry decides what each reads (`Stage`); without a KL penalty nobody writes
    `ref_logprobs`, so the train stage leaves it out of its list. A stage reads its prompt-aligned
    fields and media from the prompt samples and the rest from the response samples
-   (rollout_rows.py), both in one `get_many`.
+   (rollout_rows.py), in one `get_many` (`StageGets`).
 3. `StagePlane` wraps a client and counts the seconds spent in it and the bytes of the values that
    cross it (pixel values at the plane's pixel dtype); `take()` returns and resets the counts. Its
    calls run on a thread of their own, so a stage can leave round trips to run under its compute:
    the owner writes the prompt samples while it generates, a rank prefetches the train stage's prompt
-   fields (written once, never changed) while the controller computes advantages, and clears the
-   partition while it trains. The seconds counted are the stage's waits for the plane.
+   fields (written once, never changed) while it computes its logprobs, leaves the logprobs' write and
+   the train stage's read of the response fields queued when it returns from that stage, and clears
+   the partition while it trains. The seconds counted are the stage's waits for the plane.
 4. `ReplicaPlanes` is how the controller reaches replica r's partition: its own client of a shared
    plane (transfer_queue), or, for `local`, the owner rank's plane through a call to that rank.
 """
@@ -25,10 +26,12 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from vlmrun.algorithms.grpo.rollout_rows import join, prompt_of
 from vlmrun.distributed.worker_group import gather
 from vlmrun.plane.fields import FIELDS, Alignment, Stage
 from vlmrun.plane.interface import DataPlane, Get, PartitionSpec, Put, SampleBatch
@@ -59,6 +62,41 @@ def split_fields(fields: Sequence[str]) -> tuple[list[str], list[str]]:
     return [f for f in fields if FIELDS[f].alignment in per_prompt], [
         f for f in fields if FIELDS[f].alignment not in per_prompt
     ]
+
+
+@dataclass(frozen=True)
+class StageGets:
+    """A stage's requests for one replica's samples (module doc, 2), by when their fields are written:
+    the response fields the rollout wrote, those written since (the logprob and advantage stages' own;
+    None for the logprob stages, which read none), and the prompt samples' fields. A rank prefetches
+    each part as soon as its fields are in the partition (module doc, 3)."""
+
+    rollout: Get
+    later: Get | None
+    prompts: Get
+
+    @classmethod
+    def of(cls, recipe, partition: str, response_ids: Sequence[str], stage: Stage) -> StageGets:
+        prompt_fields, response_fields = split_fields(stage_fields(recipe, stage))
+        rollout = [f for f in response_fields if Stage.GENERATION in FIELDS[f].writers]
+        later = [f for f in response_fields if f not in rollout]
+        return cls(
+            rollout=Get(partition, list(response_ids), rollout),
+            later=Get(partition, list(response_ids), later) if later else None,
+            prompts=Get(partition, prompt_of(response_ids), prompt_fields),
+        )
+
+    def all(self) -> list[Get]:
+        return [g for g in (self.rollout, self.later, self.prompts) if g is not None]
+
+    @staticmethod
+    def joined(got: list[SampleBatch]) -> SampleBatch:
+        """What `get_many(all())` returned, as one batch: every response with its prompt's fields."""
+        *responses, prompts = got
+        merged = SampleBatch(sample_ids=list(responses[0].sample_ids), columns={})
+        for batch in responses:
+            merged.columns.update(batch.columns)
+        return join(prompts, merged)
 
 
 def value_bytes(values: Mapping[str, Sequence[Any]], pixel_dtype: torch.dtype | None = None) -> int:

@@ -6,12 +6,13 @@ Two ways to move the step's samples, with the same stages on the same ranks and 
    shard and writes its rollout once into its partition; the ranks fetch the fields of their
    stage from the plane; the controller reads the rewards and writes the advantages there (through
    its own client, or the owner rank for a process-local plane). Only sample ids and small
-   per-response reports (rewards, lengths, timings) come back to the controller. The advantage
-   stage needs nothing the logprob stage writes, so it runs while the ranks compute their logprobs:
-   it reads the rewards, computes and writes the advantages; then the ranks write their logprobs
-   (both write the response samples, and a sample's writes must not overlap: interface.py, 5). So
-   when the logprob stage ends, every field the train stage reads is written, and the ranks fetch
-   them before the controller asks them to train.
+   per-response reports (rewards, lengths, timings) come back to the controller. The advantage stage
+   needs nothing the logprob stage writes, so it runs while the ranks compute their logprobs: it reads
+   the rewards, computes and writes the advantages, and tells the ranks (`advantages_written`, which
+   runs beside their stage). Both write the response samples, and a sample's writes must not overlap
+   (interface.py, 5): a rank that has its logprobs waits for that word, then leaves their write and
+   the train stage's read of its fields queued on its plane client, and returns. The train stage
+   then waits for what of them has not arrived.
 2. `DriverStages` (`data_plane.enabled: false`, for A/B runs): the controller holds the loader
    shards, and every stage's fields travel through it: the rollout comes back to the controller,
    which sends each stage exactly the fields the field registry gives that stage.
@@ -62,14 +63,18 @@ class PlaneStages:
         parts = [partition_name(step, shard) for shard in range(len(ids))]
         t0 = time.perf_counter()
         scoring = self.group.submit_by_dp("score", [{"step": step, "sample_ids": i} for i in ids])
-        advantages = self._advantages(parts, ids)  # beside the ranks' logprobs (module doc, 1)
+        written = False
+        try:
+            advantages = self._advantages(parts, ids)  # beside the ranks' logprobs (module doc, 1)
+            written = True
+        finally:  # the ranks wait for this word either way
+            told = self.group.submit_by_dp("advantages_written", [{"step": step, "ok": written}] * len(ids))
         beside_s, plane = time.perf_counter() - t0, self.planes.take()
         scores = gather(scoring)
+        gather(told)
         # the controller's plane time the step waited for: what of it outlasted the slowest rank's compute
         slowest = max(r["times"]["logprob"] + r["plane"]["seconds"] for r in scores)
         waited = min(plane["seconds"], max(0.0, beside_s - slowest))
-        for score, written in zip(scores, self.group.by_dp("write_scores", [{}] * len(ids)), strict=True):
-            score["plane"] = {k: score["plane"][k] + written["plane"][k] for k in ("seconds", "bytes")}
         walls["logprob"] = time.perf_counter() - t0
         walls["advantage"] = beside_s
         t0 = time.perf_counter()

@@ -8,14 +8,16 @@ Stages, each one call from the controller (stages.py):
    G responses each, score them, and write the rollout once to the replica's partition (or return
    it, on the driver path).
 2. `score`: fetch the logprob stage's fields of the replica's samples, run the policy (and the
-   reference) forward per micro-batch; on the plane paths `write_scores` writes prev (and ref)
-   logprobs back once the controller has written the advantages (stages.py, 1).
+   reference) forward per micro-batch; on the plane paths it then waits until the controller says
+   the step's advantages are in the partition (`advantages_written`, a side call: stages.py, 1), and
+   leaves the write of prev (and ref) logprobs, and the train stage's read, queued on its plane.
 3. `train`: fetch the train fields, take `grpo.inner_steps` optimizer steps with the clipped PG loss,
    clear the partition.
 
 Every stage builds its micro-batches with the same function from the same samples in the same order
 (micro_batches.py), whichever way the samples came, so the plane paths and the driver path give the
-same numbers. `plane_get` / `plane_put` let the controller reach a process-local (`local`) plane.
+same numbers. `plane_get` / `plane_put` let the controller reach a process-local (`local`) plane; they
+and `advantages_written` run beside the stage in progress (worker_group.side_call).
 """
 
 from __future__ import annotations
@@ -28,23 +30,29 @@ from vlmrun.algorithms.common.checkpoint import Checkpoint, PendingCheckpoint
 from vlmrun.algorithms.common.policy_parts import load_policy, save_policy
 from vlmrun.algorithms.grpo.loss import ClippedPgLoss
 from vlmrun.algorithms.grpo.micro_batches import model_batches, pg_micro_batches, response_values
-from vlmrun.algorithms.grpo.partition import StagePlane, partition_name, rollout_spec, split_fields, stage_fields
+from vlmrun.algorithms.grpo.partition import (
+    StageGets,
+    StagePlane,
+    partition_name,
+    rollout_spec,
+    split_fields,
+    stage_fields,
+)
 from vlmrun.algorithms.grpo.rewards import score_responses
 from vlmrun.algorithms.grpo.rollout_rows import (
     RolloutRows,
     ended_with,
     join,
     prompt_columns,
-    prompt_of,
     response_columns,
     response_lengths,
     response_sample_ids,
 )
-from vlmrun.distributed.worker_group import RankActor
+from vlmrun.distributed.worker_group import RankActor, StepGate, side_call
 from vlmrun.generation.interface import SamplingParams
 from vlmrun.generation.prompts import join_prompts
 from vlmrun.plane.fields import Stage
-from vlmrun.plane.interface import Get, Put, SampleBatch
+from vlmrun.plane.interface import Put, SampleBatch
 from vlmrun.policy import rng
 from vlmrun.policy.interface import PolicyBackend, StepResult
 
@@ -89,7 +97,7 @@ class GrpoWorker(RankActor):
         self.loss = ClippedPgLoss(r.grpo)
         self.rows_per_micro = r.train.micro_batch_size * r.grpo.num_generations
         self.plane = StagePlane.open(plane_endpoint, pixel_dtype=self.dtype) if plane_enabled else None
-        self._scored: tuple[str, list[str], dict] | None = None
+        self._advantages = StepGate()
         self.loader = None
 
     def setup(self, master_addr: str, master_port: int, max_steps: int) -> dict:
@@ -130,7 +138,7 @@ class GrpoWorker(RankActor):
             self.plane.register(part, rollout_spec(self.recipe, len(prompt_rows) * (1 + g)), wait=False)
             self.plane.put_many([Put(part, prompt_rows.sample_ids, prompt_rows.columns)], wait=False)
             response_ids = response_sample_ids(prompt_rows.sample_ids, g)
-            self.plane.prefetch(self._gets(part, response_ids, Stage.PREV_LOGPROB)[1:])  # partition.py, 3
+            self.plane.prefetch([self._gets(part, response_ids, Stage.PREV_LOGPROB).prompts])  # partition.py, 3
         t0 = time.perf_counter()
         self.generator.load_weights(self.policy.weights_for_refit())
         times["refit"] = time.perf_counter() - t0
@@ -154,7 +162,7 @@ class GrpoWorker(RankActor):
         if self.plane is None:
             return report | {"rows": RolloutRows(prompts=prompt_rows, responses=responses), "plane": {}}
         self.plane.put_many([Put(part, responses.sample_ids, responses.columns)])
-        self.plane.prefetch(self._gets(part, responses.sample_ids, Stage.PREV_LOGPROB)[:1])
+        self.plane.prefetch([self._gets(part, responses.sample_ids, Stage.PREV_LOGPROB).rollout])
         return report | {"plane": self.plane.take()}
 
     def _score(self, rollouts) -> list:
@@ -170,6 +178,10 @@ class GrpoWorker(RankActor):
     def score(self, step: int, sample_ids: list[str], rows: RolloutRows | None = None) -> dict:
         """Stage 2: prev (and, with KL, ref) logprobs of the replica's samples."""
         got = self._fetch(step, sample_ids, Stage.PREV_LOGPROB, rows)
+        part = partition_name(step, self.replica)
+        train = self._gets(part, sample_ids, Stage.TRAIN)
+        if self.plane is not None:  # what the train stage reads of the rollout comes while this computes
+            self.plane.prefetch([train.rollout, train.prompts])
         t0 = time.perf_counter()
         kl = self.recipe.grpo.kl_coef > 0
         out: dict[str, list] = {"prev_logprobs": [], **({"ref_logprobs": []} if kl else {})}
@@ -181,23 +193,21 @@ class GrpoWorker(RankActor):
             if kl:
                 out["ref_logprobs"] += response_values(self.policy.reference_logprobs(b), a, n)
             start += len(b)
-        t_logprob = time.perf_counter() - t0
-        report = {"times": {"logprob": t_logprob}}
+        report = {"times": {"logprob": time.perf_counter() - t0}}
         if self.plane is None:
             return report | {"columns": out, "plane": {}}
-        part = partition_name(step, self.replica)
-        self._scored = (part, list(sample_ids), out)  # written by write_scores, once the advantages are in
-        self.plane.prefetch(self._gets(part, sample_ids, Stage.TRAIN)[1:])  # its prompt samples (partition.py, 3)
+        # A sample's writes must not overlap: the controller's advantages first (stages.py, 1). Then the
+        # write, and the train stage's read of its response fields, go on the plane thread in order.
+        self._advantages.wait(step)
+        self.plane.put_many([Put(part, list(sample_ids), out)], wait=False)
+        self.plane.prefetch([train.later])
         return report | {"plane": self.plane.take()}
 
-    def write_scores(self) -> dict:
-        """Stage 2, the plane paths: write what `score` computed (stages.py, 1), then prefetch the
-        train stage's response fields: every one is written now."""
-        part, sample_ids, out = self._scored
-        self._scored = None
-        self.plane.put(part, sample_ids, out)
-        self.plane.prefetch(self._gets(part, sample_ids, Stage.TRAIN)[:1])
-        return {"plane": self.plane.take()}
+    @side_call
+    def advantages_written(self, step: int, ok: bool = True) -> None:
+        """The controller's word that step `step`'s advantages are in the partition (`ok`), or that its
+        advantage stage failed: a `score` waiting for them goes on, or raises."""
+        self._advantages.open(step, ok)
 
     def train(self, step: int, sample_ids: list[str], rows: RolloutRows | None = None) -> dict:
         """Stage 3: `grpo.inner_steps` optimizer steps over the replica's samples; the partition is cleared
@@ -221,19 +231,19 @@ class GrpoWorker(RankActor):
     def _fetch(self, step: int, sample_ids: list[str], stage: Stage, rows: RolloutRows | None) -> SampleBatch:
         """The stage's fields of the responses `sample_ids`, each with its prompt's: from the plane, or
         from `rows` as the driver sent them (exactly the stage's fields)."""
-        prompt_fields, response_fields = split_fields(stage_fields(self.recipe, stage))
         if self.plane is None:
+            prompt_fields, response_fields = split_fields(stage_fields(self.recipe, stage))
             sent = set(rows.prompts.columns) | set(rows.responses.columns)
             if rows.responses.sample_ids != list(sample_ids) or sent != {*prompt_fields, *response_fields}:
                 raise ValueError(f"the driver sent the {stage} stage other samples or fields than it reads")
             return join(rows.prompts, rows.responses)
-        responses, prompts = self.plane.get_many(self._gets(partition_name(step, self.replica), sample_ids, stage))
-        return join(prompts, responses)
+        return StageGets.joined(
+            self.plane.get_many(self._gets(partition_name(step, self.replica), sample_ids, stage).all())
+        )
 
-    def _gets(self, part: str, sample_ids: list[str], stage: Stage) -> list[Get]:
+    def _gets(self, part: str, sample_ids: list[str], stage: Stage) -> StageGets:
         """`stage`'s requests: its fields of the responses `sample_ids`, and of their prompt samples."""
-        prompt_fields, response_fields = split_fields(stage_fields(self.recipe, stage))
-        return [Get(part, sample_ids, response_fields), Get(part, prompt_of(sample_ids), prompt_fields)]
+        return StageGets.of(self.recipe, part, sample_ids, stage)
 
     def _model_batches(self, got: SampleBatch) -> list:
         return model_batches(got, self.rows_per_micro, **self._layout())
@@ -242,9 +252,11 @@ class GrpoWorker(RankActor):
         return {"family": self.recipe.family, "pad_token_id": self.pad_token_id, "pixel_dtype": self.dtype}
 
     # ---- the controller's reach into a process-local plane ----------------------------------------
+    @side_call
     def plane_get(self, partition: str, sample_ids: list[str], fields: list[str]) -> SampleBatch:
         return self.plane.serve("get", partition, sample_ids, fields)
 
+    @side_call
     def plane_put(self, partition: str, sample_ids: list[str], columns: dict) -> None:
         self.plane.serve("put", partition, sample_ids, columns)
 
