@@ -200,7 +200,8 @@ class GrpoWorker(RankActor):
         # write, and the train stage's read of its response fields, go on the plane thread in order.
         self._advantages.wait(step)
         self.plane.put_many([Put(part, list(sample_ids), out)], wait=False)
-        self.plane.prefetch([train.later])
+        if train.later is not None:
+            self.plane.prefetch([train.later])
         return report | {"plane": self.plane.take()}
 
     @side_call
