@@ -8,8 +8,10 @@
    `_vlmrun:spec` (sample ids may not start with `_vlmrun:`), so every process sees what the driver
    registered and one clear forgets both.
 2. Each field crosses as one torch.nested jagged tensor of 1-D rows (wire/jagged.py). Rows of length 0
-   stay home (Mooncake refuses empty values): their tags say what they are. Fields whose non-empty
-   samples coincide travel in one put or get.
+   stay home (Mooncake refuses empty values): their tags say what they are. Rows of at most
+   `INLINE_BYTES` (a reward, an advantage, one image's grid size) ride in the sample's tag, base64
+   under `inline`: no storage key, no storage round trip (a Mooncake put costs per key). Fields whose
+   stored samples coincide travel in one put or get.
 3. What comes back is normalized by `rows_of` (jagged, strided or dense, per backend) and checked
    against the tags before the wire decodes it, so callers get the shapes and dtypes they put.
 4. Round trips are what a data plane over the network costs (each is milliseconds on a busy node), so
@@ -28,6 +30,7 @@
 from __future__ import annotations
 
 import asyncio
+import base64
 import collections
 import contextlib
 import json
@@ -40,12 +43,14 @@ import torch
 from vlmrun.plane.interface import DataPlaneError
 from vlmrun.plane.rows import RESERVED_TAG, Lookup, Read, RowPieces, RowPlane, Rows, RowStore, Tagged, Write
 from vlmrun.plane.transfer_queue.endpoint import TransferQueueEndpoint
-from vlmrun.plane.wire.codec import empty_row, row_numel
+from vlmrun.plane.wire.codec import dtype_of, empty_row, row_numel
 from vlmrun.plane.wire.jagged import rows_of, to_jagged
 
 _SPEC_KEY = RESERVED_TAG + ":spec"
 _ZMQ_IO_THREADS = 2
 _METAS_HELD = 16
+#: Rows of at most this many bytes travel in their sample's tag (module doc, 2).
+INLINE_BYTES = 32
 
 
 def import_transfer_queue() -> None:
@@ -161,8 +166,7 @@ class TransferQueueStore(RowStore):
             if not keys:
                 return
             tags = [_unpacked(tag) for k, tag in keys.items() if k != _SPEC_KEY]
-            held = [t for tag in tags if tag for t in tag[RESERVED_TAG]["fields"].values()]
-            if any(row_numel(t) > 0 for t in held):
+            if any(_stored(tag[RESERVED_TAG]) for tag in tags if tag):
                 await self._client.async_clear_partition(partition)
             else:
                 # TransferQueue 0.1.11's KV storage managers (Mooncake) refuse to clear a partition that
@@ -191,11 +195,12 @@ class TransferQueueStore(RowStore):
         if meta.size != len(w.ids):
             raise DataPlaneError(f"{w.partition}: TransferQueue knows {meta.size} of {len(w.ids)} samples {w.ids[:5]}")
         self._remember(w.partition, w.ids, meta)
+        tags, rows = _inlined(w.tags, w.rows)
         meta.clear_custom_meta()
-        meta.update_custom_meta([_packed(t) for t in w.tags])
+        meta.update_custom_meta([_packed(t) for t in tags])
         puts = []
-        for fields, idx in _by_nonempty_samples(w.rows).items():
-            data = _tensordict({f: to_jagged([w.rows[f][i] for i in idx]) for f in fields}, len(idx))
+        for fields, idx in _by_nonempty_samples(rows).items():
+            data = _tensordict({f: to_jagged([rows[f][i] for i in idx]) for f in fields}, len(idx))
             # the storage put and its notice to the controller; the tags go beside it (module doc, 4)
             puts.append(
                 self._client.storage_manager.put_data(
@@ -206,10 +211,14 @@ class TransferQueueStore(RowStore):
 
     async def _read(self, r: Read) -> Rows:
         wire = [{f: t[RESERVED_TAG]["fields"][f] for f in r.fields} for t in r.tags]
-        out: Rows = {f: [empty_row(w[f]) for w in wire] for f in r.fields}
-        groups: dict[tuple[int, ...], list[str]] = {}  # samples with non-empty rows -> their fields
+        inline = [t[RESERVED_TAG].get("inline", {}) for t in r.tags]
+        out: Rows = {
+            f: [_row_of(inline[i][f], w[f]) if f in inline[i] else empty_row(w[f]) for i, w in enumerate(wire)]
+            for f in r.fields
+        }
+        groups: dict[tuple[int, ...], list[str]] = {}  # samples with stored rows -> their fields
         for f in r.fields:
-            idx = tuple(i for i, w in enumerate(wire) if row_numel(w[f]) > 0)
+            idx = tuple(i for i, w in enumerate(wire) if row_numel(w[f]) > 0 and f not in inline[i])
             if idx:
                 groups.setdefault(idx, []).append(f)
 
@@ -291,6 +300,34 @@ def _unpacked(tag: dict[str, Any] | None) -> dict[str, Any] | None:
 def _spec_of(keys: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
     """The spec in a partition's listing (module doc, 1); None: not registered."""
     return (keys.get(_SPEC_KEY) or {}).get("spec")
+
+
+def _inlined(tags: list[dict[str, Any]], rows: RowPieces) -> tuple[list[dict[str, Any]], RowPieces]:
+    """`tags` with the rows of at most INLINE_BYTES in them, and `rows` without those (module doc, 2)."""
+    tags = [{**t, RESERVED_TAG: {**t[RESERVED_TAG], "inline": dict(t[RESERVED_TAG].get("inline", {}))}} for t in tags]
+    kept: RowPieces = {}
+    for name, column in rows.items():
+        kept[name] = []
+        for tag, pieces in zip(tags, column, strict=True):
+            nbytes = sum(p.numel() * p.element_size() for p in pieces)
+            if 0 < nbytes <= INLINE_BYTES:
+                flat = torch.cat([p.reshape(-1) for p in pieces]).contiguous()
+                tag[RESERVED_TAG]["inline"][name] = base64.b64encode(flat.view(torch.uint8).numpy().tobytes()).decode()
+                kept[name].append([])
+            else:
+                kept[name].append(pieces)
+    return tags, kept
+
+
+def _row_of(inline: str, wire: dict[str, Any]) -> torch.Tensor:
+    """The 1-D row a tag carries (`_inlined`), in its wire dtype."""
+    return torch.frombuffer(bytearray(base64.b64decode(inline)), dtype=torch.uint8).view(dtype_of(wire["dtype"]))
+
+
+def _stored(ours: dict[str, Any]) -> bool:
+    """Whether a sample (our part of its tag) has a row in storage: non-empty and not inline."""
+    inline = ours.get("inline", {})
+    return any(row_numel(t) > 0 and f not in inline for f, t in ours["fields"].items())
 
 
 def _by_nonempty_samples(rows: RowPieces) -> dict[tuple[str, ...], list[int]]:
