@@ -185,5 +185,34 @@ def test_errors_raise_clearly(planes):
     assert plane.state_dict() == {}  # nothing left at the step boundary
 
 
+def test_small_rows_ride_in_the_tags_and_come_back_exact(planes):
+    from vlmrun.plane.transfer_queue.store import INLINE_BYTES
+
+    plane = planes[torch.float32]
+    ids = ["a#0", "a#1", "a#2"]
+    plane.register("tiny", PartitionSpec.for_stages("qwen2_5_vl", GRPO_CONSUMERS, 3))
+    try:
+        plane.put("tiny", ids, {"rewards": [torch.tensor(0.5), torch.tensor(-1.0), torch.tensor(2.0)]})
+        stored = plane.store._run(plane.store._retrieve("tiny", ids, create=False)).field_names
+        assert "rewards" not in stored  # 4 bytes a sample: in the tags, nowhere in storage
+        ids_row = [torch.arange(3), torch.arange(INLINE_BYTES // 8 + 1), torch.arange(0)]  # 24 B, 40 B, empty
+        mask = [torch.tensor([True, False, True]), torch.ones(5, dtype=torch.bool), torch.ones(0, dtype=torch.bool)]
+        plane.put("tiny", ids, {"response_ids": ids_row, "response_mask": mask})
+        stored = plane.store._run(plane.store._retrieve("tiny", ["a#1"], create=False)).field_names
+        assert "response_ids" in stored and "response_mask" not in stored  # its 40-byte row goes to storage
+        got = plane.get("tiny", ids, ["rewards", "response_ids", "response_mask"])
+        assert got.stack("rewards").tolist() == [0.5, -1.0, 2.0]
+        for name, want in (("response_ids", ids_row), ("response_mask", mask)):
+            for a, b in zip(got[name], want, strict=True):
+                assert a.dtype == b.dtype and torch.equal(a, b)
+    finally:
+        plane.clear("tiny")
+    assert "tiny" not in plane.partitions()
+    plane.register("tiny", PartitionSpec.for_stages("qwen2_5_vl", GRPO_CONSUMERS, 3))
+    plane.put("tiny", ids, {"rewards": [torch.tensor(1.0)] * 3})
+    plane.clear("tiny")  # nothing of it in storage (Mooncake's manager refuses to clear such a partition)
+    assert "tiny" not in plane.partitions()
+
+
 def test_put_many_and_get_many_overlap_their_requests_and_check_them_first(planes):
     check_put_many_and_get_many(planes[torch.float32], "tq")  # a refused put leaves no sample behind
