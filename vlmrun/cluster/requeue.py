@@ -9,6 +9,8 @@
 3. Budgets per job id: `recipe.checkpoint.requeue.timeouts` and `.preemptions`, counted from the
    attempts of that job id in job.json (`requeue_cause`). A requested requeue uses no budget. An
    exhausted budget ends the job with state BUDGET_EXHAUSTED (resumable with `vlmrun resume`).
+   This is the one count: submitit's own countdown of time-limit requeues is set from
+   `timeouts_left` at submit and at every requeue (cluster/submitit_api.py), never read back.
 4. `signal_delay_warnings` says at submit time when `signal_delay_s` looks too short for one step
    plus a checkpoint; the assumptions are in the message (see `_STEP_S`, `_BYTES_PER_PARAM`).
 """
@@ -42,13 +44,19 @@ def classify_stop(elapsed_s: float, time_limit_min: int, signal_delay_s: int, *,
     return "timeout" if elapsed_s >= time_limit_min * 60 - signal_delay_s - TICK_SLACK_S else "preemption"
 
 
-def used_budget(attempts: Sequence[Attempt], job_id: str) -> dict[str, int]:
+def used_budget(attempts: Sequence[Attempt], job_id: str | None) -> dict[str, int]:
     """Requeues so far of `job_id` among `attempts`, per cause (every cause present, 0 when unused)."""
     used = dict.fromkeys(CAUSES, 0)
     for a in attempts:
         if a.job_id == job_id and a.requeue_cause is not None:
             used[a.requeue_cause] += 1
     return used
+
+
+def timeouts_left(attempts: Sequence[Attempt], job_id: str | None, budget) -> int:
+    """Time-limit requeues `job_id` has left: `budget.timeouts` (recipe.checkpoint.requeue) less the
+    ones its attempts recorded; a new job id has the whole budget."""
+    return budget.timeouts - used_budget(attempts, job_id)["timeout"]
 
 
 def decide(job: JobRecord, *, job_id: str, cause: RequeueCause, budget, cancelled: bool = False) -> RequeueDecision:

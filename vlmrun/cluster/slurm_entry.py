@@ -11,11 +11,11 @@
    handler would requeue at once) and waits. It dies with this process (PR_SET_PDEATHSIG).
    (A USR2 that arrives before that, while Python starts, meets submitit's own handler, which
    checkpoints through `checkpoint()` and requeues at once: nothing is lost since no step ran.)
-3. Only then node 0 asks the requeue policy (requeue.py). A requeue goes through submitit's own path:
-   `_checkpoint` calls our `checkpoint()` and re-pickles the submission with submitit's timeout
-   countdown, `JobEnvironment._requeue` runs `scontrol requeue <job id>`, and the process exits like
-   submitit's handler (no result pickle: the job is not over). SLURM restarts the job with the same
-   id and SLURM_RESTART_COUNT + 1, and submitit's folder layout stays as submitit expects.
+3. Only then node 0 asks the requeue policy (requeue.py). A requeue goes through submitit's own path
+   (submitit_api.py `requeue_this_job`): our `checkpoint()` re-pickles the submission with the
+   time-limit requeues job.json says are left, `scontrol requeue <job id>` follows, and the process
+   exits like submitit's handler (no result pickle: the job is not over). SLURM restarts the job with
+   the same id and SLURM_RESTART_COUNT + 1, and submitit's folder layout stays as submitit expects.
 4. A failed run raises (submitit records the traceback, SLURM ends the job FAILED); a stop that is
    not requeued returns 3 and job.json says why (BUDGET_EXHAUSTED, STOPPED, CANCELLED).
 """
@@ -26,10 +26,8 @@ import logging
 import os
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Callable
-from typing import NoReturn
 
 from vlmrun.cluster import requeue
 from vlmrun.cluster.slurm_env import SlurmAllocation
@@ -103,9 +101,11 @@ class NodeEntrypoint:
         log.info("job %s after %.0fs: %s (%s)", alloc.job_id, elapsed_s, decision.state, decision.reason)
         if not decision.requeue:
             return
+        from vlmrun.cluster.submitit_api import requeue_this_job
+
         try:
-            requeue_through_submitit(timed_out=cause == "timeout")
-        except (subprocess.CalledProcessError, subprocess.TimeoutExpired, OSError, NodeFailed) as e:
+            requeue_this_job(requeue.timeouts_left(require_job(rd).attempts, alloc.job_id, recipe.checkpoint.requeue))
+        except (subprocess.CalledProcessError, subprocess.TimeoutExpired, OSError, CheckFailed) as e:
             requeue.record(rd, requeue.RequeueDecision(False, State.STOPPED, cause, f"requeue failed: {e}"))
             log.error("requeue of job %s failed: %s; continue with `vlmrun resume %s`", alloc.job_id, e, rd.path)
 
@@ -115,22 +115,6 @@ def attempt_marker(alloc: SlurmAllocation) -> str:
         f"{ATTEMPT_MARKER} job={alloc.job_id} restart={alloc.restart_count} node={alloc.nodename} "
         f"rank={alloc.node_rank}/{alloc.num_nodes} time={now()} <=="
     )
-
-
-def requeue_through_submitit(*, timed_out: bool) -> NoReturn:
-    """Re-pickle the submission through `checkpoint()` and `scontrol requeue` this job, as submitit does."""
-    from submitit.core import job_environment, utils
-
-    env = job_environment.JobEnvironment()
-    paths = env.paths
-    delayed = utils.DelayedSubmission.load(paths.submitted_pickle)
-    countdown = max(0, delayed._timeout_countdown - int(timed_out))
-    problem = job_environment._checkpoint(delayed, paths.submitted_pickle, countdown)
-    if problem:
-        raise NodeFailed(f"submitit did not checkpoint the submission: {problem}")
-    env._requeue(countdown)
-    sys.stdout.flush()
-    sys.exit(-1)  # submitit's handler exits the same way: no result pickle, the job is not over
 
 
 def _signal_name(signum: int) -> str:

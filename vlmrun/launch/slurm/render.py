@@ -12,8 +12,9 @@
    `#SBATCH` value and srun argument. What quoting cannot fix is refused by `check_shell_safety`:
    control characters (a newline ends an `#SBATCH` comment line and starts a command), sbatch
    option names that are not plain words, `%` in the run dir (SLURM expands it in log paths).
-4. `render_script` returns exactly what sbatch gets (submitit's `_make_submission_file_text`); it
-   works where `srun` is missing (a login node without SLURM, the unit tests).
+4. `render_script` returns exactly what sbatch gets (through cluster/submitit_api.py, the one module
+   that touches submitit's private API); it works where `srun` is missing (a login node without
+   SLURM, the unit tests).
 """
 
 from __future__ import annotations
@@ -24,8 +25,7 @@ import shlex
 from pathlib import Path
 from typing import Any
 
-from submitit import SlurmExecutor
-
+from vlmrun.cluster import requeue, submitit_api
 from vlmrun.errors import InputError
 
 # Package data (pyproject.toml), so a non-editable install renders too; `sbatch_templates/` at the
@@ -178,35 +178,20 @@ def _shell_quote(value: Any) -> str:
 
 
 def make_executor(run_dir: Path, recipe, *, render_only: bool = False):
-    """A submitit SlurmExecutor for the run (`render_only`: usable where `srun` is missing)."""
-    cls = _RenderOnlyExecutor if render_only else HeldSlurmExecutor
+    """A submitit SlurmExecutor for the run (`render_only`: usable where `srun` is missing); submitit's
+    count of time-limit requeues starts at what a new job id has left (cluster/requeue.py).
+
+    Raises SubmititChanged when the installed submitit lacks what vlmrun relies on."""
+    submitit_api.require_api()
+    cls = submitit_api.RenderOnlyExecutor if render_only else submitit_api.HeldSlurmExecutor
     python = CONTAINER_PYTHON if recipe.cluster.container_image else None
-    executor = cls(folder=submitit_folder(run_dir), max_num_timeout=recipe.checkpoint.requeue.timeouts, python=python)
+    timeouts = requeue.timeouts_left([], None, recipe.checkpoint.requeue)
+    executor = cls(folder=submitit_folder(run_dir), max_num_timeout=timeouts, python=python)
     executor.update_parameters(**executor_parameters(run_dir, recipe))
     return executor
-
-
-class HeldSlurmExecutor(SlurmExecutor):
-    """Submits with `sbatch --hold`: the caller records the job id in job.json, then releases it.
-
-    Without the hold a fast job could write job.json (its attempt) at the same moment as the
-    submitter (the job id), and one of the two writes would be lost. A requeue does not hold again.
-    """
-
-    def _make_submission_command(self, submission_file_path: Path) -> list[str]:
-        return ["sbatch", "--hold", str(submission_file_path)]
-
-
-class _RenderOnlyExecutor(SlurmExecutor):
-    """Renders without `srun` on PATH (submitit's constructor refuses that); never submits."""
-
-    @classmethod
-    def affinity(cls) -> int:
-        return 2
 
 
 def render_script(run_dir: Path, recipe) -> str:
     """The exact sbatch script `submit` would hand to sbatch (minus the job id, which SLURM assigns)."""
     check_shell_safety(recipe, run_dir)
-    executor = make_executor(run_dir, recipe, render_only=True)
-    return executor._make_submission_file_text(executor._submitit_command_str, "dry-run")
+    return submitit_api.submission_script(make_executor(run_dir, recipe, render_only=True))
