@@ -83,7 +83,7 @@ def test_submit_wait_completes_and_status_and_logs_say_so(one_node_run):
     d = json.loads(st.stdout)
     assert d["state"] == "COMPLETED" and d["last_step"] == 24 and d["run_dir"] == str(one_node_run)
     logs = vlmrun("logs", job_id)
-    assert logs.returncode == 0 and "COMPLETED: finished 24 steps" in logs.stdout
+    assert logs.returncode == 0 and "COMPLETED: finished at step 24 of 24; 24 step(s) in this attempt" in logs.stdout
 
 
 def test_requeue_at_a_random_step_resumes_to_the_same_history(one_node_run, sets, tmp_path):

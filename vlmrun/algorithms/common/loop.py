@@ -170,7 +170,12 @@ class StepLoop:
                 self._save(step, counters)
         if self._stop.is_set() and step < self.steps.max_steps:
             return self._outcome(State.STOPPED, step, f"stop requested ({self.stop_reason})", notes)
-        return self._outcome(State.COMPLETED, step, f"finished {self.steps.max_steps} steps", notes)
+        planned = self.steps.max_steps
+        where = f"of {planned}" if step <= planned else f"(its checkpoint was past the {planned} steps planned)"
+        trained = f"{step - start_step} step(s) in this attempt" + (
+            f", resumed at step {start_step}" if start_step else ""
+        )
+        return self._outcome(State.COMPLETED, step, f"finished at step {step} {where}; {trained}", notes)
 
     def _check_driver(self) -> None:
         """Before a write: a controller whose node process died must write nothing more (the run dir
