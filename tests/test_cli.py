@@ -241,3 +241,55 @@ def test_slurm_dry_run_prints_recipe_and_inert_sbatch_script(tmp_path):
     script.write_text(d["sbatch_script"])
     assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
     assert not (tmp_path / "r").exists() and not (tmp_path / "pwned").exists()
+
+
+# ---------------------------------------------------------------- --json errors: one JSON object on stdout
+
+JSON_ERRORS = {  # for each command that has --json: an error, and the field it is about
+    "submit": (["submit", TINY, "--dry-run", "--set", "train.lr=abc"], "train.lr"),
+    "resume": (["resume", "/nonexistent/run"], "JOBID|RUN_DIR"),
+    "status": (["status", "/nonexistent/run"], "JOBID|RUN_DIR"),
+    "cancel": (["cancel", "/nonexistent/run"], "JOBID|RUN_DIR"),
+    "requeue": (["requeue", "/nonexistent/run"], "JOBID|RUN_DIR"),
+    "compare": (["compare", "a", "b"], "A"),
+    "export": (["export", "/nonexistent/run", "/nonexistent/out"], "RUN_DIR"),
+    "bench-loader": (["bench-loader", TINY, "--workers", "x"], "--workers"),
+    "data clevr": (["data", "clevr", "/nonexistent/out", "--train", "0"], "--train"),  # a usage error (click's)
+}
+
+
+def test_every_command_with_json_is_checked_for_its_errors():
+    with_json = {path for path, cmd in leaf_commands().items() if any("--json" in p.opts for p in cmd.params)}
+    assert with_json == set(JSON_ERRORS)
+
+
+@pytest.mark.parametrize("path", sorted(JSON_ERRORS))
+def test_a_json_command_reports_bad_input_as_one_json_object(path):
+    args, field = JSON_ERRORS[path]
+    out = vlmrun(*args, "--json")
+    assert out.returncode == 2, out.stdout + out.stderr
+    error = json.loads(out.stdout)  # the whole of stdout: one object, nothing else
+    assert error["exit_code"] == 2 and error["kind"] == "bad_input" and error["field"] == field
+    assert error["error"] in out.stderr and "Traceback" not in out.stderr
+
+
+@pytest.mark.parametrize(
+    "raised,code,kind",
+    [("CheckFailed('the check said no')", 1, "check_failed"), ("RuntimeError('a bug of ours')", 1, "internal")],
+)
+def test_a_failed_check_and_our_bug_come_as_json_too(raised, code, kind):
+    """`status --json` whose layer below raises: the same exit code, one JSON object; our bug keeps its traceback."""
+    script = (
+        "import sys; import vlmrun.launch.status as s; from vlmrun.errors import CheckFailed\n"
+        f"def broken(target=None): raise {raised}\n"
+        "s.status = broken; sys.argv = ['vlmrun', 'status', 'x', '--json']\n"
+        "from vlmrun.cli import main; main()\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    error = json.loads(out.stdout)
+    assert out.returncode == error["exit_code"] == code and error["kind"] == kind
+    assert ("Traceback" in out.stderr) == (kind == "internal")
+    without = subprocess.run(
+        [sys.executable, "-c", script.replace(", '--json'", "")], capture_output=True, text=True, cwd=ROOT, timeout=120
+    )
+    assert without.returncode == code and without.stdout == ""  # without --json: stderr only, as before
