@@ -18,9 +18,10 @@ from pathlib import Path
 
 import pytest
 
-from vlmrun.cluster.reaper import MARKER_ENV, marked_processes, sweep
+from vlmrun.cluster.reaper import MARKER_ENV, marked_processes, sweep, wait_for_exit
 from vlmrun.run.directory import LOCK_HOLDER_FILE as HOLDER_FILE
 from vlmrun.run.lock import FD_ENV, Holder, RunLock, RunLocked, live_holder, read_holder
+from vlmrun.run.process import process_alive, start_time
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -104,6 +105,49 @@ def test_a_dead_described_holder_is_waited_for_then_named(tmp_path):
         holder.kill()
         holder.wait()
     assert read_holder(tmp_path) == dead
+
+
+def test_alive_means_this_very_process_running_not_its_pid_nor_a_zombie():
+    child = subprocess.Popen(["sleep", "60"])
+    try:
+        start = start_time(child.pid)
+        assert start is not None and process_alive(child.pid) and process_alive(child.pid, start)
+        assert not process_alive(child.pid, start + 1)  # a later process that got the same pid
+        child.kill()
+        wait_for(lambda: not process_alive(child.pid))  # killed, not yet reaped: a zombie is not alive
+        assert child.poll() is not None
+    finally:
+        child.kill()
+        child.wait()
+    assert not process_alive(child.pid, start) and start_time(2**22 + 12345) is None
+    assert not process_alive(None) and not process_alive(0) and not process_alive(-1)
+
+
+def test_a_holder_whose_pid_was_reused_is_not_the_holder(tmp_path):
+    """lock.json names a live pid with another start time: the holder died and its pid went to another
+    process; the lock is not refused at once as held by a live process (it is waited for, then taken)."""
+    reused = Holder.of(os.getpid(), "local-old")
+    reused = Holder(reused.pid, reused.host, reused.job_id, reused.since, reused.start + 1)
+    (tmp_path / HOLDER_FILE).write_text(json.dumps(asdict(reused) | {"run_dir": str(tmp_path.resolve())}))
+    assert reused.alive() is False and live_holder(tmp_path) is None
+    RunLock.acquire(tmp_path, settle_s=0).release()
+
+
+def test_the_reaper_takes_a_reused_pid_for_an_ended_node():
+    t0 = time.monotonic()
+    wait_for_exit(os.getpid(), start_time(os.getpid()) + 1)  # our pid, another start: the node is gone
+    assert time.monotonic() - t0 < 1
+
+
+def test_the_reaper_imports_only_the_standard_library():
+    code = (
+        "import sys; before = set(sys.modules); import vlmrun.cluster.reaper; "
+        "print(sorted(m for m in set(sys.modules) - before if m.split('.')[0] not in sys.stdlib_module_names))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
+    assert out.stdout.strip() == str(
+        ["vlmrun", "vlmrun.cluster", "vlmrun.cluster.reaper", "vlmrun.run", "vlmrun.run.process"]
+    )
 
 
 def test_sweep_kills_only_the_marked_processes_and_removes_the_temp_root(tmp_path):

@@ -13,7 +13,8 @@
 3. The node sweeps too at the end of a normal teardown, so a finished attempt leaves nothing behind
    by the time it exits; the reaper's sweep then finds nothing.
 
-`python -m vlmrun.cluster.reaper` imports only the standard library until it has to record a kill.
+`python -m vlmrun.cluster.reaper` imports only the standard library (and run/process.py, which does too)
+until it has to record a kill.
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from vlmrun.run.process import process_alive, start_time
 
 MARKER_ENV = "VLMRUN_ATTEMPT_MARKER"
 TEMP_ENV = "VLMRUN_ATTEMPT_TEMP"  # the attempt's temp root (also TMPDIR inside the attempt)
@@ -64,8 +67,9 @@ class AttemptScope:
     def start_reaper(self, *, run_dir: Path | None = None, job_id: str | None = None) -> subprocess.Popen:
         """Start the reaper of this process; with `run_dir` it also records a kill of `job_id` in job.json."""
         env = {k: v for k, v in os.environ.items() if k not in (MARKER_ENV, TEMP_ENV)}
-        cmd = [sys.executable, "-m", "vlmrun.cluster.reaper", "--pid", str(os.getpid()), "--marker", self.marker]
-        cmd += ["--temp-root", str(self.temp_root)]
+        me = os.getpid()
+        cmd = [sys.executable, "-m", "vlmrun.cluster.reaper", "--pid", str(me), "--marker", self.marker]
+        cmd += ["--pid-start", str(start_time(me)), "--temp-root", str(self.temp_root)]
         if run_dir is not None and job_id is not None:
             cmd += ["--run-dir", str(run_dir), "--job-id", job_id]
         return subprocess.Popen(
@@ -119,34 +123,22 @@ def sweep(marker: str, remove: list[Path], *, deadline_s: float = _SWEEP_S) -> i
     return len(killed)
 
 
-def wait_for_exit(pid: int) -> None:
-    """Block until process `pid` (not our child) has ended."""
+def wait_for_exit(pid: int, start: int | None = None) -> None:
+    """Block until process `pid` (not our child) has ended; with `start` (its start time), a process
+    that got the pid later counts as ended."""
     try:
         fd = os.pidfd_open(pid)
     except ProcessLookupError:
         return
     except (AttributeError, OSError):  # no pidfd (kernel < 5.3): poll
-        while _exists(pid):
+        while process_alive(pid, start):
             time.sleep(0.2)
         return
     try:
-        select.select([fd], [], [])
+        if process_alive(pid, start):  # the pidfd names one process; this says it is the recorded one
+            select.select([fd], [], [])
     finally:
         os.close(fd)
-
-
-def _exists(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
-    except (OSError, IndexError):
-        return False
 
 
 def _record_kill(run_dir: Path, job_id: str, pid: int) -> bool:
@@ -169,6 +161,7 @@ def _record_kill(run_dir: Path, job_id: str, pid: int) -> bool:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m vlmrun.cluster.reaper", description=__doc__.splitlines()[0])
     p.add_argument("--pid", type=int, required=True)
+    p.add_argument("--pid-start", type=lambda v: None if v == "None" else int(v))
     p.add_argument("--marker", required=True)
     p.add_argument("--temp-root", type=Path, required=True)
     p.add_argument("--run-dir", type=Path)
@@ -176,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     for s in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR2, signal.SIGHUP):
         signal.signal(s, signal.SIG_IGN)
-    wait_for_exit(args.pid)
+    wait_for_exit(args.pid, args.pid_start)
     t0 = time.monotonic()
     killed = sweep(args.marker, [args.temp_root])
     recorded = args.run_dir is not None and _record_kill(args.run_dir, args.job_id, args.pid)

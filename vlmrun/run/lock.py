@@ -21,20 +21,11 @@ from pathlib import Path
 
 from vlmrun.errors import InputError
 from vlmrun.run.directory import LOCK_FILE, LOCK_HOLDER_FILE, write_atomic
+from vlmrun.run.process import process_alive, start_time
 
 FD_ENV = "VLMRUN_RUN_LOCK_FD"  # the locked descriptor a launcher handed to the node process
 SETTLE_S = 15.0  # how long a lock whose described holder is not alive here may take to come free
 _POLL_S = 0.05
-
-
-def _proc_stat(pid: int) -> tuple[str, int] | None:
-    """(state letter, start time in clock ticks since boot) of `pid` on this host; None when it does not exist."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-    return fields[0], int(fields[19])  # fields 3 (state) and 22 (starttime) of proc(5)
 
 
 @dataclass(frozen=True)
@@ -50,21 +41,19 @@ class Holder:
     @classmethod
     def of(cls, pid: int, job_id: str | None = None) -> Holder:
         """Describe process `pid` of this host (the caller or its child)."""
-        stat = _proc_stat(pid)
         return cls(
             pid=pid,
             host=os.uname().nodename,
             job_id=job_id,
             since=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            start=stat[1] if stat else None,
+            start=start_time(pid),
         )
 
     def alive(self) -> bool | None:
         """True while the process runs on this host; None when it runs on another host (unknowable here)."""
         if self.host != os.uname().nodename:
             return None
-        stat = _proc_stat(self.pid)
-        return stat is not None and stat[0] != "Z" and (self.start is None or stat[1] == self.start)
+        return process_alive(self.pid, self.start)
 
     def describe(self) -> str:
         job = f"job {self.job_id}, " if self.job_id else ""
