@@ -233,6 +233,14 @@ def test_two_resumes_at_once_exactly_one_trains(killed_run):
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     checkpointed = int(killed_run["ckpts"][-1][len("step_") :])
     assert [r["step"] for r in rows if r["attempt"] == 1] == list(range(checkpointed + 1, killed_run["step"] + 7))
+    end = killed_run["step"] + 6  # what the resumed attempt says is true of it, and its own
+    trained = end - checkpointed
+    assert (
+        record["attempts"][1]["reason"]
+        == record["reason"]
+        == (f"finished at step {end} of {end}; {trained} step(s) in this attempt, resumed at step {checkpointed}")
+    )
+    assert record["attempts"][0]["reason"] != record["reason"]
 
 
 # ---------------------------------------------------------------- stop signals

@@ -90,15 +90,29 @@ def test_a_failure_and_an_attempt_that_never_ended(rd):
     assert job.state is State.FAILED and job.reason == "ValueError: boom" and job.job_ids == ["local-1", "local-2"]
 
 
-def test_running_pid_is_a_live_process_of_a_running_attempt(rd):
+def test_the_running_attempt_is_the_recorded_process_not_its_pid(rd):
     job_record.begin_attempt(rd, "local-1", 0, pid=os.getpid())
-    assert job_record.running_pid(read_job(rd)) == os.getpid()
     job = read_job(rd)
+    assert job_record.running_attempt(job).pid == os.getpid() and job.attempts[0].pid_start is not None
+    job.attempts[0].pid_start += 1  # what a later process that got this pid looks like
+    assert job_record.running_attempt(job) is None
+    job.attempts[0].pid_start = None  # a record written before start times were recorded: the pid alone
+    assert job_record.running_attempt(job).pid == os.getpid()
     job.attempts[0].pid = 2**22 + 12345  # no such process
-    assert job_record.running_pid(job) is None
+    assert job_record.running_attempt(job) is None
     job.attempts[0].pid = os.getpid()
     job.attempts[0].state = State.COMPLETED
-    assert job_record.running_pid(job) is None
+    assert job_record.running_attempt(job) is None
+
+
+def test_an_attempt_recorded_without_a_start_time_still_reads(rd):
+    rd.path.mkdir()
+    attempt = {"attempt": 0, "job_id": "local-9", "pid": os.getpid(), "host": os.uname().nodename, "state": "RUNNING"}
+    rd.job_file.write_text(json.dumps({"format": 2, "cluster": "local", "job_ids": ["local-9"], "attempts": [attempt]}))
+    job = read_job(rd)
+    assert job.attempts[0].pid_start is None and job_record.running_attempt(job).job_id == "local-9"
+    write_job(rd, job)
+    assert "pid_start" not in raw(rd)["attempts"][0]
 
 
 def test_writes_are_atomic(rd):

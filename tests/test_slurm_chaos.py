@@ -85,9 +85,12 @@ def test_cancel_right_after_submit_prints_the_state_the_job_ended_in(cluster, da
     job_id = submit(run, data, "--set", "train.max_steps=200", "--set", "train.epochs=20")
     out = vlmrun("cancel", job_id, "--json", timeout=180)
     assert out.returncode == 0, out.stderr[-2000:]
-    printed = json.loads(out.stdout)["state"]
+    said = json.loads(out.stdout)
+    printed = said["state"]
     assert not in_queue(job_id)
     assert printed == job(run)["state"] and printed in ("CANCELLED", "STOPPED", "KILLED"), (printed, job(run))
+    if printed == "KILLED":  # SLURM ended it before it checkpointed: said as what cancel did, not as a lost node
+        assert "`vlmrun cancel`" in said["reason"] and "out of memory" not in said["reason"], said
     steps = history(run / "metrics.jsonl") if (run / "metrics.jsonl").exists() else {}
     time.sleep(3)  # nothing goes on writing after cancel returned
     after = history(run / "metrics.jsonl") if (run / "metrics.jsonl").exists() else {}

@@ -188,9 +188,7 @@ def ray_temp_dirs():
 
 
 def submit(rd: Path, r, main, *, wait: bool):
-    return submit_slurm(
-        RunDirectory(rd), r, dry_run=False, wait=wait, entrypoint=NodeEntrypoint(str(rd), main), poll_s=0.5
-    )
+    return submit_slurm(RunDirectory(rd), r, wait=wait, entrypoint=NodeEntrypoint(str(rd), main), poll_s=0.5)
 
 
 def wait_for(predicate, timeout: float, what: str):

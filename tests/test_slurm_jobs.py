@@ -7,9 +7,11 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from unittest import mock
 
+import psutil
 import pytest
 
 from vlmrun.config.load import load_recipe
@@ -18,8 +20,8 @@ from vlmrun.launch import control, targets
 from vlmrun.launch import logs as launch_logs
 from vlmrun.launch import registry as job_registry
 from vlmrun.launch import status as launch_status
+from vlmrun.launch.slurm import executor as slurm_executor
 from vlmrun.launch.slurm import preflight, queries
-from vlmrun.launch.slurm import submit as slurm_submit
 from vlmrun.run import logs as run_logs
 from vlmrun.run.directory import RunDirectory
 from vlmrun.run.job import add_job, begin_attempt, read_job, write_job
@@ -102,7 +104,7 @@ def test_slurm_state_falls_back_from_squeue_to_scontrol_to_sacct():
     ],
 )
 def test_combined_state(recorded, slurm_state, expected):
-    assert launch_status._combined_state(recorded, slurm_state) == expected
+    assert slurm_executor.combined_state(recorded, slurm_state) == expected
 
 
 @pytest.fixture
@@ -307,10 +309,82 @@ def test_missing_sbatch_is_bad_input(tmp_path):
 
 
 def test_dry_run_submits_nothing(tmp_path):
-    from vlmrun.launch.slurm.submit import submit_slurm
-
     recipe = load_recipe(ROOT / "recipes" / "tiny-clevr-cpu.yaml")
     rd = RunDirectory(tmp_path / "never")
-    with mock.patch.object(slurm_submit, "make_executor", side_effect=AssertionError("submitted")):
-        result = submit_slurm(rd, recipe, dry_run=True, wait=False)
-    assert result.dry_run and result.rendered.startswith("#!/bin/bash") and not rd.path.exists()
+    with mock.patch("vlmrun.cluster.submitit_api.submit_held", side_effect=AssertionError("submitted")):
+        result = slurm_executor.SlurmExecutor().dry_run(rd, recipe)
+    assert result.dry_run and result.script.startswith("#!/bin/bash") and not rd.path.exists()
+    assert "name: tiny-clevr-cpu" in result.rendered
+
+
+# ---------------------------------------------------------------- what status and cancel say
+
+
+STUCK_NODE = """
+import os, signal, sys, time
+from vlmrun.cluster.reaper import AttemptScope
+from vlmrun.run import job as job_record
+from vlmrun.run.directory import RunDirectory
+from vlmrun.run.lock import Holder, RunLock
+
+signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a node stuck in a step: SIGTERM does not end it
+rd, job_id = RunDirectory(sys.argv[1]), f"local-{os.getpid()}"
+lock = RunLock.acquire(rd.path)
+lock.describe(Holder.of(os.getpid(), job_id))
+job_record.add_job(rd, job_id, "local", "stuck")
+scope = AttemptScope.open()
+scope.start_reaper(run_dir=rd.path, job_id=job_id)  # as the node does: it records a kill it finds
+scope.enter()
+job_record.begin_attempt(rd, job_id, 0)
+print(scope.marker, flush=True)
+time.sleep(300)
+"""
+
+
+def test_a_cancel_that_had_to_kill_is_recorded_as_its_kill(tmp_path, registry):
+    rd = RunDirectory(tmp_path / "run")
+    rd.create(load_recipe(ROOT / "recipes" / "tiny-clevr-cpu.yaml"))
+    node = subprocess.Popen([sys.executable, "-c", STUCK_NODE, str(rd.path)], stdout=subprocess.PIPE, text=True)
+    try:
+        marker = node.stdout.readline().strip()
+        said = control.cancel(str(rd.path), wait_s=1.0, kill_wait_s=10)
+        assert node.wait(timeout=10) == -signal.SIGKILL
+    finally:
+        node.kill()
+    deadline = time.monotonic() + 20  # the node's reaper records the kill it finds, too: let it finish
+    while any(marker in (p.info["cmdline"] or []) for p in psutil.process_iter(["cmdline"])):
+        assert time.monotonic() < deadline, "the reaper did not end"
+        time.sleep(0.1)
+    job = read_job(rd)
+    why = "killed by `vlmrun cancel` (SIGKILL): it had not ended 1 s after SIGTERM"
+    assert said["state"] == "KILLED" and said["reason"] == why
+    assert (job.state, job.reason, job.attempts[0].state, job.attempts[0].reason) == (
+        State.KILLED,
+        why,
+        State.KILLED,
+        why,
+    )
+    assert "out of memory" not in launch_status.status(str(rd.path))["reason"]
+
+
+def test_each_attempt_says_its_own_state_and_reason(tmp_path, registry):
+    """A new attempt (or a job submitted, waiting) does not show the previous attempt's reason."""
+    from vlmrun.run.job import end_attempt
+    from vlmrun.run.outcome import RunOutcome
+
+    rd = make_run(tmp_path, cluster="local", job_id="local-1")
+    first = begin_attempt(rd, "local-1", 0, pid=os.getpid())
+    end_attempt(
+        rd, first, RunOutcome(State.STOPPED, last_step=4, reason="stop requested (SIGUSR2); checkpointed at step 4")
+    )
+    add_job(rd, "local-2", "local", "tiny")
+    st = launch_status.status(str(rd.path))
+    assert st["state"] == "PENDING" and "job local-2 submitted" in st["reason"] and "step 4" not in st["reason"]
+    second = begin_attempt(rd, "local-2", 0, pid=os.getpid())
+    st = launch_status.status(str(rd.path))
+    assert st["state"] == "RUNNING" and st["reason"].startswith(f"attempt {second} running since")
+    job = read_job(rd)
+    assert [(a.state, a.reason) for a in job.attempts] == [
+        (State.STOPPED, "stop requested (SIGUSR2); checkpointed at step 4"),
+        (State.RUNNING, None),
+    ]

@@ -9,6 +9,10 @@ begins its attempt only once we have recorded the job in job.json (a pipe we clo
 With `wait`, the child dies with us (PR_SET_PDEATHSIG) and we pass SIGINT/SIGTERM/SIGUSR2 on to it:
 the first Ctrl-C stops the run at a checkpoint, a second one kills it hard. Without `wait`, it runs
 detached and logs to the run dir.
+
+`LocalExecutor` is this machine as an executor (launch/executor.py): the job is the node process,
+found as the run lock's live holder or the RUNNING attempt of job.json, by pid and start time; cancel
+sends it SIGTERM (SIGKILL after the deadline), requeue SIGUSR2.
 """
 
 from __future__ import annotations
@@ -18,20 +22,117 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from vlmrun.algorithms.common.stop import STOP_SIGNALS
 from vlmrun.cluster.node import RECORDED_FD_ENV
 from vlmrun.cluster.spawn import hold_stop_signals, node_command
-from vlmrun.errors import EXIT_BAD_INPUT
+from vlmrun.errors import EXIT_BAD_INPUT, InputError
+from vlmrun.launch.executor import AttemptLog, Ending, Executor, wait_until
 from vlmrun.launch.registry import register_job
 from vlmrun.launch.result import SubmitResult
 from vlmrun.run import job as job_record
-from vlmrun.run.directory import RunDirectory
-from vlmrun.run.lock import FD_ENV, Holder, RunLock, RunLocked
+from vlmrun.run.directory import RunDirectory, dump_recipe
+from vlmrun.run.job import JobRecord
+from vlmrun.run.lock import FD_ENV, Holder, RunLock, RunLocked, live_holder
+from vlmrun.run.process import process_alive
+from vlmrun.run.requests import CANCEL_REQUEST, write_request
 from vlmrun.run.state import EXIT_COMPLETED, EXIT_FAILED, EXIT_STOPPED, State
 
 EXIT_INTERRUPTED = 130  # killed hard by a second Ctrl-C
+
+
+class LocalExecutor(Executor):
+    """Runs the node entrypoint as a child process of this machine (the embedded default)."""
+
+    cluster = "local"
+    runs_here = True
+    queues = False
+
+    def dry_run(self, rd: RunDirectory, recipe, *, echo=None) -> SubmitResult:
+        return SubmitResult(rd.path, self.cluster, True, rendered=dump_recipe(recipe))
+
+    def submit(self, rd: RunDirectory, recipe, *, wait: bool, echo=None) -> SubmitResult:
+        lock = RunLock.acquire(rd.path)  # before our first write: one attempt per run dir (exit 2 naming the holder)
+        try:
+            rd.create(recipe)
+        except BaseException:
+            lock.release()
+            raise
+        return start_local(rd, recipe, wait=wait, lock=lock, echo=echo)
+
+    def resume(self, rd: RunDirectory, recipe, *, wait: bool, lock: RunLock, echo=None) -> SubmitResult:
+        return start_local(rd, recipe, wait=wait, lock=lock, echo=echo)
+
+    def refuse_while_live(self, rd: RunDirectory, job, job_id, target: str) -> None:
+        if (node := running_node(rd, job)) is not None:
+            raise InputError(
+                "RUN_DIR", target, message=f"{target} is still running (pid {node.pid}); stop it before resuming"
+            )
+
+    def state(self, rd: RunDirectory, job, job_id) -> dict:
+        node = running_node(rd, job)
+        recorded = job.state if job else None
+        state = State.RUNNING if node else (State.KILLED if recorded is State.RUNNING else recorded)
+        return {"pid": node.pid if node else None, "state": state.value if state else None}
+
+    def attempt_log(self, rd: RunDirectory, job, index: int, job_id) -> AttemptLog:
+        return AttemptLog(rd.attempt_log(index), live=lambda: running_node(rd, job_record.read_job(rd)) is not None)
+
+    def cancel(self, rd: RunDirectory, job, job_id, *, wait_s: float, kill_wait_s: float) -> Ending:
+        node = running_node(rd, job)
+        if node is None:
+            return Ending(job_id)
+        write_request(rd, CANCEL_REQUEST, node.job_id, 0)
+        t0 = time.monotonic()
+        node.signal(signal.SIGTERM)  # the node checkpoints after the step in flight and ends
+        if wait_until(lambda: not node.alive(), wait_s):
+            took = time.monotonic() - t0
+            return Ending(
+                node.job_id, f"ended without recording an outcome {took:.0f} s after `vlmrun cancel` sent SIGTERM"
+            )
+        node.signal(signal.SIGKILL)  # its reaper ends every process of the attempt
+        wait_until(lambda: not node.alive(), kill_wait_s)
+        return Ending(node.job_id, f"killed by `vlmrun cancel` (SIGKILL): it had not ended {wait_s:g} s after SIGTERM")
+
+    def requeue(self, rd: RunDirectory, job, job_id, target: str) -> dict:
+        node = running_node(rd, job)
+        if node is None or not node.signal(signal.SIGUSR2):
+            raise InputError("JOBID|RUN_DIR", target, message=f"{target} is not running; nothing to requeue")
+        return {"run_dir": str(rd.path), "job_id": job_id, "signalled": "SIGUSR2", "pid": node.pid}
+
+
+@dataclass(frozen=True)
+class RunningNode:
+    """The node process of the local attempt that runs now: pid and start time (a reused pid is not it)."""
+
+    pid: int
+    start: int | None
+    job_id: str
+
+    def alive(self) -> bool:
+        return process_alive(self.pid, self.start)
+
+    def signal(self, signum: int) -> bool:
+        """Send `signum` when the process is still the one recorded; whether it was sent."""
+        if not self.alive():
+            return False
+        try:
+            os.kill(self.pid, signum)
+        except ProcessLookupError:
+            return False
+        return True
+
+
+def running_node(rd: RunDirectory, job: JobRecord | None) -> RunningNode | None:
+    """The local attempt that runs in `rd` now: the run lock's live holder (also before it recorded its
+    attempt), or an attempt job.json records RUNNING on this host whose process still runs."""
+    if (holder := live_holder(rd.path)) is not None:
+        return RunningNode(holder.pid, holder.start, holder.job_id or f"local-{holder.pid}")
+    attempt = job_record.running_attempt(job) if job else None
+    return RunningNode(attempt.pid, attempt.pid_start, attempt.job_id) if attempt else None
 
 
 def start_local(
@@ -46,7 +147,7 @@ def start_local(
                 proc, job_id = _start_node(rd, recipe, lock, attached=False, stdout=log, env={})
             if echo:
                 echo(f"started {job_id}; run dir {rd.path}\nfollow it with: tail -f {rd.attempt_log(attempt)}")
-            return SubmitResult(rd.path, "local", False, job_id=job_id, state=State.RUNNING.value)
+            return SubmitResult(rd.path, LocalExecutor.cluster, False, job_id=job_id, state=State.RUNNING.value)
         if echo:
             echo(f"run dir {rd.path}")
         with _forwarding_signals() as forward:
@@ -84,8 +185,12 @@ def _start_node(rd: RunDirectory, recipe, lock: RunLock, *, attached: bool, stdo
     try:
         job_id = f"local-{proc.pid}"
         lock.describe(Holder.of(proc.pid, job_id))
-        job_record.add_job(rd, job_id, "local", recipe.name)
+        job_record.add_job(rd, job_id, LocalExecutor.cluster, recipe.name)
         register_job(job_id, rd.path)  # so `vlmrun status|logs|requeue local-<pid>` find the run
+    except BaseException:
+        proc.kill()  # it waits for the pipe below: a job we could not record never begins
+        proc.wait()
+        raise
     finally:
         os.close(recorded_w)  # the node begins its attempt now
     return proc, job_id
@@ -148,7 +253,7 @@ def _result(rd: RunDirectory, job_id: str, code: int, killed: bool, echo) -> Sub
         exit_code = code
     else:
         exit_code = EXIT_FAILED
-    return SubmitResult(rd.path, "local", False, job_id=job_id, state=state.value, exit_code=exit_code)
+    return SubmitResult(rd.path, LocalExecutor.cluster, False, job_id=job_id, state=state.value, exit_code=exit_code)
 
 
 def _say(message: str) -> None:

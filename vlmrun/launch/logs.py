@@ -1,8 +1,9 @@
 """`vlmrun logs`: the lines of one attempt of a run, optionally followed while the job writes.
 
-SLURM runs: submitit writes one file per task and job id, appended across restarts; each attempt
-starts with the attempt marker (run/logs.py) carrying its SLURM_RESTART_COUNT, so an attempt is the
-slice between two markers. Local runs keep `logs/attempt-<N>.log`.
+The run's executor says where an attempt logs (launch/executor.py `attempt_log`). SLURM runs:
+submitit writes one file per task and job id, appended across restarts; each attempt starts with the
+attempt marker (run/logs.py) carrying its SLURM_RESTART_COUNT, so an attempt is the slice between two
+markers. Local runs keep `logs/attempt-<N>.log`.
 """
 
 from __future__ import annotations
@@ -12,10 +13,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from vlmrun.errors import InputError
-from vlmrun.launch.slurm.queries import is_live
-from vlmrun.launch.targets import find_run
+from vlmrun.launch.targets import executor_of, find_run
 from vlmrun.run import job as job_record
-from vlmrun.run.directory import RunDirectory
 from vlmrun.run.logs import attempt_slice
 
 
@@ -31,23 +30,12 @@ def logs(target: str, attempt: int | None = None, follow: bool = False, *, poll_
             f"this run has attempts 0..{len(attempts) - 1}" if attempts else "this run has not started an attempt yet",
         )
     index = (attempt if attempt is not None else -1) % len(attempts) if attempts else 0
-    if job is None or job.cluster != "slurm":
-        yield from _read_lines(rd.attempt_log(index), follow, lambda: _running_here(rd), poll_s)
-        return
-    chosen_id, restart = (attempts[index].job_id, attempts[index].restart_count) if attempts else (job_id, 0)
-    path = rd.task_log(chosen_id)
-    live = lambda: is_live(chosen_id)  # noqa: E731
-    lines = _read_lines(path, follow, live, poll_s)
-    if attempt is None and follow:
-        yield from lines
+    source = executor_of(job).attempt_log(rd, job, index, job_id)
+    lines = _read_lines(source.path, follow, source.live, poll_s)
+    if source.marker is None or (attempt is None and follow):
+        yield from lines  # the file is the attempt's own, or following the job through its restarts
     else:
-        yield from attempt_slice(lines, chosen_id, restart)
-
-
-def _running_here(rd: RunDirectory) -> bool:
-    """True while a local attempt of `rd` runs on this host."""
-    job = job_record.read_job(rd)
-    return job is not None and job_record.running_pid(job) is not None
+        yield from attempt_slice(lines, *source.marker)
 
 
 def _read_lines(path: Path, follow: bool, alive, poll_s: float) -> Iterator[str]:

@@ -10,6 +10,8 @@
    `field: old -> new`. The job repeats the check against the checkpoint it verified.
 3. A COMPLETED run whose checkpoints reached its planned steps has nothing to do: said, exit 0,
    nothing started or recorded.
+4. The new attempt runs where the run ran (job.json's `cluster`, launch/executor.py). A run dir
+   that was never submitted (no job.json) runs where `submit --cluster auto` would put it.
 """
 
 from __future__ import annotations
@@ -20,10 +22,8 @@ from vlmrun.algorithms.common.checkpoint import CheckpointStore
 from vlmrun.cluster.preflight import preflight_run
 from vlmrun.config.identity import RESHARD_TERMS, RESHARDABLE, check_same_identity
 from vlmrun.errors import InputError
-from vlmrun.launch.local import start_local
 from vlmrun.launch.result import SubmitResult
-from vlmrun.launch.slurm.queries import is_live
-from vlmrun.launch.targets import find_run
+from vlmrun.launch.targets import executor_of, find_run, resolve_cluster
 from vlmrun.run import job as job_record
 from vlmrun.run.directory import check_recipe, dump_recipe, write_atomic
 from vlmrun.run.lock import RunLock, RunLocked, live_holder
@@ -55,18 +55,10 @@ def resume_run(
 
     rd, last_job = find_run(target)
     job = job_record.read_job(rd)
-    slurm = job is not None and job.cluster == "slurm"
-    if slurm and last_job and is_live(str(last_job)):
-        raise InputError(
-            "JOBID|RUN_DIR",
-            target,
-            message=f"job {last_job} of {rd.path} is still in the queue; "
-            f"wait for it or `vlmrun cancel {last_job}` before resuming",
-        )
+    if job is not None:
+        executor_of(job).refuse_while_live(rd, job, last_job, target)
     if (holder := live_holder(rd.path)) is not None:
         raise RunLocked(rd.path, holder)
-    if job is not None and not slurm and (pid := job_record.running_pid(job)) is not None:
-        raise InputError("RUN_DIR", target, message=f"{target} is still running (pid {pid}); stop it before resuming")
     raw = rd.recipe_data()
     was_restarting = bool((raw.get("checkpoint") or {}).get("restart_data_order", False))
     resumable = RESUMABLE + (RESHARDABLE if restart_data_order else ())
@@ -97,20 +89,29 @@ def resume_run(
                 f"{rd.path} completed all {done} steps: nothing to do; raise train.max_steps (or train.epochs) to train on"
             )
         return SubmitResult(rd.path, job.cluster, False, job_id=last_job, state=State.COMPLETED.value)
-    preflight_run(recipe, runs_here=not slurm)
+    executor = executor_of(job) if job is not None else _unsubmitted_executor(rd)
+    preflight_run(recipe, runs_here=executor.runs_here)
     lock = RunLock.acquire(rd.path)  # before our first write: one attempt per run dir (exit 2 naming the holder)
     try:
         if overrides or restart_data_order != was_restarting:
             write_atomic(rd.recipe_file, dump_recipe(recipe))
-        if slurm:
-            from vlmrun.launch.slurm.submit import resume_slurm
-
-            with lock:  # released once the job is recorded, before SLURM may start it (node 0 takes it)
-                return resume_slurm(rd, recipe, wait=wait, lock=lock, echo=echo)
+        return executor.resume(rd, recipe, wait=wait, lock=lock, echo=echo)
     except BaseException:
         lock.release()
         raise
-    return start_local(rd, recipe, wait=wait, lock=lock, echo=echo)
+
+
+def _unsubmitted_executor(rd):
+    """Where a run dir that was never submitted (no job.json) runs: where `submit --cluster auto` would."""
+    try:
+        return resolve_cluster("auto")
+    except InputError as e:
+        raise InputError(
+            "RUN_DIR",
+            str(rd.path),
+            message=f"{rd.path} was never submitted (no job.json), so it runs where --cluster auto puts it: {e}; "
+            f"to run it on this machine, submit its recipe anew: vlmrun submit {rd.recipe_file} --cluster local",
+        ) from None
 
 
 def check_resumable(rd, recipe) -> None:

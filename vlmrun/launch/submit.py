@@ -1,7 +1,15 @@
-"""`vlmrun submit`: validate the recipe, then hand the run to the executor the user chose."""
+"""`vlmrun submit`: validate the recipe, then hand the run to the executor the user chose.
+
+A submit that fails before job.json records its job (sbatch refused it, the controller went away,
+the node could not start) leaves no trace: what it made in the run dir is removed, and a run dir it
+created goes. (A run dir that an older version left that way, recipe.yaml without job.json, is
+refused here like any run; `vlmrun status` and `vlmrun resume` know it as never submitted.)
+"""
 
 from __future__ import annotations
 
+import contextlib
+import os
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -9,19 +17,10 @@ from pathlib import Path
 from vlmrun.cluster.preflight import preflight_run
 from vlmrun.errors import InputError
 from vlmrun.launch.result import SubmitResult
+from vlmrun.launch.targets import resolve_cluster
 from vlmrun.models.fit import check_memory_fit
-from vlmrun.run.directory import RunDirectory, check_recipe, default_run_dir, dump_recipe
-from vlmrun.run.lock import RunLock, RunLocked, live_holder
-
-CLUSTERS = ("auto", "slurm", "local")
-
-
-def resolve_cluster(cluster: str) -> str:
-    if cluster not in CLUSTERS:
-        raise InputError("--cluster", cluster, f"choose one of {', '.join(CLUSTERS)}")
-    if cluster == "auto":
-        return "slurm" if shutil.which("sbatch") else "local"
-    return cluster
+from vlmrun.run.directory import RunDirectory, check_recipe, default_run_dir
+from vlmrun.run.lock import RunLocked, live_holder
 
 
 def submit_run(
@@ -37,15 +36,16 @@ def submit_run(
     """Validate everything first, so a bad recipe or argument starts and submits nothing.
 
     Raises InputError (before a run dir is created or data generated) for a bad recipe, argument, a
-    missing model or data set, too few GPUs on this machine for a local run (cluster/preflight.py), or
-    a GPU recipe whose memory estimate exceeds cluster.gpu_memory_gb (models/fit.py). The estimate
-    rides on the result (`memory`); its warning (within 10% of the limit) goes to `echo` before a run.
+    missing model or data set, too few GPUs on this machine for a local run (cluster/preflight.py), a
+    GPU recipe whose memory estimate exceeds cluster.gpu_memory_gb (models/fit.py), or a SLURM whose
+    controller does not answer. The estimate rides on the result (`memory`); its warning (within 10%
+    of the limit) goes to `echo` before a run.
     """
     from vlmrun.config.load import load_recipe
 
     recipe = load_recipe(recipe_path, overrides)
     check_recipe(recipe)  # before the lock makes the run dir: a refused recipe leaves nothing behind
-    chosen = resolve_cluster(cluster)
+    executor = resolve_cluster(cluster)
     rd = RunDirectory(run_dir or default_run_dir(recipe.name))
     if (holder := live_holder(rd.path)) is not None:
         raise RunLocked(rd.path, holder)
@@ -53,30 +53,35 @@ def submit_run(
         raise InputError(
             "--run-dir",
             str(rd.path),
-            f"already holds a run; continue it with `vlmrun resume {rd.path}` or choose another --run-dir",
+            f"already holds a run{'' if rd.job_file.exists() else ' (never submitted: no job.json)'}; "
+            f"continue it with `vlmrun resume {rd.path}` or choose another --run-dir",
         )
     memory = check_memory_fit(recipe)  # before preflight: a layout that cannot fit, wherever the weights are
-    preflight_run(recipe, runs_here=chosen == "local")  # a dry run reports the same errors as a submit
-    if memory.warning and echo is not None and not dry_run:
-        echo(f"warning: {memory.warning}")
-    if chosen == "slurm":
-        from vlmrun.launch.slurm.submit import submit_slurm
-
-        result = submit_slurm(rd, recipe, dry_run=dry_run, wait=wait, echo=echo)
-        if dry_run:
-            result.script, result.rendered = result.rendered, dump_recipe(recipe)
-        result.memory = memory
-        return result
+    preflight_run(recipe, runs_here=executor.runs_here)  # a dry run reports the same errors as a submit
     if dry_run:
-        return SubmitResult(rd.path, chosen, True, rendered=dump_recipe(recipe), memory=memory)
-    from vlmrun.launch.local import start_local
-
-    lock = RunLock.acquire(rd.path)  # before our first write: one attempt per run dir (exit 2 naming the holder)
-    try:
-        rd.create(recipe)
-    except BaseException:
-        lock.release()
-        raise
-    result = start_local(rd, recipe, wait=wait, lock=lock, echo=echo)
+        result = executor.dry_run(rd, recipe, echo=echo)
+    else:
+        if memory.warning and echo is not None:
+            echo(f"warning: {memory.warning}")
+        with _undone_unless_recorded(rd):
+            result = executor.submit(rd, recipe, wait=wait, echo=echo)
     result.memory = memory
     return result
+
+
+@contextlib.contextmanager
+def _undone_unless_recorded(rd: RunDirectory):
+    """Removes what the block wrote into `rd` (all of `rd` when it made it) when the block fails
+    before job.json exists: no job was recorded, so nothing may refer to the run dir."""
+    existed = rd.path.exists()
+    before = set(os.listdir(rd.path)) if existed else set()
+    try:
+        yield
+    except BaseException:
+        if not existed:
+            shutil.rmtree(rd.path, ignore_errors=True)
+        elif not rd.job_file.exists():
+            for name in set(os.listdir(rd.path)) - before:
+                path = rd.path / name
+                shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
+        raise

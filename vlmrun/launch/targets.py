@@ -1,17 +1,59 @@
-"""What a user's JOBID|RUN_DIR argument names: a run directory, a registered job id, or a job SLURM knows."""
+"""What a user's arguments name: the run (JOBID|RUN_DIR: a run directory, a registered job id, or a job
+SLURM knows) and its executor (the run's own, from job.json; `--cluster` for a new run)."""
 
 from __future__ import annotations
 
 import re
+import shutil
 from pathlib import Path
 
 from vlmrun.errors import InputError
+from vlmrun.launch.executor import Executor
 from vlmrun.launch.registry import jobs_dir, registered_run
 from vlmrun.launch.slurm import queries
+from vlmrun.launch.slurm.preflight import CONTROLLER_HINT, controller_problem
 from vlmrun.run.directory import RunDirectory
-from vlmrun.run.job import read_job
+from vlmrun.run.job import JobRecord, read_job
 
 _JOB_ID = re.compile(r"^\d+(_\d+)?$")
+CLUSTERS = ("auto", "slurm", "local")
+
+
+def executor_for(cluster: str) -> Executor:
+    """The executor of `cluster` ("local" or "slurm", as job.json spells it): the one place that maps
+    the name to the executor (launch/executor.py)."""
+    if cluster == "slurm":
+        from vlmrun.launch.slurm.executor import SlurmExecutor
+
+        return SlurmExecutor()
+    from vlmrun.launch.local import LocalExecutor
+
+    return LocalExecutor()
+
+
+def executor_of(job: JobRecord | None) -> Executor:
+    """The executor that runs the jobs of the run `job` records (a run without job.json has no job
+    anywhere but, at most, a local one starting: the local executor finds it by the run lock)."""
+    return executor_for(job.cluster if job is not None else "local")
+
+
+def resolve_cluster(cluster: str) -> Executor:
+    """The executor `--cluster` names. `auto`: SLURM when `sbatch` is on PATH, this machine otherwise;
+    a SLURM whose controller does not answer is an InputError (exit 2), never a job on this machine."""
+    if cluster not in CLUSTERS:
+        raise InputError("--cluster", cluster, f"choose one of {', '.join(CLUSTERS)}")
+    if cluster != "auto":
+        return executor_for(cluster)
+    if not shutil.which("sbatch"):
+        return executor_for("local")
+    if (problem := controller_problem()) is not None:
+        raise InputError(
+            "--cluster",
+            cluster,
+            message=f"--cluster auto: sbatch is on PATH but the SLURM controller does not answer ({problem}); "
+            f"{CONTROLLER_HINT}",
+        )
+    return executor_for("slurm")
 
 
 def find_run(target: str) -> tuple[RunDirectory, str | None]:

@@ -24,11 +24,14 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_serial
 from vlmrun.errors import InputError, short_repr
 from vlmrun.run.directory import RunDirectory, write_atomic
 from vlmrun.run.outcome import RunOutcome
+from vlmrun.run.process import process_alive, start_time
 from vlmrun.run.state import State
 
 FORMAT = 2  # 1: no `format` key and no `stop_signal`; 2: `stop_signal` recorded by the node
 
 RequeueCause = Literal["timeout", "preemption", "requested"]
+# the reason of an attempt found dead by someone who cannot know why (its reaper, the next attempt)
+KILLED_REASON = "ended without recording an outcome (killed: SIGKILL, out of memory or node loss)"
 
 
 def now() -> str:
@@ -56,6 +59,7 @@ class Attempt(_Record):
     job_id: str
     restart_count: int = 0
     pid: int | None = None
+    pid_start: int | None = None  # the pid's process start time (run/process.py): a reused pid differs
     host: str | None = None
     started: str | None = None
     ended: str | None = None
@@ -155,12 +159,18 @@ def next_attempt(rd: RunDirectory) -> int:
 
 
 def add_job(rd: RunDirectory, job_id: str, cluster: Literal["local", "slurm"], name: str) -> JobRecord:
-    """Record a submitted job: its id joins the lineage, the run is PENDING (creates job.json if needed)."""
+    """Record a submitted job: its id joins the lineage, the run is PENDING (creates job.json if needed).
+
+    The run's reason becomes the submit's own: what the previous attempt said is that attempt's."""
     job = read_job(rd) or JobRecord(cluster=cluster, name=name)
     if job_id not in job.job_ids:
         job.job_ids.append(job_id)
-    job.state = State.PENDING
-    job.submits.append(Submit(job_id=job_id, time=now()))
+    submitted = Submit(job_id=job_id, time=now())
+    job.state, job.reason = (
+        State.PENDING,
+        f"job {job_id} submitted {submitted.time}; attempt {len(job.attempts)} not begun",
+    )
+    job.submits.append(submitted)
     write_job(rd, job)
     return job
 
@@ -169,26 +179,31 @@ def begin_attempt(rd: RunDirectory, job_id: str, restart_count: int, pid: int | 
     """Record the start of an attempt on this host; returns its index (the `attempt` of metrics rows).
 
     An earlier attempt still RUNNING never recorded its end (SIGKILL, node loss): it becomes KILLED.
+    The run's reason becomes this attempt's (RUNNING since when, where), not the previous one's.
     """
     job = read_job(rd) or JobRecord(cluster="local", name=rd.path.name)
     for a in job.attempts:
         if a.state is State.RUNNING:
-            a.state, a.ended, a.reason = State.KILLED, a.ended or now(), "ended without recording an outcome"
+            a.state, a.ended, a.reason = State.KILLED, a.ended or now(), KILLED_REASON
     index = len(job.attempts)
-    job.attempts.append(
-        Attempt(
-            attempt=index,
-            job_id=job_id,
-            restart_count=restart_count,
-            pid=pid or os.getpid(),
-            host=os.uname().nodename,
-            started=now(),
-            state=State.RUNNING,
-        )
+    pid = pid or os.getpid()
+    attempt = Attempt(
+        attempt=index,
+        job_id=job_id,
+        restart_count=restart_count,
+        pid=pid,
+        pid_start=start_time(pid),
+        host=os.uname().nodename,
+        started=now(),
+        state=State.RUNNING,
     )
+    job.attempts.append(attempt)
     if job_id not in job.job_ids:
         job.job_ids.append(job_id)
     job.state = State.RUNNING
+    job.reason = (
+        f"attempt {index} running since {attempt.started} on {attempt.host} (job {job_id}, restart {restart_count})"
+    )
     write_job(rd, job)
     return index
 
@@ -219,28 +234,41 @@ def fail_attempt(rd: RunDirectory, index: int, reason: str) -> None:
     write_job(rd, job)
 
 
-def mark_killed(rd: RunDirectory, job_id: str, pid: int | None = None) -> bool:
+def mark_killed(rd: RunDirectory, job_id: str, pid: int | None = None, *, reason: str = KILLED_REASON) -> bool:
     """Record that job `job_id` ended without recording an outcome (SIGKILL, OOM, node loss).
 
     Its attempts still RUNNING (only the one of `pid`, when given) become KILLED, and so does the run
-    when that job is its last and it has not recorded an end. Returns whether anything changed. The
-    caller holds the run lock (run/lock.py), so no new attempt begins meanwhile.
+    when that job is its last and it has not recorded an end. A `reason` that knows more (`vlmrun
+    cancel` killed it) also replaces the generic one of an attempt someone already found dead (its
+    reaper). Returns whether anything changed. The caller holds the run lock (run/lock.py), so no
+    new attempt begins meanwhile.
     """
     job = read_job(rd)
     if job is None:
         return False
-    reason = "ended without recording an outcome (killed: SIGKILL, out of memory or node loss)"
     changed = False
     for a in job.attempts:
-        if a.job_id == str(job_id) and a.state is State.RUNNING and (pid is None or a.pid == pid):
-            a.state, a.ended, a.reason = State.KILLED, now(), reason
+        if a.job_id == str(job_id) and _unrecorded(a, reason) and (pid is None or a.pid == pid):
+            a.state, a.ended, a.reason = State.KILLED, a.ended or now(), reason
             changed = True
-    if job.job_ids and job.job_ids[-1] == str(job_id) and job.state in (State.PENDING, State.RUNNING):
+    last = bool(job.job_ids) and job.job_ids[-1] == str(job_id)
+    if last and (job.state in (State.PENDING, State.RUNNING) or (changed and job.state is State.KILLED)):
         job.state, job.reason = State.KILLED, reason if changed else "ended before it began an attempt (killed)"
         changed = True
     if changed:
         write_job(rd, job)
     return changed
+
+
+def began_unrecorded(job: JobRecord, job_id: str) -> bool:
+    """True when an attempt of `job_id` began and never recorded how it ended (RUNNING, or KILLED by
+    whoever found it dead)."""
+    return any(a.job_id == str(job_id) and _unrecorded(a, None) for a in job.attempts)
+
+
+def _unrecorded(a: Attempt, reason: str | None) -> bool:
+    """RUNNING, or KILLED with the generic reason (`reason`, when it says more, may replace it)."""
+    return a.state is State.RUNNING or (a.state is State.KILLED and a.reason == KILLED_REASON and reason != a.reason)
 
 
 def note_attempt(rd: RunDirectory, index: int, notice: str) -> None:
@@ -258,29 +286,13 @@ def set_run_state(rd: RunDirectory, state: State, reason: str) -> None:
     write_job(rd, job)
 
 
-def running_pid(job: JobRecord) -> int | None:
-    """The pid of an attempt recorded RUNNING on this host whose process is still alive, else None."""
+def running_attempt(job: JobRecord) -> Attempt | None:
+    """The newest attempt recorded RUNNING on this host whose process still runs (the very process
+    recorded, not one that got its pid later), else None."""
     for a in reversed(job.attempts):
-        if a.state is State.RUNNING and a.host == os.uname().nodename and process_alive(a.pid):
-            return a.pid
+        if a.state is State.RUNNING and a.host == os.uname().nodename and process_alive(a.pid, a.pid_start):
+            return a
     return None
-
-
-def process_alive(pid: int | None) -> bool:
-    """True while process `pid` exists on this host and is not a zombie."""
-    if not pid:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(")")[-1].split()[0] != "Z"
-    except OSError:
-        return True
 
 
 _SIGNAL_IN_REASON = re.compile(r"\((SIG[A-Z0-9]+)\)")

@@ -15,9 +15,10 @@ import subprocess
 from pathlib import Path
 
 from vlmrun.errors import InputError
-from vlmrun.launch.slurm.queries import parse_scontrol_job, parse_sinfo, run_tool
+from vlmrun.launch.slurm.queries import controller_unreachable, parse_ping, parse_scontrol_job, parse_sinfo, run_tool
 
 NODE_LOCAL = ("/tmp", "/var/tmp", "/dev/shm")
+CONTROLLER_HINT = "start slurmctld (or point SLURM_CONF at the cluster's), or run on this machine with --cluster local"
 
 
 def preflight(run_dir: Path, recipe) -> list[str]:
@@ -28,6 +29,12 @@ def preflight(run_dir: Path, recipe) -> list[str]:
             raise InputError(
                 "--cluster", "slurm", f"`{tool}` is not on PATH: run on a SLURM login node or use --cluster local"
             )
+    if (problem := controller_problem()) is not None:
+        raise InputError(
+            "--cluster",
+            "slurm",
+            message=f"--cluster slurm: the SLURM controller does not answer ({problem}); {CONTROLLER_HINT}",
+        )
     nodes = partition_nodes(c.partition)
     if nodes is None:
         return ["sinfo did not answer: the recipe was not checked against the partition"]
@@ -35,9 +42,19 @@ def preflight(run_dir: Path, recipe) -> list[str]:
     return check_nodes_see_run_dir(run_dir, c.nodes, nodes)
 
 
+def controller_problem() -> str | None:
+    """None when the SLURM controller answers `scontrol ping`, else what scontrol said (one line).
+
+    Fast either way when the controller's port refuses (sbatch, squeue and sinfo retry for ~10 s first)."""
+    rc, out, err = run_tool(["scontrol", "ping"], timeout=30)
+    return parse_ping(rc, out + err)
+
+
 def partition_nodes(partition: str | None) -> list[dict] | None:
     """The nodes of `partition` (default: the default partition) from sinfo + scontrol; None if sinfo fails."""
-    rc, out, _ = run_tool(["sinfo", "-h", "-N", "-o", "%N|%P|%c|%m|%G|%l"])
+    rc, out, err = run_tool(["sinfo", "-h", "-N", "-o", "%N|%P|%c|%m|%G|%l"])
+    if rc != 0 and controller_unreachable(err):
+        raise InputError("--cluster", "slurm", message=f"--cluster slurm: {' '.join(err.split())}; {CONTROLLER_HINT}")
     if rc != 0:
         return None
     rows = parse_sinfo(out)

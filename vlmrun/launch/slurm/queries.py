@@ -22,6 +22,21 @@ def run_tool(cmd: list[str], timeout: float = 30) -> tuple[int, str, str]:
 
 
 SQUEUE_FORMAT = "%i|%T|%r|%M|%l|%N"
+# what every SLURM client prints when slurmctld does not answer (sbatch, squeue, sinfo, scontrol)
+_UNREACHABLE = ("Unable to contact slurm controller", "Socket timed out on send/recv")
+
+
+def controller_unreachable(text: str) -> bool:
+    """True when a SLURM command's output says it could not reach the controller."""
+    return any(s.casefold() in text.casefold() for s in _UNREACHABLE)
+
+
+def parse_ping(rc: int, text: str) -> str | None:
+    """`scontrol ping` -> None when a controller answers ('... is UP'), else what it said, in one line."""
+    if " is UP" in text:
+        return None
+    said = " ".join(line.strip() for line in text.splitlines() if line.strip() and not line.lstrip().startswith("*"))
+    return said or f"scontrol ping exited {rc} without a word"
 
 
 def parse_squeue(text: str) -> dict[str, dict]:

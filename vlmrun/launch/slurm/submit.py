@@ -1,10 +1,12 @@
 """`vlmrun submit --cluster slurm`: check, render and submit a run with submitit; optionally wait for it.
 
 1. Before anything is submitted: the values are safe for the script (slurm_render.check_shell_safety),
-   `sbatch`/`srun`/`scontrol`/`squeue` exist, the recipe fits the partition where `sinfo` can tell
-   (nodes, CPUs, GPUs, memory, time), multi-node runs have a run dir the nodes can see and nodes with
-   addresses of their own. A misfit is an InputError naming the field (exit 2); nothing is submitted.
-2. `--dry-run` returns the exact sbatch script (SubmitResult.rendered), creates and submits nothing.
+   `sbatch`/`srun`/`scontrol`/`squeue` exist, the controller answers, the recipe fits the partition
+   where `sinfo` can tell (nodes, CPUs, GPUs, memory, time), multi-node runs have a run dir the nodes
+   can see and nodes with addresses of their own. A misfit is an InputError naming the field (exit 2);
+   nothing is submitted. So is an sbatch that fails (the controller went away, the job was refused):
+   its message, in one line, exit 2.
+2. `--dry-run` returns the exact sbatch script (launch/slurm/executor.py), creates and submits nothing.
 3. The submitted function is `NodeEntrypoint(run_dir)` (slurm_entry.py): every node runs the node
    entrypoint in-process; node 0 decides about requeues after the driver stopped.
 4. The job is submitted held (`sbatch --hold`), recorded in job.json (`add_job`) and in the job
@@ -19,12 +21,13 @@ import subprocess
 import time
 from collections.abc import Callable
 
+from vlmrun.cluster import submitit_api
 from vlmrun.errors import InputError
 from vlmrun.launch.registry import register_job
 from vlmrun.launch.result import SubmitResult
-from vlmrun.launch.slurm.preflight import preflight, signal_delay_warnings
-from vlmrun.launch.slurm.queries import is_live, queue_state, run_tool, slurm_state
-from vlmrun.launch.slurm.render import check_shell_safety, make_executor, render_script
+from vlmrun.launch.slurm.preflight import CONTROLLER_HINT, preflight, signal_delay_warnings
+from vlmrun.launch.slurm.queries import controller_unreachable, is_live, queue_state, run_tool, slurm_state
+from vlmrun.launch.slurm.render import check_shell_safety, make_executor
 from vlmrun.run import job as job_record
 from vlmrun.run.directory import RunDirectory
 from vlmrun.run.lock import RunLock
@@ -39,7 +42,6 @@ def submit_slurm(
     rd: RunDirectory,
     recipe,
     *,
-    dry_run: bool,
     wait: bool,
     echo: Callable[[str], None] | None = None,
     entrypoint: Callable[[], int] | None = None,
@@ -49,38 +51,59 @@ def submit_slurm(
     """Submit `recipe` as a SLURM job writing into `rd` (created here when it does not exist yet).
 
     `entrypoint` replaces NodeEntrypoint(rd.path) (tests submit trivial payloads). Raises InputError
-    before submitting anything when the run cannot work on this cluster. `lock`, the run lock the
-    caller holds, is released once the job is recorded and before SLURM may start it (node 0 takes it).
+    before submitting anything when the run cannot work on this cluster, and when sbatch fails. `lock`,
+    the run lock the caller holds, is released once the job is recorded and before SLURM may start it
+    (node 0 takes it).
     """
     from vlmrun.cluster.slurm_entry import NodeEntrypoint
 
     say = echo or (lambda _msg: None)
     check_shell_safety(recipe, rd.path)
-    for warning in signal_delay_warnings(recipe):
-        log.warning("%s", warning)
-        say(f"warning: {warning}")
-    if dry_run:
-        return SubmitResult(rd.path, "slurm", True, rendered=render_script(rd.path, recipe))
+    warn_signal_delay(recipe, echo)
     for warning in preflight(rd.path, recipe):
         log.warning("%s", warning)
         say(f"warning: {warning}")
     if not rd.exists():
         rd.create(recipe)
     executor = make_executor(rd.path, recipe)
-    job = executor.submit(entrypoint or NodeEntrypoint(str(rd.path)))  # held until recorded
     try:
-        job_record.add_job(rd, job.job_id, "slurm", recipe.name)
-        register_job(job.job_id, rd.path)
+        job_id = submitit_api.submit_held(executor, entrypoint or NodeEntrypoint(str(rd.path)))
+    except submitit_api.SbatchFailed as e:
+        raise _sbatch_failed(str(e)) from None
+    try:
+        job_record.add_job(rd, job_id, "slurm", recipe.name)
+        register_job(job_id, rd.path)
         if lock is not None:
             lock.release()
-        subprocess.run(["scontrol", "release", job.job_id], check=True, capture_output=True, text=True, timeout=60)
+        subprocess.run(["scontrol", "release", job_id], check=True, capture_output=True, text=True, timeout=60)
     except BaseException:
-        run_tool(["scancel", job.job_id])
+        run_tool(["scancel", job_id])
         raise
-    say(f"submitted job {job.job_id}; run dir {rd.path}\nfollow it with: vlmrun logs {job.job_id} -f")
+    say(f"submitted job {job_id}; run dir {rd.path}\nfollow it with: vlmrun logs {job_id} -f")
     if not wait:
-        return SubmitResult(rd.path, "slurm", False, job_id=job.job_id, state=State.PENDING.value)
-    return wait_for_job(rd, job.job_id, echo=echo, poll_s=poll_s)
+        return SubmitResult(rd.path, "slurm", False, job_id=job_id, state=State.PENDING.value)
+    return wait_for_job(rd, job_id, echo=echo, poll_s=poll_s)
+
+
+def warn_signal_delay(recipe, echo: Callable[[str], None] | None) -> None:
+    """Log and echo the warnings about cluster.signal_delay_s (preflight.signal_delay_warnings)."""
+    for warning in signal_delay_warnings(recipe):
+        log.warning("%s", warning)
+        if echo is not None:
+            echo(f"warning: {warning}")
+
+
+def _sbatch_failed(message: str) -> InputError:
+    """sbatch's failure as bad input (exit 2): a controller it cannot reach, or a job it refused."""
+    first = " ".join(message.split())
+    if controller_unreachable(message):
+        return InputError("--cluster", "slurm", message=f"--cluster slurm: sbatch failed: {first}; {CONTROLLER_HINT}")
+    return InputError(
+        "cluster",
+        None,
+        message=f"sbatch refused the job: {first}; check the recipe's cluster section "
+        "(partition, account, qos, nodes, mem_gb, extra_sbatch_args)",
+    )
 
 
 def resume_slurm(rd: RunDirectory, recipe, *, wait: bool, lock: RunLock, echo: Callable[[str], None] | None = None):
@@ -91,15 +114,19 @@ def resume_slurm(rd: RunDirectory, recipe, *, wait: bool, lock: RunLock, echo: C
     first one's job in job.json and in the queue.
     """
     job = job_record.read_job(rd)
-    last = job.job_ids[-1] if job and job.job_ids else None
-    if last and not str(last).startswith("local-") and is_live(str(last)):
+    refuse_queued(rd, job.job_ids[-1] if job and job.job_ids else None, str(rd.path))
+    return submit_slurm(rd, recipe, wait=wait, echo=echo, lock=lock)
+
+
+def refuse_queued(rd: RunDirectory, job_id: str | None, target: str) -> None:
+    """Raise InputError (naming `target`) while job `job_id` of the run is still in the queue."""
+    if job_id and is_live(str(job_id)):
         raise InputError(
-            "RUN_DIR",
-            str(rd.path),
-            message=f"job {last} of {rd.path} is still in the queue; "
-            f"wait for it or `vlmrun cancel {last}` before resuming",
+            "JOBID|RUN_DIR",
+            target,
+            message=f"job {job_id} of {rd.path} is still in the queue; "
+            f"wait for it or `vlmrun cancel {job_id}` before resuming",
         )
-    return submit_slurm(rd, recipe, dry_run=False, wait=wait, echo=echo, lock=lock)
 
 
 def wait_for_job(rd: RunDirectory, job_id: str, *, echo: Callable[[str], None] | None = None, poll_s: float = 2.0):
@@ -138,6 +165,3 @@ def wait_for_job(rd: RunDirectory, job_id: str, *, echo: Callable[[str], None] |
     return SubmitResult(
         rd.path, "slurm", False, job_id=job_id, state=state.value, exit_code=_EXIT.get(state, EXIT_FAILED)
     )
-
-
-# ---------------------------------------------------------------- checks before submitting
