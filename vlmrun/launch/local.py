@@ -67,9 +67,11 @@ class LocalExecutor(Executor):
         return start_local(rd, recipe, wait=wait, lock=lock, echo=echo)
 
     def refuse_while_live(self, rd: RunDirectory, job, job_id, target: str) -> None:
-        if (node := running_node(rd, job)) is not None:
+        if (holder := live_holder(rd.path)) is not None:
+            raise RunLocked(rd.path, holder)  # names the holder: pid, host, job id, how to cancel it
+        if (attempt := job_record.running_attempt(job) if job else None) is not None:
             raise InputError(
-                "RUN_DIR", target, message=f"{target} is still running (pid {node.pid}); stop it before resuming"
+                "RUN_DIR", target, message=f"{target} is still running (pid {attempt.pid}); stop it before resuming"
             )
 
     def state(self, rd: RunDirectory, job, job_id) -> dict:
