@@ -130,6 +130,20 @@ def stop_then_complete_main(argv: list[str]) -> int:
     return 3
 
 
+def stuck_main(argv: list[str]) -> int:
+    """Begins its attempt and never ends it: SIGTERM (scancel) does not stop it, only a kill does."""
+    import signal as signals
+
+    from vlmrun.run import job as job_record
+
+    signals.signal(signals.SIGTERM, signals.SIG_IGN)
+    rd = RunDirectory(argv[1])
+    job_record.begin_attempt(rd, os.environ["SLURM_JOB_ID"], int(os.environ.get("SLURM_RESTART_COUNT", 0)))
+    (rd.path / "ready").touch()
+    time.sleep(600)
+    return 0
+
+
 def ray_probe_main(argv: list[str]) -> int:
     from vlmrun.algorithms.common.stop import ignore_stop_signals
     from vlmrun.cluster.ray.allocation import probe_nodes, run_on_allocation
@@ -238,6 +252,25 @@ def test_requeue_gives_same_job_id_and_restart_count_1(cluster, tmp_path):
     first, second = list(launch_logs.logs(str(rd.path), attempt=0)), list(launch_logs.logs(str(rd.path), attempt=1))
     assert "restart=0" in first[0] and "restart=1" in second[0]  # both attempts kept in submitit's appended log
     print(f"requeue -> restarted and completed: {turnaround:.1f}s")
+
+
+@pytest.mark.parametrize(
+    "wait_s,how",
+    [
+        (1.0, "killed by `vlmrun cancel` (scancel --signal=KILL): it was still in the queue 1 s after scancel"),
+        (60.0, "ended without recording an outcome"),  # SLURM killed it itself, KillWait after scancel's SIGTERM
+    ],
+    ids=["cancel-kills", "slurm-kills"],
+)
+def test_a_job_that_cancel_could_not_stop_is_recorded_as_cancel_ended_it(cluster, tmp_path, wait_s, how):
+    rd = RunDirectory(tmp_path / "run")
+    result = submit(rd.path, recipe(), stuck_main, wait=False)
+    wait_for(lambda: (rd.path / "ready").exists(), 60, "the payload to start")
+    said = control.cancel(result.job_id, wait_s=wait_s, kill_wait_s=60)
+    job = read_job(rd)
+    assert not queries.is_live(result.job_id) and said["state"] == "KILLED" == job.state.value
+    assert how in said["reason"] and "`vlmrun cancel`" in said["reason"] and "out of memory" not in said["reason"]
+    assert job.attempts[-1].state is State.KILLED and job.attempts[-1].reason == said["reason"] == job.reason
 
 
 def test_preemption_beyond_the_budget_ends_budget_exhausted(cluster, tmp_path):
