@@ -76,7 +76,7 @@ class GrpoWorker(RankWorker):
     # ---- stages ----------------------------------------------------------------------------------
     def rollout(self, step: int, n_micro: int = 0, prompts: list | None = None) -> RolloutReport:
         """Stage 1. The driver path passes `prompts` (the replica's prompt micro-batches) and gets the
-        rollout back in "rows"; the plane paths take `n_micro` micro-batches from the owned loader."""
+        rollout back in the report's `rows`; the plane paths take `n_micro` micro-batches from the owned loader."""
         t0 = time.perf_counter()
         if prompts is None:
             prompts = [self.loader.next_batch() for _ in range(n_micro)]
