@@ -33,10 +33,18 @@ def _text_only_batch(tokenizer, rank: int):
 
 
 def _policy(recipe, rank: int, world: int, model_dir: str, layout: dict, port: int):
-    from vlmrun.policy.hf import HfPolicy
+    from vlmrun.models.spec import ModelSpec
+    from vlmrun.policy import open_policy
 
-    recipe = recipe.model_copy(update={"parallel": recipe.parallel.model_copy(update={"dp": world, **layout})})
-    policy = HfPolicy.from_recipe(recipe, rank=rank, world_size=world, model_dir=model_dir)
+    parallel = recipe.parallel.model_copy(update={"dp": world, **layout})
+    policy = open_policy(
+        recipe.model.backend,
+        model=ModelSpec(directory=model_dir, dtype=recipe.model.dtype),
+        rank=rank,
+        world_size=world,
+        train=recipe.train,
+        parallel=parallel,
+    )
     policy.setup(master_addr="127.0.0.1", master_port=port, max_steps=20)
     return policy
 
@@ -48,7 +56,9 @@ def _rank_main(rank, world, recipe, model_dir, batches, layout, port, out, all_t
     policy = _policy(recipe, rank, world, model_dir, layout, port)
     mine = batches[rank::world]
     if rank == 0:  # ranks take the same number of micro-batches (FSDP2 gathers per forward)
-        text = _text_only_batch(policy.tokenizer, rank)
+        from transformers import AutoTokenizer
+
+        text = _text_only_batch(AutoTokenizer.from_pretrained(model_dir), rank)
         mine = [text] * len(mine) if all_text else [*mine[:-1], text]
     rows = [policy.train_step(mine) for _ in range(STEPS)]
     weights = policy.weights_for_refit()

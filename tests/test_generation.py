@@ -12,10 +12,12 @@ from vlmrun.config.families import family_spec
 from vlmrun.data.chat_encoding import ConversationEncoder
 from vlmrun.data.cookers import cook_conversation
 from vlmrun.data.loader import load_processor
-from vlmrun.generation.hf import HfGenerator, hf_generation_group
-from vlmrun.generation.interface import SamplingParams
+from vlmrun.generation import open_generator
+from vlmrun.generation.group import GenerationGroup
+from vlmrun.generation.interface import GenerationBackend, SamplingParams
 from vlmrun.generation.prompts import select_prompts
 from vlmrun.generation.rollouts import Rollouts, response_mask
+from vlmrun.models.spec import ModelSpec
 from vlmrun.policy.loss import token_logprobs
 
 pytestmark = pytest.mark.slow  # tiny models generate: seconds per test on busy CPUs
@@ -42,8 +44,8 @@ def prompts(family, raw, tiny_dirs):
     return encoded, encoder.collate_prompts(encoded)
 
 
-def generator(model_dir: str, replica: int = 0) -> HfGenerator:
-    g = HfGenerator(model_dir=model_dir, replica=replica)
+def generator(model_dir: str, replica: int = 0) -> GenerationBackend:
+    g = open_generator("hf", model=ModelSpec(directory=model_dir), replica=replica)
     g.setup()
     return g
 
@@ -57,7 +59,7 @@ def same(a: Rollouts, b: Rollouts) -> bool:
     )
 
 
-def eos_leaning_weights(g: HfGenerator, batch) -> dict[str, torch.Tensor]:
+def eos_leaning_weights(g: GenerationBackend, batch) -> dict[str, torch.Tensor]:
     """The model's weights with the end-of-turn logit raised by ~4.5 on typical hidden states, so responses
     end at varied lengths (an untrained model almost never stops)."""
     head = next(m for name, m in g.model.named_modules() if name.endswith("lm_head"))
@@ -115,6 +117,17 @@ def test_greedy_and_a_tiny_top_p_equal_transformers_greedy(family, prompts, tiny
     for sampling in (SamplingParams(temperature=0, max_new_tokens=6), SamplingParams(top_p=1e-6, max_new_tokens=6)):
         got = g.generate(batch, sampling, n=1)
         assert torch.equal(got.response_ids, want.masked_fill(got.response_mask == 0, got.pad_token_id))
+
+
+def test_greedy_answers_between_samplings_leave_the_sampling_stream_as_it_was(family, prompts, tiny_dirs):
+    """Validation answers greedily between GRPO steps: the responses of the next step must not change."""
+    _, batch = prompts
+    plain, validated = generator(tiny_dirs[family]), generator(tiny_dirs[family])
+    plain.generate(batch, SAMPLING, n=2)
+    validated.generate(batch, SAMPLING, n=2)
+    validated.generate(batch, SamplingParams(temperature=0, max_new_tokens=4, seed=99), n=1)
+    assert validated.state_dict()["seed"] == SAMPLING.seed
+    assert same(plain.generate(batch, SAMPLING, n=2), validated.generate(batch, SAMPLING, n=2))
 
 
 def test_logprobs_equal_a_teacher_forced_forward(family, prompts, tiny_dirs):
@@ -185,7 +198,8 @@ def test_replicas_in_ray_actors_give_each_replicas_own_stream(family, prompts, t
     import ray
 
     _, batch = prompts
-    group = hf_generation_group(tiny_dirs[family], replicas=2)
+    init = {"model": ModelSpec(directory=tiny_dirs[family]), "threads": 1}
+    group = GenerationGroup("hf", lambda replica: dict(init, replica=replica), 2)
     try:
         assert group.setup()["image_token_id"] == generator(tiny_dirs[family]).image_token_id
         got = group.generate(batch, SAMPLING, n=2)

@@ -51,6 +51,8 @@ STABLE_KEYS = [
     # SFT runs the local plane only (transfer_queue is refused for it with a message, see below)
     ("data_plane.impl", "local", ["data_plane.impl=local"], "local"),
     ("data_plane.backend", "simple", ["data_plane.backend=simple"], "simple"),
+    ("model.backend", "hf", ["model.backend=hf"], "hf"),
+    ("generation.backend", "hf", ["generation.backend=hf"], "hf"),
 ]
 
 
@@ -101,6 +103,9 @@ def test_overrides_coerce_types():
         ("parallel.mixed_precision=bf16", "parallel.mixed_precision", "needs parallel.fsdp: true"),
         ("parallel.fsdp=maybe", "parallel.fsdp", "valid boolean"),
         ("parallel.cpu_offload=true", "parallel.cpu_offload", "needs GPUs"),
+        ("model.backend=megatron", "model.backend", "'hf'"),
+        ("generation.backend=vllm", "generation.backend", "'hf'"),
+        ("generation.engine=hf", "generation.engine", "valid keys are backend"),
     ],
 )
 def test_bad_values_name_field_value_and_allowed(override, field, words):

@@ -180,7 +180,7 @@ def node_dies_main(argv: list[str]) -> int:
 
     def driver(info):
         (rd / "driver.started").touch()
-        for _ in range(1200):  # a driver that polls, like run_sft's ray.wait loop
+        for _ in range(1200):  # a driver that polls, like run_controller's ray.wait loop
             time.sleep(0.25)
 
     try:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -17,8 +18,19 @@ from vlmrun.plane.interface import DataPlaneError, PartitionSpec
 from vlmrun.plane.local import LocalDataPlane
 from vlmrun.policy.lr_schedule import lr_factor
 from vlmrun.policy.rng import rng_state, seed_all, set_rng_state
+from vlmrun.run.rows import NUMBER_KEYS, GrpoStats, StepRow, Validation
 
 TINY = Path(__file__).resolve().parents[1] / "recipes" / "tiny-clevr-cpu.yaml"
+#: The keys of every SFT row, in the order users see them (docs/architecture.md, "The metrics log").
+SFT_KEYS = """step attempt epoch loss grad_norm lr valid_tokens consumed_samples sample_ids step_time_s
+loader_latency_max_s tokens_per_s samples_per_s peak_rss_mb time""".split()
+
+
+def step_row(**values) -> StepRow:
+    """A row with every common key; `values` override them (and may add `grpo`, `validation`)."""
+    base = dict(step=1, attempt=0, epoch=0, loss=1.0, grad_norm=0.5, lr=1e-3, valid_tokens=16, consumed_samples=8)
+    base |= dict(sample_ids=["a"], step_time_s=0.1, loader_latency_max_s=0.0, tokens_per_s=160.0, samples_per_s=80.0)
+    return StepRow(**(base | {"peak_rss_mb": 800.0} | values))
 
 
 def test_data_plane_one_write_per_field_then_clear():
@@ -80,13 +92,13 @@ def test_metrics_log_drops_a_torn_row_and_readers_take_latest_attempt(tmp_path):
 
     path = tmp_path / "metrics.jsonl"
     log = MetricsLog(path)
-    log.append({"step": 1, "attempt": 0, "loss": 2.0})
-    log.append({"step": 2, "attempt": 0, "loss": 1.5})
+    log.append(step_row(step=1, attempt=0, loss=2.0))
+    log.append(step_row(step=2, attempt=0, loss=1.5))
     with open(path, "a") as f:
         f.write('{"step": 3, "attempt": 0, "lo')  # killed mid-write
     log = MetricsLog(path)
-    log.append({"step": 2, "attempt": 1, "loss": 1.5})
-    log.append({"step": 3, "attempt": 1, "loss": 1.2})
+    log.append(step_row(step=2, attempt=1, loss=1.5))
+    log.append(step_row(step=3, attempt=1, loss=1.2))
     rows = [json.loads(line) for line in path.read_text().splitlines()]
     assert len(rows) == 4
     h = history(path)
@@ -104,3 +116,52 @@ def test_token_logprobs_sum_to_minus_nll():
     lp = token_logprobs(logits, labels)
     assert lp.shape == (2, 4) and float(lp[0, :2].abs().sum()) == 0.0
     assert torch.allclose(-lp.sum(), nll_sum(logits, labels))
+
+
+def test_a_step_row_writes_the_contracts_keys_and_grpo_and_validation_keys_inline(tmp_path):
+    from vlmrun.run.metrics import MetricsLog, history
+
+    grpo = GrpoStats(
+        **dict.fromkeys(
+            "reward accuracy format_rate probs_ratio_min probs_ratio_max kl token_mult_prob_error "
+            "sampling_importance_ratio gen_kl_error clip_fraction advantage_mean advantage_min advantage_max "
+            "response_length_mean time_rollout_s time_generation_s time_refit_s time_reward_s time_logprob_s "
+            "time_advantage_s time_train_s time_data_plane_s data_plane_fraction generation_tokens_per_s".split(),
+            0.5,
+        ),
+        accuracy_by_template={"count_all": 0.25},
+        plane_stage_s={"rollout": 0.01, "advantage_beside": 0.02},
+        response_length_max=7,
+        plane_bytes=1024,
+    )
+    validation = Validation(val_loss=0.7, val_accuracy=0.4, val_samples=8, val_tokens=16, val_majority_baseline=0.3)
+    sft = step_row().to_json()
+    assert list(sft) == SFT_KEYS
+    row = step_row(step=2, grpo=grpo).with_validation(validation).to_json()
+    assert list(row)[: len(SFT_KEYS) - 1] == SFT_KEYS[:-1]  # the common keys first, then GRPO's, time, validation's
+    assert row["accuracy/count_all"] == 0.25 and row["time_plane_advantage_beside_s"] == 0.02
+    assert "accuracy_by_template" not in row and "plane_stage_s" not in row and "grpo" not in row
+    assert (
+        row["plane_bytes"] == 1024
+        and row["val_loss"] == 0.7
+        and list(row)[-5:] == [f.name for f in dataclasses.fields(Validation)]
+    )
+    log = MetricsLog(tmp_path / "metrics.jsonl")
+    log.append(step_row())
+    log.append(step_row(step=2, grpo=grpo).with_validation(validation))
+    assert history(tmp_path / "metrics.jsonl")[2] == json.loads(json.dumps(row))
+
+
+def test_readers_check_every_number_the_row_type_declares(tmp_path):
+    from vlmrun.errors import InputError
+    from vlmrun.run.metrics import history
+
+    for key in ("loss", "reward", "plane_bytes", "val_tokens", "val_loss"):
+        assert key in NUMBER_KEYS
+    assert "sample_ids" not in NUMBER_KEYS and "step" in NUMBER_KEYS
+    path = tmp_path / "metrics.jsonl"
+    path.write_text(json.dumps({"step": 1, "val_loss": None, "reward": 0.5}) + "\n")
+    assert history(path)[1]["val_loss"] is None  # null: not measured
+    path.write_text(json.dumps({"step": 1, "reward": "high"}) + "\n")
+    with pytest.raises(InputError, match="reward is 'high', not a number"):
+        history(path)

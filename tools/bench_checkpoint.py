@@ -61,6 +61,7 @@ def _rank(rank: int, world: int, mb: int, folder: str, port: int, out: str) -> N
     from torch.distributed.fsdp import fully_shard
 
     from vlmrun.algorithms.common.checkpoint import CheckpointStore, digest
+    from vlmrun.policy.interface import MODEL_PART, OPTIMIZER_PART, PolicyState, Storage
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
@@ -77,12 +78,13 @@ def _rank(rank: int, world: int, mb: int, folder: str, port: int, out: str) -> N
     dist.broadcast_object_list(box, src=0)
     dist.barrier()
     t0 = time.perf_counter()
-    files = box[0].write_sharded("policy", {"model": model_state, "optimizer": optim_state}, rank=rank)
+    state = PolicyState(Storage.SHARDED, {MODEL_PART: model_state, OPTIMIZER_PART: optim_state})
+    files = box[0].write_policy(state, rank=rank)
     total = time.perf_counter() - t0
     t0 = time.perf_counter()
     for name in files:
         digest(Path(box[0].path) / name)
-    hashing = time.perf_counter() - t0  # the same hashing write_sharded did, from a warm page cache
+    hashing = time.perf_counter() - t0  # the same hashing write_policy did, from a warm page cache
     size = sum(d["size"] for d in files.values())
     results = [None] * world
     dist.all_gather_object(results, {"total": total, "hash": hashing, "bytes": size})

@@ -11,7 +11,7 @@
 3. generation: tokens/s of generation in the loop (rows' generation_tokens_per_s over dp: the loop
    runs its replicas side by side) against a bare transformers `generate` (its own sampling, no
    log-probs) on the same batch: replica 0's prompts of step 1 from its loader shard, each repeated
-   num_generations times, the same weights, one thread; `HfGenerator` in this process on that batch
+   num_generations times, the same weights, one thread; the recipe's generation backend in this process on that batch
    too. Medians over `repeats` interleaved rounds after one warm-up round.
 
 `--set` goes to every run (e.g. model.tiny=false model.path=DIR for a trained start; a random tiny
@@ -75,31 +75,26 @@ def bare_generation(sets: list[str], work: Path, repeats: int) -> dict:
     import torch
     from transformers import AutoModelForImageTextToText
 
+    from vlmrun.algorithms.common.shards import open_train_shard
     from vlmrun.algorithms.common.steps import plan_steps
     from vlmrun.config.load import load_recipe
-    from vlmrun.data.loader import open_loader_shard
     from vlmrun.data.splits import split_size
     from vlmrun.distributed.topology import plan_placement
-    from vlmrun.generation.hf import HfGenerator
+    from vlmrun.generation import open_generator
     from vlmrun.generation.interface import SamplingParams
     from vlmrun.generation.prompts import join_prompts, select_prompts
     from vlmrun.models.source import ensure_model
+    from vlmrun.models.spec import ModelSpec
 
     torch.set_num_threads(1)
     recipe = load_recipe(RECIPE, sets)
     model_dir = str(ensure_model(recipe.model, work / "local" / "cache", recipe.train.seed))
     plan = plan_placement(recipe.parallel)
     n_micro = plan_steps(recipe, split_size(recipe.data.path, recipe.data.split)).micro_batches_per_replica
-    shard = open_loader_shard(
-        recipe,
-        processor_dir=model_dir,
-        shard=0,
-        num_shards=plan.layout.dp,
-        placement_hash=plan.placement_hash,
-        split=recipe.data.split,
-    )
+    shard = open_train_shard(recipe, model_dir, shard=0, num_shards=plan.layout.dp, placement_hash=plan.placement_hash)
     try:
-        ours = HfGenerator(model_dir=model_dir, dtype=recipe.model.dtype, threads=1)
+        spec = ModelSpec(directory=model_dir, dtype=recipe.model.dtype)
+        ours = open_generator(recipe.generation.backend, model=spec, threads=1)
         info = ours.setup()
         prompts = join_prompts([shard.next_batch() for _ in range(n_micro)], ours.pad_token_id)
     finally:

@@ -70,13 +70,14 @@ def padded_batch(processor, sequences: int, seq_len: int, image_size: int) -> di
 
 def measure_family(family: str, recipe) -> dict:
     """Estimated and measured bytes of one step of `family`'s tiny model under `recipe`."""
+    from vlmrun.config.dtype import torch_dtype
     from vlmrun.models.architecture import load_architecture
     from vlmrun.models.fit import training_shape
     from vlmrun.models.tiny import family_module
 
     shape, assumption = training_shape(recipe)
     model, processor = family_module(family).create(seed=0)
-    dtype = torch.bfloat16 if recipe.model.dtype == "bfloat16" else torch.float32
+    dtype = torch_dtype(recipe.model.dtype)
     model = model.to(dtype).train()
     if recipe.parallel.activation_checkpointing:
         checkpoint_layers(model, decoder_layers(model))

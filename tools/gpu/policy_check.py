@@ -7,7 +7,8 @@ DIR is a Hugging Face model directory (build the tiny one here with
 mixed precision over fp32 master weights, activation checkpointing, on `cuda:0` when torch sees a GPU
 (NCCL for GPU tensors, gloo for the CPU scalars) else on the CPU: three training steps, a sharded
 checkpoint through the checkpoint store, a fresh policy that loads it and takes the same next step
-bit for bit, and validation (greedy generation with the whole model gathered). Writes one JSON.
+bit for bit, and validation (the policy's logprobs, and greedy answers from a generation engine refit
+from the policy). Policy and engine come from the product's factories. Writes one JSON.
 """
 
 from __future__ import annotations
@@ -26,9 +27,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from vlmrun.algorithms.common.checkpoint import CheckpointStore
-from vlmrun.algorithms.common.policy_parts import load_policy, save_policy
+from vlmrun.algorithms.common.validation import ValidationShare, evaluate
 from vlmrun.data.batch import Batch, PromptBatch
-from vlmrun.policy.hf import HfPolicy
+from vlmrun.generation import open_generator
+from vlmrun.models.spec import ModelSpec
+from vlmrun.policy import open_policy
+from vlmrun.policy.interface import PolicyBackend
 
 TRAIN = SimpleNamespace(
     seed=1234,
@@ -47,11 +51,12 @@ PARALLEL = SimpleNamespace(
 TEXTS = ["how many red cubes? answer: 3", "how many spheres are there? answer: 2", "what color is it? answer: blue"]
 
 
-def policy(model_dir: str, port: int) -> HfPolicy:
-    p = HfPolicy(
+def policy(model_dir: str, port: int) -> PolicyBackend:
+    p = open_policy(
+        "hf",
+        model=ModelSpec(directory=model_dir),
         rank=0,
         world_size=1,
-        model_dir=model_dir,
         train=TRAIN,
         parallel=PARALLEL,
         gpus=torch.cuda.is_available(),
@@ -79,23 +84,42 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def validate(first: PolicyBackend, model_dir: str, tokenizer, micro: list[Batch]):
+    """The product's validation: NLL from the policy's logprobs, greedy answers from a refit engine."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    engine = open_generator("hf", model=ModelSpec(directory=model_dir, dtype="bfloat16"), device=device)
+    engine.setup()
+
+    def decode(rollouts) -> list[str]:
+        ids = rollouts.response_ids.masked_fill(rollouts.response_mask == 0, rollouts.pad_token_id)
+        return tokenizer.batch_decode(ids, skip_special_tokens=True)
+
+    try:
+        return evaluate(ValidationShare(micro, prompts(tokenizer)), policy=first, generator=engine, decode=decode)
+    finally:
+        engine.shutdown()
+
+
 def run(model_dir: str, folder: Path) -> dict:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
     first = policy(model_dir, free_port())
-    micro = batches(first.tokenizer)
+    micro = batches(tokenizer)
     steps = [first.train_step(micro) for _ in range(3)]
     device = str(next(first.model.parameters()).device)
     store = CheckpointStore(folder, keep=1)
     pending = store.begin(3)
-    files = save_policy(first, pending, rank=0)
+    files = pending.write_policy(first.checkpoint_state(), rank=0)
     files |= pending.write("controller", {"counters": {}})
     store.finish(pending, files, {})
     t0 = time.perf_counter()
-    val = first.score(micro, prompts(first.tokenizer), max_new_tokens=3)
+    val = validate(first, model_dir, tokenizer, micro)
     score_s = time.perf_counter() - t0
     next_a = first.train_step(micro)
     first.shutdown()
     second = policy(model_dir, free_port())
-    load_policy(second, store.at(3))
+    second.load_checkpoint_state(store.at(3).read_policy(second.checkpoint_state()))
     next_b = second.train_step(micro)
     second.shutdown()
     return {
@@ -104,7 +128,7 @@ def run(model_dir: str, folder: Path) -> dict:
         "grad_norms": [s.grad_norm for s in steps],
         "loss_falls": steps[-1].loss < steps[0].loss,
         "checkpoint_files": sorted(files),
-        "validation": {"nll": val[0], "tokens": val[1], "answered": val[3], "seconds": round(score_s, 3)},
+        "validation": {"nll": val.nll, "tokens": val.tokens, "answered": val.answered, "seconds": round(score_s, 3)},
         "next_step_after_load": [next_a.loss, next_b.loss],
         "next_step_equal": next_a.loss == next_b.loss and next_a.grad_norm == next_b.grad_norm,
     }

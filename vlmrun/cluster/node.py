@@ -94,13 +94,14 @@ def _attempt(rd: RunDirectory, job_id: str, alloc, stop: StopFlag, started_at: f
     log.info("%s: %s", outcome.state, outcome.reason)
     val = outcome.final_val
     if val and val.get("val_samples"):
+        loss = "no token scored" if val.get("val_loss") is None else f"val loss {val['val_loss']:.4f}"
         log.info(
-            "validation at step %d: accuracy %.3f vs majority-class baseline %.3f on %d val samples (val loss %.4f)",
+            "validation at step %d: accuracy %.3f vs majority-class baseline %.3f on %d val samples (%s)",
             outcome.last_step,
             val["val_accuracy"],
             val["val_majority_baseline"],
             val["val_samples"],
-            val["val_loss"],
+            loss,
         )
     return EXIT_STOPPED if outcome.state is State.STOPPED else EXIT_COMPLETED
 
@@ -189,7 +190,6 @@ def _run(rd: RunDirectory, attempt: int, job_id: str, started_at: float, alloc, 
     from vlmrun.cluster.ray.local import set_local_environment
 
     set_local_environment()
-    from vlmrun.algorithms.sft.driver import run_sft
     from vlmrun.cluster.preflight import preflight_run
     from vlmrun.datasets.prepare import ensure_dataset
     from vlmrun.models.source import ensure_model
@@ -215,24 +215,25 @@ def _run(rd: RunDirectory, attempt: int, job_id: str, started_at: float, alloc, 
         progress = ProgressLine(plan_steps(recipe, split_size(recipe.data.path, recipe.data.split)).max_steps)
         run = dict(attempt=attempt, model_dir=model_dir, stop=stop, started_at=started_at, chosen=chosen)
         run["on_row"] = lambda row: log.info("%s", progress(row))
-        if recipe.train.algorithm == "grpo":
-            return _run_grpo(rd, recipe, job_id, run)
-        return run_sft(rd, recipe, **run)
+        return _run_controller(rd, recipe, job_id, run)
 
 
-def _run_grpo(rd: RunDirectory, recipe, job_id: str, run: dict) -> RunOutcome:
-    """GRPO between the job's data-plane servers (none for `local` or a disabled plane), on node 0."""
+def _run_controller(rd: RunDirectory, recipe, job_id: str, run: dict) -> RunOutcome:
+    """The controller of `train.algorithm` between the job's data-plane servers (none for `local` or a
+    disabled plane: every SFT run), on node 0."""
     import ray
 
-    from vlmrun.algorithms.grpo.driver import run_grpo
+    from vlmrun.algorithms.common.driver import run_controller
+    from vlmrun.algorithms.controllers import controller_class
     from vlmrun.cluster.mooncake import running_plane_servers
     from vlmrun.cluster.ray.nodes import port_block
 
+    controller = controller_class(recipe.train.algorithm)
     dp = recipe.data_plane
     impl = dp.impl if dp.enabled else "local"
     host = ray.util.get_node_ip_address()
     with running_plane_servers(impl, dp.backend, block=port_block(job_id), host=host, log_dir=rd.path / "logs") as ep:
-        return run_grpo(rd, recipe, plane_endpoint=ep, **run)
+        return run_controller(controller, rd, recipe, plane_endpoint=ep, **run)
 
 
 def _choose_checkpoint(rd: RunDirectory, recipe, attempt: int):

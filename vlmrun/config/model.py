@@ -6,6 +6,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
+from vlmrun.config.dtype import DTYPES
 from vlmrun.config.families import Family
 from vlmrun.config.section import Section
 
@@ -16,8 +17,10 @@ class ModelConfig(Section):
     family: Family
     path: str | None = Field(None, description="local HF model directory (weights, processor, chat template)")
     tiny: bool = Field(False, description="build a tiny random-init model of `family` under the run's cache dir")
-    backend: Literal["hf"] = "hf"
-    dtype: Literal["float32", "bfloat16"] = "float32"
+    backend: Literal["hf"] = Field(
+        "hf", description="the policy backend (vlmrun.policy.open_policy): hf (transformers)"
+    )
+    dtype: Literal[DTYPES] = "float32"  # torch dtypes: config/dtype.py
     reference_config: str | None = Field(
         None,
         pattern=r"^[a-z0-9_]+$",

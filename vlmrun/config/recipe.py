@@ -7,6 +7,7 @@ from pydantic import Field, model_validator
 from vlmrun.config.cluster import ClusterConfig
 from vlmrun.config.data import DataConfig
 from vlmrun.config.data_plane import DataPlaneConfig
+from vlmrun.config.generation import GenerationConfig
 from vlmrun.config.grpo import GrpoConfig
 from vlmrun.config.logger import LoggerConfig
 from vlmrun.config.model import ModelConfig
@@ -33,6 +34,7 @@ class Recipe(Section):
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)
     data_plane: DataPlaneConfig = Field(default_factory=DataPlaneConfig)
     grpo: GrpoConfig = Field(default_factory=GrpoConfig)
+    generation: GenerationConfig = Field(default_factory=GenerationConfig)
     logger: LoggerConfig = Field(default_factory=LoggerConfig)
 
     @model_validator(mode="after")

@@ -1,6 +1,42 @@
-"""Generation for GRPO: sample G responses per prompt with log-probs, take new weights from the policy.
+"""Generation: sample G responses per prompt with log-probs (GRPO), greedy answers (validation), new
+weights from the policy.
 
 `interface.py` is the seam (`GenerationBackend`, `SamplingParams`); `rollouts.py` the record it returns;
 `prompts.py` selects prompts of a `PromptBatch` with their media; `hf.py` the transformers backend (one
-replica in this process) and `group.py` replicas in Ray actors. `measure.py` prints throughput as JSON.
+replica in this process) and `group.py` replicas of any backend in Ray actors. `measure.py` prints
+throughput as JSON.
+
+`open_generator` is the one way to get a backend (keyed on the recipe's `generation.backend`); no
+module outside `vlmrun.generation` imports a backend module (an import-linter contract in
+pyproject.toml). A new backend is a new entry in `BACKENDS`. Importing this package loads no torch.
 """
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from vlmrun.config.registry import load_entry
+
+if TYPE_CHECKING:
+    from vlmrun.generation.interface import GenerationBackend
+    from vlmrun.models.spec import ModelSpec
+
+#: generation.backend -> "module:class" of its GenerationBackend.
+BACKENDS = {"hf": "vlmrun.generation.hf:HfGenerator"}
+
+
+def open_generator(
+    backend: str, *, model: ModelSpec, replica: int = 0, device: str = "cpu", threads: int | None = None
+) -> GenerationBackend:
+    """Replica `replica` of the `backend` engine in this process, on `device` (call `setup` next).
+
+    `model` is where its weights come from (a directory, or a config for random init; a policy refit
+    replaces them); its dtype is the engine's. `threads` caps torch's CPU threads. Raises InputError
+    naming `generation.backend` for a backend that is not in BACKENDS.
+    """
+    return generator_class(backend)(model=model, replica=replica, device=device, threads=threads)
+
+
+def generator_class(backend: str) -> type[GenerationBackend]:
+    """The class of `backend` (InputError as `open_generator`), for a group that builds it in Ray actors."""
+    return load_entry(BACKENDS, backend, "generation.backend")

@@ -1,7 +1,8 @@
 """Generation replicas in Ray actors, behind the same `GenerationBackend` interface as one replica.
 
-1. One actor per replica, each holding one backend instance (`HfGenerator` today) built from
-   `init(replica)`; Ray must be running. Replica r samples its own stream (`stream_seed(seed, r)`),
+1. One actor per replica, each holding one instance of the `backend` engine (`generation.backend`)
+   built from `init(replica)` (the keyword arguments of `open_generator` but the backend); Ray must be
+   running. Replica r samples its own stream (`stream_seed(seed, r)`),
    so the responses depend on the number of replicas, never on timing.
 2. `generate` cuts the prompts into contiguous shares, one per replica (the first ones one prompt
    larger), runs them at once and joins the rows in prompt order.
@@ -16,17 +17,19 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from vlmrun.data.batch import PromptBatch
+from vlmrun.generation import generator_class
 from vlmrun.generation.interface import GenerationBackend, SamplingParams
 from vlmrun.generation.prompts import select_prompts
 from vlmrun.generation.rollouts import Rollouts
 
 
 class GenerationGroup(GenerationBackend):
-    """`replicas` actors of `backend_cls(**init(replica))`, each with `num_cpus` CPUs and `num_gpus` GPUs."""
+    """`replicas` actors of the `backend` engine built from `init(replica)`, each with `num_cpus` CPUs
+    and `num_gpus` GPUs. Raises InputError naming `generation.backend` for an unknown backend."""
 
     def __init__(
         self,
-        backend_cls: type[GenerationBackend],
+        backend: str,
         init: Callable[[int], dict[str, Any]],
         replicas: int,
         *,
@@ -37,7 +40,7 @@ class GenerationGroup(GenerationBackend):
 
         if replicas < 1:
             raise ValueError(f"a generation group needs at least one replica, got {replicas}")
-        remote = ray.remote(backend_cls).options(num_cpus=num_cpus, num_gpus=num_gpus)
+        remote = ray.remote(generator_class(backend)).options(num_cpus=num_cpus, num_gpus=num_gpus)
         self.actors = [remote.remote(**init(r)) for r in range(replicas)]
         self.image_token_id: int | None = None
 

@@ -14,6 +14,8 @@
    never drawn: a response holding a placeholder would break the forward that re-reads it.
 4. Each prompt is repeated `n` times with its media (prompts.py) before `generate`: the rollouts
    carry those rows anyway, and `num_return_sequences` is refused in greedy mode.
+5. Greedy sampling (`temperature=0`, validation's answers) draws nothing: it neither starts nor moves
+   the replica's sampling stream, so validating between GRPO steps leaves their responses as they were.
 """
 
 from __future__ import annotations
@@ -26,37 +28,30 @@ import numpy as np
 import torch
 
 from vlmrun.data.batch import PromptBatch
-from vlmrun.generation.group import GenerationGroup
 from vlmrun.generation.interface import GenerationBackend, SamplingParams
 from vlmrun.generation.prompts import select_prompts
 from vlmrun.generation.rollouts import Rollouts, response_mask
+from vlmrun.models.build import build_model
+from vlmrun.models.spec import ModelSpec
 
 PLACEHOLDER_IDS = ("image_token_id", "video_token_id", "audio_token_id")
 
 
 class HfGenerator(GenerationBackend):
-    """Replica `replica` of a transformers model from `model_dir`, in this process (CPU or one GPU)."""
+    """Replica `replica` of the transformers model of `model`, in this process (CPU or one GPU), in the
+    spec's dtype. Built by `vlmrun.generation.open_generator`."""
 
-    def __init__(
-        self,
-        *,
-        model_dir: str,
-        replica: int = 0,
-        dtype: str = "float32",
-        device: str = "cpu",
-        threads: int | None = None,
-    ):
-        self.model_dir, self.replica, self.dtype, self.device, self.threads = model_dir, replica, dtype, device, threads
+    def __init__(self, *, model: ModelSpec, replica: int = 0, device: str = "cpu", threads: int | None = None):
+        self.spec, self.replica, self.device, self.threads = model, replica, device, threads
         self._seed: int | None = None
         self._generator: torch.Generator | None = None
 
     def setup(self) -> dict[str, Any]:
-        from transformers import AutoModelForImageTextToText, GenerationConfig
+        from transformers import GenerationConfig
 
         if self.threads:
             torch.set_num_threads(self.threads)
-        dtype = torch.bfloat16 if self.dtype == "bfloat16" else torch.float32
-        self.model = AutoModelForImageTextToText.from_pretrained(self.model_dir, dtype=dtype).to(self.device).eval()
+        self.model = build_model(self.spec, device=self.device).to(self.device).eval()
         saved, config = self.model.generation_config, self.model.config
         eos = saved.eos_token_id if saved.eos_token_id is not None else config.get_text_config().eos_token_id
         self.eos_ids = [eos] if isinstance(eos, int) else list(eos)
@@ -80,7 +75,8 @@ class HfGenerator(GenerationBackend):
             raise ValueError(f"generate needs at least one prompt and n >= 1, got {len(prompts)} prompts and n={n}")
         t0 = time.perf_counter()
         batch = select_prompts(prompts, [i for i in range(len(prompts)) for _ in range(n)], self.image_token_id)
-        sampler = TokenSampler(sampling, self._stream(sampling.seed), self.never_generated)
+        stream = None if sampling.temperature == 0 else self._stream(sampling.seed)  # module doc, 5
+        sampler = TokenSampler(sampling, stream, self.never_generated)
         inputs = {k: v.to(self.device) for k, v in batch.model_inputs().items()}
         config = GenerationConfig(**self.token_ids, do_sample=False, max_new_tokens=sampling.max_new_tokens)
         sequences = self.model.generate(
@@ -135,7 +131,7 @@ class TokenSampler:
     log-prob of every drawn token under the raw logits, one [N] tensor per step.
     """
 
-    def __init__(self, sampling: SamplingParams, generator: torch.Generator, never: list[int]):
+    def __init__(self, sampling: SamplingParams, generator: torch.Generator | None, never: list[int]):
         self.sampling, self.generator, self.never = sampling, generator, never
         self.steps: list[torch.Tensor] = []
 
@@ -171,29 +167,3 @@ def top_p_filter(logits: torch.Tensor, top_p: float) -> torch.Tensor:
 def stream_seed(seed: int, replica: int) -> int:
     """A 64-bit seed for replica `replica` of a run seeded `seed`; distinct pairs give unrelated streams."""
     return int(np.random.SeedSequence([seed, replica]).generate_state(1, np.uint64)[0])
-
-
-def hf_generation_group(
-    model_dir: str,
-    replicas: int,
-    *,
-    dtype: str = "float32",
-    device: str = "cpu",
-    threads: int = 1,
-    num_cpus: float = 1,
-    num_gpus: float = 0,
-) -> GenerationGroup:
-    """`replicas` HfGenerator replicas, one Ray actor each (Ray must be running); call `setup()` next."""
-    return GenerationGroup(
-        HfGenerator,
-        lambda replica: {
-            "model_dir": model_dir,
-            "replica": replica,
-            "dtype": dtype,
-            "device": device,
-            "threads": threads,
-        },
-        replicas,
-        num_cpus=num_cpus,
-        num_gpus=num_gpus,
-    )

@@ -1,7 +1,8 @@
 """The generation seam: what any generation engine offers the GRPO loop, one instance per replica or group.
 
 Algorithms call only these methods; a backend (`hf` on CPU today, vLLM on GPU later) implements them,
-and `GenerationGroup` runs any backend as replicas in Ray actors behind the same interface.
+`vlmrun.generation.open_generator` opens one (keyed on `generation.backend`), and `GenerationGroup`
+runs any backend as replicas in Ray actors behind the same interface.
 
 1. `setup` loads the model; it returns {replica, params, image_token_id}.
 2. `generate` samples `n` responses to every prompt of a left-padded `PromptBatch` (the validation

@@ -56,7 +56,9 @@ def measure(*, family: str, work: Path, prompts: int, n: int, max_new_tokens: in
     model_dir = ensure_tiny_model(family, work / "models", seed=0)
     batch = prompt_batch(family, model_dir, work, prompts)
     sampling = SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=max_new_tokens, seed=0)
-    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # register as 127.0.0.1 (FACTS.md)
+    os.environ.setdefault(
+        "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0"
+    )  # else Ray rewrites 127.0.0.1 to the outward address
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     ray.init(address="local", num_cpus=threads, include_dashboard=False, _temp_dir=str(work / "ray"))
     try:
@@ -119,9 +121,10 @@ def _bare(model_dir: Path, batch, sampling: SamplingParams, n: int):
 
 
 def _in_process(model_dir: Path, batch, sampling: SamplingParams, n: int):
-    from vlmrun.generation.hf import HfGenerator
+    from vlmrun.generation import open_generator
+    from vlmrun.models.spec import ModelSpec
 
-    g = HfGenerator(model_dir=str(model_dir))
+    g = open_generator("hf", model=ModelSpec(directory=str(model_dir)))
     g.setup()
 
     def run():
@@ -134,9 +137,11 @@ def _in_process(model_dir: Path, batch, sampling: SamplingParams, n: int):
 
 
 def _in_actor(model_dir: Path, batch, sampling: SamplingParams, n: int, threads: int):
-    from vlmrun.generation.hf import hf_generation_group
+    from vlmrun.generation.group import GenerationGroup
+    from vlmrun.models.spec import ModelSpec
 
-    group = hf_generation_group(str(model_dir), replicas=1, threads=threads, num_cpus=threads)
+    init = {"model": ModelSpec(directory=str(model_dir)), "threads": threads}
+    group = GenerationGroup("hf", lambda replica: dict(init, replica=replica), 1, num_cpus=threads)
     group.setup()
 
     def run():

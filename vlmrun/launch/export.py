@@ -1,13 +1,14 @@
 """`vlmrun export`: a run's checkpoint as a Hugging Face model directory that a recipe's `model.path` can name.
 
 1. The checkpoint is read through the checkpoint store (the newest one that verifies, or `--step N`,
-   which must verify too); its `model` part is the policy's full state_dict by HF parameter name, or,
+   which must verify too); its policy's model part is the full state_dict by HF parameter name, or,
    from a sharded (FSDP2) run, the model's entries of the DCP checkpoint, assembled from every rank's
-   shard in this one process.
-2. The run's own model directory (`ensure_model`: the tiny model in the run's cache, or `model.path`)
-   gives the architecture, the processor, the tokenizer and the chat template; the checkpoint's
-   weights go into that architecture in the run's `model.dtype`, so the export's logits equal those
-   of the trained model bit for bit.
+   shard in this one process (`Checkpoint.read_policy`).
+2. The run's policy backend (`vlmrun.policy.open_policy`, the recipe's `model.backend`) writes the
+   directory: the run's own model directory (`ensure_model`: the tiny model in the run's cache, or
+   `model.path`) gives the architecture, the processor, the tokenizer and the chat template; the
+   checkpoint's weights go into that architecture in the run's `model.dtype`, so the export's logits
+   equal those of the trained model bit for bit.
 3. OUT is written as a hidden sibling folder and renamed into place: a reader never sees half an
    export, and a failed export leaves nothing. OUT must not exist or be empty.
 
@@ -26,6 +27,8 @@ from pathlib import Path
 from vlmrun.algorithms.common.checkpoint import Checkpoint, CheckpointStore, CorruptCheckpoint
 from vlmrun.errors import InputError
 from vlmrun.models.source import ensure_model
+from vlmrun.models.spec import ModelSpec
+from vlmrun.policy import open_policy
 from vlmrun.run.directory import RunDirectory
 
 #: Written next to the model: where the export came from (no loader reads it).
@@ -61,7 +64,14 @@ def export_checkpoint(run_dir: str | Path, out: str | Path, *, step: int | None 
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
-        _write_model(model_dir, checkpoint, recipe.model.dtype, tmp)
+        policy = open_policy(
+            recipe.model.backend,
+            model=ModelSpec(directory=str(model_dir), dtype=recipe.model.dtype),
+            rank=0,
+            world_size=1,
+            train=recipe.train,
+        )
+        policy.export(checkpoint.read_policy, tmp)
         record = {
             "run_dir": str(rd.path),
             "step": checkpoint.step,
@@ -104,27 +114,3 @@ def _find_checkpoint(store: CheckpointStore, step: int | None, rd: RunDirectory)
         raise InputError(
             "--step", step, message=f"--step: checkpoint step {step} is damaged ({e}); other steps: {others}"
         ) from None
-
-
-def _write_model(model_dir: Path, checkpoint: Checkpoint, dtype: str, tmp: Path) -> None:
-    """Config, generation config and safetensors weights of the checkpoint; processor files from `model_dir`."""
-    import torch
-    from transformers import AutoModelForImageTextToText, AutoProcessor
-    from transformers.utils import logging as hf_logging
-
-    bars = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()  # the CLI prints the result; load/save bars would be noise on stderr
-    try:
-        model = AutoModelForImageTextToText.from_pretrained(
-            model_dir, dtype=torch.bfloat16 if dtype == "bfloat16" else torch.float32
-        )
-        if checkpoint.has_sharded("policy"):  # FSDP2: every rank's shard, assembled here (no process group)
-            state = {"model": model.state_dict()}
-            checkpoint.read_sharded("policy", state)  # in place, into the model's own tensors
-        else:
-            model.load_state_dict(checkpoint.read("model"), strict=True)
-        model.save_pretrained(tmp)
-        AutoProcessor.from_pretrained(model_dir).save_pretrained(tmp)
-    finally:
-        if bars:
-            hf_logging.enable_progress_bar()

@@ -54,10 +54,9 @@ class ProgressLine:
         if "reward" in row:
             text += f" | reward {row['reward']:.3f} acc {row['accuracy']:.3f}"
         if "val_accuracy" in row:
-            text += (
-                f" | val_loss {row['val_loss']:.4f} val_acc {row['val_accuracy']:.3f}"
-                f" (majority baseline {row['val_majority_baseline']:.3f})"
-            )
+            loss = "none (no token scored)" if row.get("val_loss") is None else f"{row['val_loss']:.4f}"
+            acc = "none" if row["val_accuracy"] is None else f"{row['val_accuracy']:.3f}"
+            text += f" | val_loss {loss} val_acc {acc} (majority baseline {row['val_majority_baseline']:.3f})"
         return text
 
 

@@ -17,16 +17,14 @@ GPU machine that has nothing but torch and transformers.
 3. With gradient sync only on the last micro-batch (`set_requires_gradient_sync`), and the gradient
    norm taken over whole gradients as clip_grad_norm_ does (`grad_norm`), the parameters and norms
    are bitwise those of a replicated model with one flat all-reduce (dp=2, CPU).
-4. `generate` needs the whole weights: `unsharded(model)` gathers them for the duration (transformers
-   calls the vision tower outside `forward`, where FSDP2 would not gather it).
+4. `generate` would need the whole weights (transformers calls the vision tower outside `forward`,
+   where FSDP2 does not gather it): answers come from a generation engine refit from the shards instead.
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
 import warnings
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -132,23 +130,6 @@ def fsdp_units(model: torch.nn.Module) -> list:
 def set_gradient_sync(model: torch.nn.Module, enabled: bool) -> None:
     """Reduce-scatter gradients after this backward (the step's last micro-batch) or accumulate locally."""
     model.set_requires_gradient_sync(enabled, recurse=True)
-
-
-@contextlib.contextmanager
-def unsharded(model: torch.nn.Module) -> Iterator[None]:
-    """Full weights on every rank for the duration, with no collective inside it: each rank may then
-    run any number of forwards and `generate` calls (validation, whose batches differ per rank). A
-    no-op for a plain module."""
-    units = fsdp_units(model)
-    for unit in units:
-        unit.set_reshard_after_forward(False, recurse=False)
-        unit.unshard()
-    try:
-        yield
-    finally:
-        for unit in units:
-            unit.reshard()
-            unit.set_reshard_after_forward(unit is not model, recurse=False)
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:

@@ -7,11 +7,14 @@ Two layouts (`parallel.fsdp`), one set of numbers:
    same state (rank 0 alone saves it).
 2. Sharded (FSDP2, fsdp.py): each rank holds 1/dp of parameters, gradients and optimizer state;
    gradients are reduce-scattered once per step (the last micro-batch) as a sum; every rank saves its
-   own shard (`sharded_state`). On CPU with dp=2 both layouts give bitwise-equal losses, gradient
+   own shard (`Storage.SHARDED`). On CPU with dp=2 both layouts give bitwise-equal losses, gradient
    norms and parameters (tests/test_fsdp_policy.py).
 
-The device is the rank's GPU when the recipe's cluster has GPUs (Ray sets CUDA_VISIBLE_DEVICES to the
-rank's bundle, so it is `cuda:0`), else the CPU. Micro-batches arrive on the CPU and are moved here.
+The model comes from a `ModelSpec` (models/spec.py, built by models/build.py): a directory, or a
+config for random init (built on the meta device and materialized shard by shard when sharded), so
+checks and benchmarks train large random-init models through this same class. The device is the rank's GPU when the
+recipe's cluster has GPUs (Ray sets CUDA_VISIBLE_DEVICES to the rank's bundle, so it is `cuda:0`),
+else the CPU. Micro-batches arrive on the CPU and are moved here.
 """
 
 from __future__ import annotations
@@ -19,12 +22,16 @@ from __future__ import annotations
 import os
 import resource
 import time
+from collections.abc import Callable
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from vlmrun.models.build import build_model, materialize
+from vlmrun.models.spec import ModelSpec
 from vlmrun.policy import rng
 from vlmrun.policy.device import rank_device, to_device
 from vlmrun.policy.fsdp import (
@@ -36,23 +43,30 @@ from vlmrun.policy.fsdp import (
     set_gradient_sync,
     shard_model,
     touch_towers,
-    unsharded,
 )
 from vlmrun.policy.grad_sync import all_reduce_extreme, all_reduce_gradients, all_reduce_sum
-from vlmrun.policy.interface import LossTerms, PolicyBackend, StepResult, TokenLoss
+from vlmrun.policy.interface import (
+    MODEL_PART,
+    OPTIMIZER_PART,
+    LossTerms,
+    PolicyBackend,
+    PolicyState,
+    StepResult,
+    Storage,
+    TokenLoss,
+)
 from vlmrun.policy.loss import NllLoss, token_logprobs
 
 
 class HfPolicy(PolicyBackend):
-    """Rank `rank` of `world_size`; `train` is the recipe's train section, `dtype` its model.dtype,
-    `parallel` its parallel section (None: replicated, no options), `gpus` whether ranks own a GPU."""
+    """Rank `rank` of `world_size` of the model `model`; `train` is the recipe's train section,
+    `parallel` its parallel section (None: replicated, no options), `gpus` whether ranks own a GPU.
+    Built by `vlmrun.policy.open_policy`."""
 
-    def __init__(
-        self, *, rank: int, world_size: int, model_dir: str, train, dtype: str = "float32", parallel=None, gpus=False
-    ):
+    def __init__(self, *, model: ModelSpec, rank: int, world_size: int, train, parallel=None, gpus: bool = False):
         self.rank, self.world_size = rank, world_size
-        self.model_dir, self.train, self.dtype = model_dir, train, dtype
-        self.sharded_state = bool(parallel is not None and parallel.fsdp)
+        self.spec, self.train = model, train
+        self.sharded = bool(parallel is not None and parallel.fsdp)
         self.sharding = Sharding(
             mixed_precision=getattr(parallel, "mixed_precision", "none"),
             activation_checkpointing=getattr(parallel, "activation_checkpointing", False),
@@ -61,22 +75,10 @@ class HfPolicy(PolicyBackend):
         self.sync_every = bool(getattr(parallel, "reduce_every_micro_batch", False))
         self.gpus = gpus
 
-    @classmethod
-    def from_recipe(cls, recipe, *, rank: int, world_size: int, model_dir: str) -> HfPolicy:
-        return cls(
-            rank=rank,
-            world_size=world_size,
-            model_dir=model_dir,
-            train=recipe.train,
-            dtype=recipe.model.dtype,
-            parallel=recipe.parallel,
-            gpus=recipe.cluster.gpus_per_node > 0,
-        )
-
     def setup(self, *, master_addr: str, master_port: int, max_steps: int) -> dict[str, Any]:
         t = self.train
         self.device = rank_device(self.gpus)
-        if self.world_size > 1 or self.sharded_state:
+        if self.world_size > 1 or self.sharded:
             dist.init_process_group(
                 "cpu:gloo,cuda:nccl" if self.device.type == "cuda" else "gloo",
                 init_method=f"tcp://{master_addr}:{master_port}",
@@ -87,27 +89,26 @@ class HfPolicy(PolicyBackend):
         rng.seed_all(t.seed + self.rank)
         self.model = self._build_model()
         self.model.train()
-        from transformers import AutoTokenizer
-
-        self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer, self.scheduler = self._build_optimizer(max_steps)
         return {"rank": self.rank, "params": sum(p.numel() for p in self.params), "device": str(self.device)}
 
     def _build_model(self, *, trainable: bool = True) -> torch.nn.Module:
-        """The model directory's model on this rank's device, sharded when `parallel.fsdp`."""
-        from transformers import AutoModelForImageTextToText
-
-        dtype = torch.bfloat16 if self.dtype == "bfloat16" else torch.float32
-        model = AutoModelForImageTextToText.from_pretrained(self.model_dir, dtype=dtype)
+        """The spec's model on this rank's device, sharded when `parallel.fsdp` (a random-init one is
+        built on the meta device then, and each rank materializes only its shards)."""
+        on_meta = self.sharded and self.spec.random_init
+        model = build_model(self.spec, device=self.device, on_meta=on_meta)
         if not trainable:
             model.requires_grad_(False)
-        if self.sharded_state:
+        if self.sharded:
             from torch.distributed.device_mesh import init_device_mesh
 
             mesh = init_device_mesh(self.device.type, (self.world_size,))
             frozen = Sharding(mixed_precision=self.sharding.mixed_precision, cpu_offload=self.sharding.cpu_offload)
-            return shard_model(model, mesh, self.sharding if trainable else frozen)
+            model = shard_model(model, mesh, self.sharding if trainable else frozen)
+            if on_meta:  # offloaded shards live in host memory
+                materialize(model, self.spec, torch.device("cpu") if self.sharding.cpu_offload else self.device)
+            return model
         if self.sharding.activation_checkpointing and trainable:
             checkpoint_layers(model, decoder_layers(model))
         return model.to(self.device)
@@ -139,18 +140,18 @@ class HfPolicy(PolicyBackend):
         self.optimizer.zero_grad(set_to_none=True)
         local_loss, stats = 0.0, _StatsAccumulator()
         for k, b in enumerate(micro_batches):
-            if self.sharded_state:  # reduce-scatter once, after the step's last micro-batch (or after each)
+            if self.sharded:  # reduce-scatter once, after the step's last micro-batch (or after each)
                 set_gradient_sync(self.model, self.sync_every or k == len(micro_batches) - 1)
             b = to_device(b, self.device)
             out = self.model(**self._inputs(b), use_cache=False)
             terms = loss(out.logits, b)
-            total = touch_towers(self.model, terms.total) if self.sharded_state else terms.total
+            total = touch_towers(self.model, terms.total) if self.sharded else terms.total
             (total / denom).backward()
             local_loss += float(terms.total.detach())
             stats.add(terms)
-        if not self.sharded_state:
+        if not self.sharded:
             all_reduce_gradients(self.params)
-        norm = grad_norm(self.params, sharded=self.sharded_state)
+        norm = grad_norm(self.params, sharded=self.sharded)
         clip_gradients(self.params, norm, self.train.grad_clip)
         lr = self.optimizer.param_groups[0]["lr"]
         self.optimizer.step()
@@ -191,55 +192,57 @@ class HfPolicy(PolicyBackend):
         b = to_device(batch, self.device)
         return token_logprobs(self._reference(**self._inputs(b), use_cache=False).logits, b.labels).cpu()
 
-    def score(self, loss_batches: list, prompt_batches: list, *, max_new_tokens: int = 4) -> list[float]:
-        """Validation on this rank's share; a sharded model is gathered whole for it (ranks may hold
-        different numbers of batches, and generation calls the vision tower outside `forward`)."""
-        from vlmrun.policy.evaluate import score_batches
-
-        with unsharded(self.model):
-            return score_batches(
-                self.model,
-                self.tokenizer,
-                [to_device(b, self.device) for b in loss_batches],
-                [to_device(b, self.device) for b in prompt_batches],
-                max_new_tokens=max_new_tokens,
-            )
-
-    def state_dict(self) -> dict[str, Any]:
-        if self.sharded_state:
+    def checkpoint_state(self) -> PolicyState:
+        if self.sharded:
             from torch.distributed.checkpoint.state_dict import get_state_dict
 
             model, optimizer = get_state_dict(self.model, self.optimizer)
-            return {"model": model, "optimizer": {"optimizer": optimizer, "scheduler": self.scheduler.state_dict()}}
-        return {
-            "model": self.model.state_dict(),
-            "optimizer": {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()},
-        }
+        else:
+            model, optimizer = self.model.state_dict(), self.optimizer.state_dict()
+        return PolicyState(
+            Storage.SHARDED if self.sharded else Storage.REPLICATED,
+            {MODEL_PART: model, OPTIMIZER_PART: {"optimizer": optimizer, "scheduler": self.scheduler.state_dict()}},
+        )
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        if self.sharded_state:
+    def load_checkpoint_state(self, state: PolicyState) -> None:
+        model, optimizer = state.parts[MODEL_PART], state.parts[OPTIMIZER_PART]
+        if self.sharded:
             from torch.distributed.checkpoint.state_dict import set_state_dict
 
-            set_state_dict(
-                self.model,
-                self.optimizer,
-                model_state_dict=state["model"],
-                optim_state_dict=state["optimizer"]["optimizer"],
-            )
+            set_state_dict(self.model, self.optimizer, model_state_dict=model, optim_state_dict=optimizer["optimizer"])
         else:
-            self.model.load_state_dict(state["model"])
-            self.optimizer.load_state_dict(state["optimizer"]["optimizer"])
-        self.scheduler.load_state_dict(state["optimizer"]["scheduler"])
+            self.model.load_state_dict(model)
+            self.optimizer.load_state_dict(optimizer["optimizer"])
+        self.scheduler.load_state_dict(optimizer["scheduler"])
 
     def weights_for_refit(self) -> dict[str, torch.Tensor]:
         """Full weights by HF name, on the CPU; gathered from every rank's shard when sharded
         (collective: every rank calls it)."""
-        if self.sharded_state:
+        if self.sharded:
             from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
             full = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True))
             return {name: t.detach().cpu() for name, t in full.items()}
         return {name: p.detach().cpu() for name, p in self.model.state_dict().items()}
+
+    def export(self, read: Callable[[PolicyState], PolicyState], out: Path) -> None:
+        """A Hugging Face model directory: config, generation config and safetensors weights in the spec's
+        dtype, and the processor, tokenizer and chat template of the spec's directory."""
+        from transformers import AutoProcessor
+        from transformers.utils import logging as hf_logging
+
+        bars = hf_logging.is_progress_bar_enabled()
+        hf_logging.disable_progress_bar()  # the CLI prints the result; load/save bars would be noise on stderr
+        try:
+            model = build_model(self.spec)
+            state = read(PolicyState(Storage.REPLICATED, {MODEL_PART: model.state_dict()}))
+            model.load_state_dict(state.parts[MODEL_PART], strict=True)
+            model.save_pretrained(out)
+            if self.spec.directory is not None:
+                AutoProcessor.from_pretrained(self.spec.directory).save_pretrained(out)
+        finally:
+            if bars:
+                hf_logging.enable_progress_bar()
 
     def shutdown(self) -> None:
         if dist.is_initialized():

@@ -1,30 +1,58 @@
 """The policy seam: what any training backend offers the algorithms, one instance per rank.
 
 Algorithms (SFT, GRPO) call only these methods; a backend (`hf`: a full replica per rank, or FSDP2
-shards, on gloo/CPU or NCCL/GPU; megatron-core later) implements them. The instance lives inside its rank's worker actor;
-collectives between ranks happen inside the calls, so every rank must make the same calls in the same
-order (as with torch.distributed itself).
+shards, on gloo/CPU or NCCL/GPU; megatron-core later) implements them, and `vlmrun.policy.open_policy`
+is the one way to get one (keyed on `model.backend`). The instance lives inside its rank's worker
+actor; collectives between ranks happen inside the calls, so every rank must make the same calls in
+the same order (as with torch.distributed itself).
 
 1. `setup` joins the ranks' process group and builds model, optimizer and LR schedule.
 2. `train_step` takes this rank's micro-batches of one optimizer step and a `TokenLoss` (SFT's NLL by
    default; GRPO's clipped policy gradient): the loss is summed over tokens and normalized by the
    step's global count of them (all ranks), so replicas and loops agree bitwise.
-3. `logprobs` scores a batch under the current weights (GRPO's prev logprobs, tests);
+3. `logprobs` scores a batch under the current weights (GRPO's prev logprobs, validation's NLL);
    `reference_logprobs` under the initial weights (GRPO's KL penalty).
-4. `state_dict` / `load_state_dict`: the parts of a checkpoint this backend owns, by part name
-   (`CHECKPOINT_PARTS`); the checkpoint store decides where they go. A `sharded_state` backend
-   returns this rank's shards (DTensors), which every rank saves and loads together through DCP.
+4. `checkpoint_state` / `load_checkpoint_state`: the backend's share of a checkpoint as a
+   `PolicyState`, whose `storage` says how it is written (one copy for all ranks, or every rank its
+   shard, together); the checkpoint store writes and reads it in one call and decides where it goes.
 5. `weights_for_refit`: the full weights, by parameter name, for a generation engine.
+6. `export`: the trained weights as a model directory a recipe's `model.path` can name.
 """
 
 from __future__ import annotations
 
 import abc
+import enum
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
-#: Part names a policy's state_dict holds; the checkpoint store maps each to a file.
-CHECKPOINT_PARTS = ("model", "optimizer")
+#: The parts of a checkpoint a policy owns: its weights by parameter name, and its optimizer with the
+#: LR schedule. The one place they are named; the checkpoint store gives each its file.
+MODEL_PART, OPTIMIZER_PART = "model", "optimizer"
+POLICY_PARTS = (MODEL_PART, OPTIMIZER_PART)
+
+
+class Storage(enum.Enum):
+    """How a policy's checkpoint state is held across ranks, and so how it is written and read."""
+
+    REPLICATED = "replicated"  # every rank holds the same state: rank 0 writes it for all, every rank reads it
+    SHARDED = "sharded"  # each rank holds its shard: every rank writes and reads its own, together (collective)
+
+
+@dataclass(frozen=True)
+class PolicyState:
+    """A policy's share of a checkpoint: `parts` by name (POLICY_PARTS, or some of them), each a state
+    of tensors (DTensors when sharded) and plain containers."""
+
+    storage: Storage
+    parts: dict[str, Any]
+
+    def __post_init__(self):
+        unknown = set(self.parts) - set(POLICY_PARTS)
+        if unknown:
+            raise ValueError(f"policy state parts {sorted(unknown)} are not policy parts ({', '.join(POLICY_PARTS)})")
 
 
 @dataclass(frozen=True)
@@ -70,10 +98,6 @@ class TokenLoss(abc.ABC):
 class PolicyBackend(abc.ABC):
     """A model being trained on one rank; see the module docstring for the contract."""
 
-    #: False when every rank's state_dict is the same (replicas): rank 0 alone saves it for all; True
-    #: when each rank holds a shard of it: every rank saves its own, together.
-    sharded_state: bool = False
-
     @abc.abstractmethod
     def setup(self, *, master_addr: str, master_port: int, max_steps: int) -> dict[str, Any]:
         """Join the process group and build model, optimizer and schedule; returns {rank, params}."""
@@ -89,23 +113,26 @@ class PolicyBackend(abc.ABC):
 
     @abc.abstractmethod
     def reference_logprobs(self, batch) -> Any:
-        """`logprobs` under the initial weights (the model directory's), never trained."""
+        """`logprobs` under the initial weights (what the backend was built from), never trained."""
 
     @abc.abstractmethod
-    def score(self, loss_batches: list, prompt_batches: list) -> list[float]:
-        """Validation over this rank's batches: [nll sum, tokens, correct, answered]; the caller sums ranks."""
+    def checkpoint_state(self) -> PolicyState:
+        """Every part of POLICY_PARTS as this rank holds it (its shards, when sharded): what a checkpoint
+        saves, and the structure a checkpoint is read into (a sharded read loads into it in place)."""
 
     @abc.abstractmethod
-    def state_dict(self) -> dict[str, Any]:
-        """{part: state} for every part of CHECKPOINT_PARTS (plain tensors and containers)."""
-
-    @abc.abstractmethod
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore what `state_dict` returned."""
+    def load_checkpoint_state(self, state: PolicyState) -> None:
+        """Restore what `checkpoint_state` returned (as the checkpoint store read it back)."""
 
     @abc.abstractmethod
     def weights_for_refit(self) -> dict[str, Any]:
         """Parameter name -> full tensor, for a generation engine to load."""
+
+    @abc.abstractmethod
+    def export(self, read: Callable[[PolicyState], PolicyState], out: Path) -> None:
+        """Write a model directory to `out` whose weights `read` fills: it gets the model part as a
+        one-process state and returns it loaded (a checkpoint's `read_policy`). One process, no process
+        group, no `setup` needed."""
 
     @abc.abstractmethod
     def shutdown(self) -> None:

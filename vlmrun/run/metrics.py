@@ -19,29 +19,9 @@ from pathlib import Path
 
 from vlmrun.errors import InputError, short_repr
 from vlmrun.run.directory import RunDirectory
+from vlmrun.run.rows import NUMBER_KEYS, StepRow
 
 log = logging.getLogger(__name__)
-
-# Readers index rows by step and attempt (whole numbers >= 0) and compute with the numbers (null is
-# allowed there: "not measured"); other keys are carried as they are.
-NUMBER_KEYS = (
-    "epoch",
-    "valid_tokens",
-    "consumed_samples",
-    "val_samples",
-    "loss",
-    "grad_norm",
-    "lr",
-    "step_time_s",
-    "loader_latency_max_s",
-    "tokens_per_s",
-    "samples_per_s",
-    "peak_rss_mb",
-    "time",
-    "val_loss",
-    "val_accuracy",
-    "val_majority_baseline",
-)
 
 
 class MetricsLog:
@@ -51,8 +31,8 @@ class MetricsLog:
         self.path = Path(path)
         _drop_torn_tail(self.path)
 
-    def append(self, row: dict) -> None:
-        data = (json.dumps(row, sort_keys=False) + "\n").encode()
+    def append(self, row: StepRow) -> None:
+        data = (json.dumps(row.to_json(), sort_keys=False) + "\n").encode()
         fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         try:
             os.write(fd, data)
@@ -191,7 +171,7 @@ def _row(line: bytes, path: Path, where: str) -> dict:
     for key in ("step", "attempt"):
         if key in row and not _whole(row[key]):
             raise _damaged(path, where, f"{key} is {short_repr(row[key], 40)}, not a whole number >= 0")
-    for key in NUMBER_KEYS:
+    for key in NUMBER_KEYS:  # numbers or null ("not measured"); other keys are carried as they are
         value = row.get(key)
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
             raise _damaged(path, where, f"{key} is {short_repr(value, 40)}, not a number")

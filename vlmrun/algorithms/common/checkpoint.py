@@ -17,8 +17,9 @@
    reads `checkpoint.read(part, index)`; the part's file name is decided here (`PARTS`) and nowhere
    else. `PendingCheckpoint` and `Checkpoint` are small picklable records, so they travel to the Ray
    actors that write and read their parts (the checkpoint folder is on a filesystem all nodes see).
-   A sharded part (`write_sharded` / `read_sharded`) is written by every rank at once through DCP:
-   each rank writes its own shard, nobody gathers the whole state.
+   The policy's parts come as one `PolicyState` (`pending.write_policy` / `checkpoint.read_policy`),
+   whose storage says how they are written: one copy by rank 0 for every rank, or, sharded, by every
+   rank at once through DCP (each rank writes its own shard, nobody gathers the whole state).
 2. Every writer returns {file: size and sha256} of what it wrote, hashed right after writing in the
    writer's process (ranks hash in parallel, from the page cache); `finish` puts them in the manifest,
    fsyncs, renames tmp_step_<N> -> step_<N>, then keeps the newest `keep`. `latest` returns the newest checkpoint that verifies (every listed
@@ -40,6 +41,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from vlmrun.policy.interface import MODEL_PART, OPTIMIZER_PART, POLICY_PARTS, PolicyState, Storage
+
 log = logging.getLogger(__name__)
 
 FORMAT = 2
@@ -47,26 +50,24 @@ MANIFEST = "manifest.json"
 #: Part -> file, relative to the checkpoint folder; `{index}` is the rank or the loader shard.
 PARTS = {
     "controller": "controller.pt",
-    "model": "policy/model.pt",
-    "optimizer": "policy/optimizer.pt",
+    **{part: f"policy/{part}.pt" for part in POLICY_PARTS},
     "rng": "rng/rank_{index}.pt",
     "loader": "loader/shard_{index}.pt",
     "plane": "plane/shard_{index}.pt",
     "generation": "generation/replica_{index}.pt",
 }
-#: Sharded part -> folder: DCP's files (`__<rank>_<i>.distcp` and `.metadata`) go inside.
-SHARDED_PARTS = {"policy": "policy/sharded"}
-#: Parts without which no checkpoint can be resumed; the policy's are either both REPLICATED_POLICY or
-#: the sharded policy's metadata.
+#: The folder of a sharded policy's parts: DCP's files (`__<rank>_<i>.distcp` and `.metadata`) go inside.
+SHARDED_POLICY = "policy/sharded"
+#: Parts without which no checkpoint can be resumed; the policy's are either every part of
+#: POLICY_PARTS (one copy) or the sharded policy's metadata.
 REQUIRED = ("controller",)
-REPLICATED_POLICY = ("model", "optimizer")
 _DCP_METADATA = ".metadata"
 # Format 1: file per part, and the key a part sat under when two parts shared one file.
 _V1_MANIFEST = "meta.json"
 _V1_PARTS = {
     "controller": "controller.pt",
-    "model": "model.pt",
-    "optimizer": "optim.pt",
+    MODEL_PART: "model.pt",
+    OPTIMIZER_PART: "optim.pt",
     "rng": "rng/rank_{index}.pt",
     "loader": "loader/shard_{index}.pt",
     "plane": "loader/shard_{index}.pt",
@@ -104,15 +105,24 @@ class PendingCheckpoint:
         torch.save(state, target)
         return {name: digest(target)}
 
-    def write_sharded(self, part: str, state: dict, *, rank: int) -> dict[str, dict]:
-        """Save this rank's shard of `state` (DTensors, tensors, plain values) as `part` with
-        torch.distributed.checkpoint. Collective: every rank of the process group calls it together.
-        Returns {file: digest} of the files this rank wrote (rank 0 also writes the metadata)."""
+    def write_policy(self, state: PolicyState, *, rank: int) -> dict[str, dict]:
+        """Save this rank's share of the policy; returns {file: digest} of what this rank wrote.
+
+        One copy (`Storage.REPLICATED`): rank 0 writes every part, the other ranks nothing. Sharded: every
+        rank writes its own shard through torch.distributed.checkpoint, all ranks of the process group
+        together (collective); rank 0 also writes the metadata.
+        """
+        if state.storage is Storage.REPLICATED:
+            files: dict[str, dict] = {}
+            if rank == 0:  # every rank holds the same state
+                for part, value in state.parts.items():
+                    files |= self.write(part, value)
+            return files
         import torch.distributed.checkpoint as dcp
 
-        folder = Path(self.path) / SHARDED_PARTS[part]
+        folder = Path(self.path) / SHARDED_POLICY
         folder.mkdir(parents=True, exist_ok=True)
-        dcp.save(state, storage_writer=dcp.FileSystemWriter(str(folder), thread_count=1, sync_files=False))
+        dcp.save(state.parts, storage_writer=dcp.FileSystemWriter(str(folder), thread_count=1, sync_files=False))
         mine = sorted(folder.glob(f"__{rank}_*.distcp")) + ([folder / _DCP_METADATA] if rank == 0 else [])
         return {str(f.relative_to(self.path)): digest(f) for f in mine}
 
@@ -144,17 +154,23 @@ class Checkpoint:
             return state[_V1_KEYS[part]]
         return state
 
-    def has_sharded(self, part: str) -> bool:
-        return f"{SHARDED_PARTS[part]}/{_DCP_METADATA}" in self.manifest["files"]
+    @property
+    def policy_storage(self) -> Storage:
+        """How the policy's parts were written (a format 1 checkpoint holds one copy)."""
+        sharded = f"{SHARDED_POLICY}/{_DCP_METADATA}" in self.manifest["files"]
+        return Storage.SHARDED if sharded else Storage.REPLICATED
 
-    def read_sharded(self, part: str, state: dict) -> None:
-        """Load `part` into `state` in place (its DTensors are resharded to this process group's
-        layout, which may differ from the writer's). Collective, like `write_sharded`."""
+    def read_policy(self, into: PolicyState) -> PolicyState:
+        """The policy's parts named in `into`, as this checkpoint holds them. One copy: read whole (`into`
+        only names the parts). Sharded: loaded in place into `into`'s tensors, which DCP reshards to their
+        layout (a process group's DTensors: collective, like `write_policy`; plain tensors: the whole
+        state assembled in this one process); returns `into`."""
+        if self.policy_storage is Storage.REPLICATED:
+            return PolicyState(Storage.REPLICATED, {part: self.read(part) for part in into.parts})
         import torch.distributed.checkpoint as dcp
 
-        if not self.has_sharded(part):
-            raise KeyError(f"checkpoint {self.path} has no sharded {part} ({SHARDED_PARTS[part]})")
-        dcp.load(state, storage_reader=dcp.FileSystemReader(str(self.path / SHARDED_PARTS[part])))
+        dcp.load(into.parts, storage_reader=dcp.FileSystemReader(str(self.path / SHARDED_POLICY)))
+        return into
 
     def _file(self, part: str, index: int | None) -> str:
         return part_file(part, index, layout=_V1_PARTS if self.format == 1 else PARTS)
@@ -272,8 +288,8 @@ def verify(path: Path) -> dict:
 def _lacking(files, layout: dict[str, str]) -> list[str]:
     """The required parts `files` lacks: the controller's, and the policy's (replicated or sharded)."""
     lacking = [p for p in REQUIRED if part_file(p, layout=layout) not in files]
-    if f"{SHARDED_PARTS['policy']}/{_DCP_METADATA}" not in files:
-        lacking += [p for p in REPLICATED_POLICY if part_file(p, layout=layout) not in files]
+    if f"{SHARDED_POLICY}/{_DCP_METADATA}" not in files:
+        lacking += [p for p in POLICY_PARTS if part_file(p, layout=layout) not in files]
     return lacking
 
 

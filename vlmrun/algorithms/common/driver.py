@@ -2,7 +2,7 @@
 
 The controller runs on this process's Ray node and is told who this process is: once the driver's
 process is gone (SIGKILL, node loss), the controller writes no metrics row and no checkpoint more.
-Every algorithm's driver (algorithms/<name>/driver.py) is this function with its controller class.
+The node calls it with the controller class of `train.algorithm` (algorithms/controllers.py).
 """
 
 from __future__ import annotations
@@ -39,7 +39,8 @@ def run_controller(
     **controller_kwargs: Any,
 ):
     """Run (or continue) `controller_cls`'s loop (a `StepLoop`) of `recipe` in the Ray instance this
-    process is connected to; returns the attempt's RunOutcome. `controller_kwargs` go to its constructor."""
+    process is connected to; returns the attempt's RunOutcome. `controller_kwargs` go to its constructor
+    (`chosen`: the checkpoint the node verified; `plane_endpoint`: the job's data-plane servers)."""
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)

@@ -1,16 +1,19 @@
 """The step loop every training controller runs: resume, step, validate, log, checkpoint, stop.
 
-A controller is one Ray actor beside the driver (algorithms/<name>/driver.py starts it). `StepLoop`
-holds what does not depend on the algorithm; a subclass supplies the algorithm's part:
+A controller is one Ray actor beside the driver (common/driver.py starts the class that
+algorithms/controllers.py names for `train.algorithm`). `StepLoop` holds what does not depend on the
+algorithm; a subclass supplies the algorithm's part:
 
-1. `_start(found)` starts the workers (and loaders, plane clients, generation) before any step;
-   `found` is the checkpoint it will resume from, already checked to belong to this run.
-2. `_train_step(step, counters)` runs one optimizer step and returns its metrics row (the run
-   contract's keys: loss, grad_norm, lr, valid_tokens, consumed_samples, sample_ids, timings, ...).
+1. `_start(found)` starts the workers (`_start_workers`: one `RankWorker` subclass per rank) and
+   loaders, plane clients, generation before any step; `found` is the checkpoint it will resume
+   from, already checked to belong to this run.
+2. `_train_step(step, counters)` runs one optimizer step and returns its metrics row (a `StepRow`:
+   loss, grad_norm, lr, valid_tokens, consumed_samples, sample_ids, timings, ...). At validation
+   steps the loop adds the pass's keys (validation.py), every rank scoring its share.
 3. Checkpoints: every worker's `save(pending)` / `load(found, restart_data=...)` writes and reads its
    rank's parts; this class writes the controller's own (its RNG and counters) and the loader shards
    a driver-fed loop owns (`self.loaders`, shard -> loader).
-4. `_close()` releases workers and loaders.
+4. `_close()` releases workers and loaders (a subclass adds what else it holds).
 
 A stop request (signal -> flag -> `request_stop`) is acted on at the next step boundary: every rank
 saves, and the run ends as STOPPED (resumable). Once the driver's process is gone (SIGKILL, node
@@ -19,18 +22,20 @@ loss), the controller writes no metrics row and no checkpoint more.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import threading
 import time
-from collections import Counter
 from pathlib import Path
 
 from vlmrun.algorithms.common.checkpoint import Checkpoint, CheckpointStore, PendingCheckpoint
+from vlmrun.algorithms.common.shards import open_train_shard
 from vlmrun.algorithms.common.steps import plan_steps
+from vlmrun.algorithms.common.validation import ValidationScore, validation_row, validation_shares
 from vlmrun.config.identity import RESHARD_TERMS, RESHARDABLE, check_same_identity, run_identity
 from vlmrun.distributed.topology import plan_placement
-from vlmrun.distributed.worker_group import WorkerGroup, freeze_heap
+from vlmrun.distributed.worker_group import Placement, WorkerGroup, freeze_heap
 from vlmrun.errors import CheckFailed, InputError
 from vlmrun.observe.wandb_sink import WandbSink
 from vlmrun.policy import rng
@@ -38,6 +43,7 @@ from vlmrun.run.directory import RunDirectory
 from vlmrun.run.lock import Holder
 from vlmrun.run.metrics import MetricsLog
 from vlmrun.run.outcome import RunOutcome
+from vlmrun.run.rows import StepRow, Validation
 from vlmrun.run.state import State
 
 log = logging.getLogger(__name__)
@@ -63,6 +69,7 @@ class StepLoop:
         started_at: float | None = None,
         driver: Holder | None = None,
         chosen: tuple[Checkpoint | None, list[str]] | None = None,
+        plane_endpoint=None,
     ):
         from vlmrun.config.recipe import Recipe
 
@@ -77,6 +84,8 @@ class StepLoop:
         self.driver = driver  # the node process that runs this attempt; none of our writes outlive it
         self.worker_nodes: list[str] = []
         self.chosen = chosen  # (checkpoint, skipped) the node verified; None: pick here (store.latest)
+        self.loaders: dict = {}  # shard -> loader, for a loop whose driver builds the batches
+        self.plane_endpoint = plane_endpoint  # the job's data-plane servers (TransferQueue); None: local
 
     def request_stop(self, reason: str = "signal") -> None:
         self.stop_reason = self.stop_reason or reason
@@ -86,8 +95,37 @@ class StepLoop:
     def _start(self, found: Checkpoint | None) -> None:
         raise NotImplementedError
 
-    def _train_step(self, step: int, counters: dict) -> dict:
+    def _train_step(self, step: int, counters: dict) -> StepRow:
         raise NotImplementedError
+
+    def _start_workers(self, worker_cls: type, *, optimizer_steps: int, **init) -> None:
+        """One `worker_cls` (a RankWorker) per rank, placed by the worker group, joined in one process
+        group and set up for `optimizer_steps` (the LR schedule's length); `init` goes to every rank."""
+        c = self.recipe.cluster
+        owners = {s.owner_rank for s in self.plan.shards}
+        replica_of = {rank: s.shard for s in self.plan.shards for rank in s.delivery_ranks}
+        init |= dict(
+            world_size=self.plan.layout.world_size,
+            recipe_json=self.recipe_json,
+            model_dir=self.model_dir,
+            threads=self.worker_threads,
+        )
+        self.group = WorkerGroup(
+            worker_cls,
+            self.plan,
+            Placement(nodes=c.nodes, gpus_per_rank=1 if c.gpus_per_node else 0),
+            init=lambda rank: dict(init, rank=rank, replica=replica_of[rank], owner=rank in owners),
+        )
+        self.worker_nodes = self.group.node_addresses()
+        addr, port = self.group.rendezvous()
+        self.group.all_ranks("setup", addr, port, optimizer_steps)
+
+    def _attach_loaders(self) -> None:
+        """Each replica's owner rank opens its loader shard (loops whose ranks read their own data)."""
+        self.group.replica_owners(
+            "attach_loader",
+            lambda shard: dict(shard=shard, num_shards=self.plan.layout.dp, placement_hash=self.plan.placement_hash),
+        )
 
     def _save_parts(self, pending: PendingCheckpoint) -> dict[str, dict]:
         """Every rank's parts (the workers' `save`) and the loader shards this process owns."""
@@ -104,21 +142,21 @@ class StepLoop:
                 loader.load_state_dict(found.read("loader", index=shard))
 
     def _close(self) -> None:
-        raise NotImplementedError
+        """Release the workers and the loader shards this process owns."""
+        self.group.shutdown()
+        for loader in self.loaders.values():
+            loader.close()
 
     def _open_loader_shards(self) -> dict:
         """One loader shard per data-parallel replica, opened in this process (loops whose driver
         builds the batches): shard index -> loader."""
-        from vlmrun.data.loader import open_loader_shard
-
         return {
-            s.shard: open_loader_shard(
+            s.shard: open_train_shard(
                 self.recipe,
-                processor_dir=self.model_dir,
+                self.model_dir,
                 shard=s.shard,
                 num_shards=s.num_shards,
                 placement_hash=self.plan.placement_hash,
-                split=self.recipe.data.split,
             )
             for s in self.plan.shards
         }
@@ -160,12 +198,12 @@ class StepLoop:
             if first_step_at is None:
                 first_step_at = time.time()
                 notes["first_step_s"] = round(first_step_at - self.started_at, 3)  # job start -> first step done
-            if self._due(step, r.train.val_period):
-                row |= self._validate()
-                notes["final_val"] = {k: row[k] for k in row if k.startswith("val_")}
+            if self._due(step, r.train.val_period) and (validation := self._validate(step)) is not None:
+                row = row.with_validation(validation)
+                notes["final_val"] = dataclasses.asdict(validation)
             self._check_driver()
             self.metrics.append(row)
-            self.wandb.log(row)
+            self.wandb.log(row.to_json())
             if self._due(step, r.checkpoint.save_period) or self._stop.is_set():
                 self._save(step, counters)
         if self._stop.is_set() and step < self.steps.max_steps:
@@ -242,10 +280,12 @@ class StepLoop:
         log.info("resumed from %s", found.path)
         return found.step, counters, notes
 
-    def _validate(self) -> dict:
+    def _validate(self, step: int) -> Validation | None:
+        """A validation pass of `train.val_samples` val samples, every rank scoring its share; None when
+        the recipe validates nothing."""
         r = self.recipe
         if r.train.val_samples <= 0:
-            return {}
+            return None
         if not hasattr(self, "_val"):
             from vlmrun.data.loader import val_batches
 
@@ -256,17 +296,18 @@ class StepLoop:
                 batch_size=max(1, r.train.micro_batch_size),
             )
         loss_b, prompt_b = self._val
-        n = self.group.world_size
-        parts = self.group.per_rank(
-            "validate", lambda rank: dict(loss_batches=loss_b[rank::n], prompt_batches=prompt_b[rank::n])
-        )
-        nll, tokens, correct, answered = [sum(p[k] for p in parts) for k in range(4)]
-        return {
-            "val_loss": nll / max(tokens, 1),
-            "val_accuracy": correct / max(answered, 1),
-            "val_samples": int(answered),
-            "val_majority_baseline": majority_share([a for b in prompt_b for a in b.answers]),
-        }
+        shares = validation_shares(loss_b, prompt_b, self.group.world_size)
+        scores = self.group.per_rank("validate", lambda rank: {"share": shares[rank]})
+        validation = validation_row(sum(scores, ValidationScore()), [a for b in prompt_b for a in b.answers])
+        if validation.val_loss is None:
+            log.warning(
+                "validation at step %d scored no token of %d val samples (every label cut away? data.max_seq_len "
+                "is %d): val_loss is null, val_tokens 0",
+                step,
+                r.train.val_samples,
+                r.data.max_seq_len,
+            )
+        return validation
 
     def _save(self, step: int, counters: dict) -> None:
         if step <= 0 or self.store.newest_step() == step:
@@ -293,8 +334,3 @@ class StepLoop:
 def wandb_id(run_dir: Path) -> str:
     """One wandb run per run directory, so resumed attempts append to it."""
     return hashlib.sha256(str(run_dir).encode()).hexdigest()[:16]
-
-
-def majority_share(answers: list[str]) -> float:
-    """Accuracy of always answering the most common answer: the bar a model must beat."""
-    return Counter(answers).most_common(1)[0][1] / len(answers) if answers else 0.0

@@ -23,51 +23,30 @@ from vlmrun.algorithms.grpo.metrics import step_row
 from vlmrun.algorithms.grpo.partition import ReplicaPlanes, StagePlane
 from vlmrun.algorithms.grpo.stages import DriverStages, PlaneStages
 from vlmrun.algorithms.grpo.worker import GrpoWorker
-from vlmrun.distributed.worker_group import Placement, WorkerGroup
+from vlmrun.run.rows import StepRow
 
 log = logging.getLogger(__name__)
 
 
 class GrpoController(StepLoop):
-    def __init__(self, *, plane_endpoint=None, **kwargs):
+    def __init__(self, **kwargs):
         super().__init__(**kwargs)
-        self.plane_endpoint = plane_endpoint  # the job's TransferQueue endpoint; None for `local`
-        self.loaders: dict = {}
         self.planes: ReplicaPlanes | None = None
 
     # ---- set-up ----------------------------------------------------------------------------------
     def _start(self, found: Checkpoint | None) -> None:
         r = self.recipe
         enabled = r.data_plane.enabled
-        owners = {s.owner_rank: s.shard for s in self.plan.shards}
-        replica_of = {rank: s.shard for s in self.plan.shards for rank in s.delivery_ranks}
-        init = dict(
-            world_size=self.plan.layout.world_size,
-            recipe_json=self.recipe_json,
-            model_dir=self.model_dir,
-            threads=self.worker_threads,
+        optimizer_steps = self.steps.max_steps * r.grpo.inner_steps  # the LR schedule counts optimizer steps
+        self._start_workers(
+            GrpoWorker,
+            optimizer_steps=optimizer_steps,
             plane_endpoint=self.plane_endpoint if enabled else None,
             plane_enabled=enabled,
         )
-        c = r.cluster
-        self.group = WorkerGroup(
-            GrpoWorker,
-            self.plan,
-            Placement(nodes=c.nodes, gpus_per_rank=1 if c.gpus_per_node else 0),
-            init=lambda rank: dict(init, rank=rank, replica=replica_of[rank], owner=rank in owners),
-        )
-        self.worker_nodes = self.group.node_addresses()
-        addr, port = self.group.rendezvous()
-        optimizer_steps = self.steps.max_steps * r.grpo.inner_steps  # the LR schedule counts optimizer steps
-        self.group.all_ranks("setup", addr, port, optimizer_steps)
         n_micro = self.steps.micro_batches_per_replica
         if enabled:
-            self.group.replica_owners(
-                "attach_loader",
-                lambda shard: dict(
-                    shard=shard, num_shards=self.plan.layout.dp, placement_hash=self.plan.placement_hash
-                ),
-            )
+            self._attach_loaders()
             shared = None
             if self.plane_endpoint is not None:
                 shared = StagePlane.open(self.plane_endpoint, pixel_dtype=None)
@@ -80,12 +59,10 @@ class GrpoController(StepLoop):
     def _close(self) -> None:
         if self.planes is not None:
             self.planes.close()
-        self.group.shutdown()
-        for loader in self.loaders.values():
-            loader.close()
+        super()._close()
 
     # ---- one step --------------------------------------------------------------------------------
-    def _train_step(self, step: int, counters: dict) -> dict:
+    def _train_step(self, step: int, counters: dict) -> StepRow:
         t0 = time.perf_counter()
         record = self.stages.run(step)
         dt = time.perf_counter() - t0
@@ -93,5 +70,5 @@ class GrpoController(StepLoop):
         row = step_row(
             record, step=step, attempt=self.attempt, epoch=self.steps.epoch_of(step), step_s=dt, counters=counters
         )
-        counters["total_valid_tokens"] += row["valid_tokens"]
+        counters["total_valid_tokens"] += row.valid_tokens
         return row

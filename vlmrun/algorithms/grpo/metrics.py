@@ -1,4 +1,5 @@
-"""One metrics row of a GRPO step: the run contract's keys (as SFT's) and GRPO's own.
+"""One metrics row of a GRPO step (run/rows.py): the run contract's keys (as SFT's) and GRPO's own
+(`GrpoStats`), computed here as follows.
 
     reward, accuracy, format_rate         mean reward, exact-match rate, well-formed rate of the responses
     accuracy/<template>                   exact-match rate per question template (CLEVR's count_all, ...)
@@ -24,79 +25,91 @@ outlasts the slowest rank's compute and reads counts.
 
 from __future__ import annotations
 
-import time
 from collections import defaultdict
 
 from vlmrun.algorithms.grpo.loss import SUMMED
 from vlmrun.algorithms.grpo.stages import StepRecord
+from vlmrun.policy.interface import StepResult
+from vlmrun.run.rows import GrpoStats, StepRow
 
 
-def step_row(record: StepRecord, *, step: int, attempt: int, epoch: int, step_s: float, counters: dict) -> dict:
+def step_row(record: StepRecord, *, step: int, attempt: int, epoch: int, step_s: float, counters: dict) -> StepRow:
     """The row of `step`; `counters` already count this step."""
-    results = record.trains[0]["results"]  # identical on every rank
-    tokens = sum(r["valid_tokens"] for r in results)
+    results = record.trains[0].results  # identical on every rank
+    tokens = sum(r.valid_tokens for r in results)
+    prompts = [p for r in record.rollouts for p in r.prompts]
+    return StepRow(
+        step=step,
+        attempt=attempt,
+        epoch=epoch,
+        loss=sum(r.loss for r in results) / len(results),
+        grad_norm=sum(r.grad_norm for r in results) / len(results),
+        lr=results[0].lr,
+        valid_tokens=tokens,
+        consumed_samples=counters["consumed_samples"],
+        sample_ids=prompts,
+        step_time_s=round(step_s, 4),
+        loader_latency_max_s=round(record.loader_s, 4),
+        tokens_per_s=round(tokens / step_s, 2),
+        samples_per_s=round(len(prompts) / step_s, 2),
+        peak_rss_mb=max(r.peak_rss_mb for t in record.trains for r in t.results),
+        grpo=_stats(record, results, tokens, step_s),
+    )
+
+
+def _stats(record: StepRecord, results: list[StepResult], tokens: int, step_s: float) -> GrpoStats:
+    rewards = [x for r in record.rollouts for x in r.rewards]
+    correct = [x for r in record.rollouts for x in r.correct]
+    lengths = [x for r in record.rollouts for x in r.lengths]
+    gen_s = max(r.times["generation"] for r in record.rollouts)
     stats = _inner_stats(results)
-    rewards = [x for r in record.rollouts for x in r["rewards"]]
-    correct = [x for r in record.rollouts for x in r["correct"]]
-    lengths = [x for r in record.rollouts for x in r["lengths"]]
-    prompts = [p for r in record.rollouts for p in r["prompts"]]
-    gen_s = max(r["times"]["generation"] for r in record.rollouts)
+    means = {_mean_name(k): stats[k] / max(tokens, 1) for k in SUMMED}
     plane_s, plane_bytes, plane_stages = _plane(record)
-    row = {
-        "step": step,
-        "attempt": attempt,
-        "epoch": epoch,
-        "loss": sum(r["loss"] for r in results) / len(results),
-        "grad_norm": sum(r["grad_norm"] for r in results) / len(results),
-        "lr": results[0]["lr"],
-        "valid_tokens": tokens,
-        "consumed_samples": counters["consumed_samples"],
-        "sample_ids": prompts,
-        "step_time_s": round(step_s, 4),
-        "loader_latency_max_s": round(record.loader_s, 4),
-        "tokens_per_s": round(tokens / step_s, 2),
-        "samples_per_s": round(len(prompts) / step_s, 2),
-        "peak_rss_mb": max(r["peak_rss_mb"] for t in record.trains for r in t["results"]),
-        "reward": sum(rewards) / len(rewards),
-        "accuracy": sum(correct) / len(correct),
-        "format_rate": sum(x for r in record.rollouts for x in r["well_formed"]) / len(rewards),
-        **_by_template(record),
-        "probs_ratio_min": stats["probs_ratio_min"],
-        "probs_ratio_max": stats["probs_ratio_max"],
-        **{_mean_name(k): stats[k] / max(tokens, 1) for k in SUMMED},
-        "advantage_mean": float(record.advantages.mean()),
-        "advantage_min": float(record.advantages.min()),
-        "advantage_max": float(record.advantages.max()),
-        "response_length_mean": sum(lengths) / len(lengths),
-        "response_length_max": max(lengths),
-        **_times(record, plane_s),
-        **{f"time_plane_{k}_s": round(v, 4) for k, v in plane_stages.items()},
-        "data_plane_fraction": round(plane_s / step_s, 4),
-        "plane_bytes": plane_bytes,
-        "generation_tokens_per_s": round(sum(r["generated_tokens"] for r in record.rollouts) / max(gen_s, 1e-9), 1),
-        "time": round(time.time(), 3),
-    }
-    return row
+    slowest = {k: max(r.times[k] for r in record.rollouts) for k in ("generation", "refit", "reward")}
+    return GrpoStats(
+        reward=sum(rewards) / len(rewards),
+        accuracy=sum(correct) / len(correct),
+        format_rate=sum(x for r in record.rollouts for x in r.well_formed) / len(rewards),
+        accuracy_by_template=_by_template(record),
+        probs_ratio_min=stats["probs_ratio_min"],
+        probs_ratio_max=stats["probs_ratio_max"],
+        **means,
+        advantage_mean=float(record.advantages.mean()),
+        advantage_min=float(record.advantages.min()),
+        advantage_max=float(record.advantages.max()),
+        response_length_mean=sum(lengths) / len(lengths),
+        response_length_max=max(lengths),
+        time_rollout_s=round(record.walls["rollout"], 4),
+        **{f"time_{k}_s": round(v, 4) for k, v in slowest.items()},
+        time_logprob_s=round(record.walls["logprob"], 4),
+        time_advantage_s=round(record.walls["advantage"], 4),
+        time_train_s=round(record.walls["train"], 4),
+        time_data_plane_s=round(plane_s, 4),
+        plane_stage_s={k: round(v, 4) for k, v in plane_stages.items()},
+        data_plane_fraction=round(plane_s / step_s, 4),
+        plane_bytes=plane_bytes,
+        generation_tokens_per_s=round(sum(r.generated_tokens for r in record.rollouts) / max(gen_s, 1e-9), 1),
+    )
 
 
 def _mean_name(key: str) -> str:
     return "clip_fraction" if key == "clipped" else key
 
 
-def _inner_stats(results: list[dict]) -> dict[str, float]:
-    out = {k: sum(r["stats"][k] for r in results) for k in SUMMED}
-    out["probs_ratio_min"] = min(r["stats"]["probs_ratio_min"] for r in results)
-    out["probs_ratio_max"] = max(r["stats"]["probs_ratio_max"] for r in results)
+def _inner_stats(results: list[StepResult]) -> dict[str, float]:
+    out = {k: sum(r.stats[k] for r in results) for k in SUMMED}
+    out["probs_ratio_min"] = min(r.stats["probs_ratio_min"] for r in results)
+    out["probs_ratio_max"] = max(r.stats["probs_ratio_max"] for r in results)
     return out
 
 
 def _by_template(record: StepRecord) -> dict[str, float]:
     hits: dict[str, list[bool]] = defaultdict(list)
     for r in record.rollouts:
-        group = len(r["correct"]) // len(r["prompts"])
-        for i, ok in enumerate(r["correct"]):
-            hits[r["templates"][i // group] or "none"].append(ok)
-    return {f"accuracy/{t}": sum(v) / len(v) for t, v in sorted(hits.items())}
+        group = len(r.correct) // len(r.prompts)
+        for i, ok in enumerate(r.correct):
+            hits[r.templates[i // group] or "none"].append(ok)
+    return {t: sum(v) / len(v) for t, v in sorted(hits.items())}
 
 
 def _plane(record: StepRecord) -> tuple[float, int, dict[str, float]]:
@@ -105,19 +118,7 @@ def _plane(record: StepRecord) -> tuple[float, int, dict[str, float]]:
     if record.controller_plane_beside:
         stages["advantage_beside"] = record.controller_plane_beside
     moved = record.controller_plane.get("bytes", 0)
-    for name, results in (("rollout", record.rollouts), ("logprob", record.scores), ("train", record.trains)):
-        stages[name] = max((r["plane"].get("seconds", 0.0) for r in results), default=0.0)
-        moved += sum(r["plane"].get("bytes", 0) for r in results)
+    for name, reports in (("rollout", record.rollouts), ("logprob", record.scores), ("train", record.trains)):
+        stages[name] = max((r.plane.get("seconds", 0.0) for r in reports), default=0.0)
+        moved += sum(r.plane.get("bytes", 0) for r in reports)
     return sum(v for k, v in stages.items() if k != "advantage_beside"), int(moved), stages
-
-
-def _times(record: StepRecord, plane_s: float) -> dict[str, float]:
-    slowest = {k: max(r["times"][k] for r in record.rollouts) for k in ("generation", "refit", "reward")}
-    return {
-        "time_rollout_s": round(record.walls["rollout"], 4),
-        **{f"time_{k}_s": round(v, 4) for k, v in slowest.items()},
-        "time_logprob_s": round(record.walls["logprob"], 4),
-        "time_advantage_s": round(record.walls["advantage"], 4),
-        "time_train_s": round(record.walls["train"], 4),
-        "time_data_plane_s": round(plane_s, 4),
-    }

@@ -29,6 +29,7 @@ import torch
 
 from vlmrun.algorithms.grpo.advantages import group_advantages
 from vlmrun.algorithms.grpo.partition import ReplicaPlanes, partition_name, split_fields, stage_fields
+from vlmrun.algorithms.grpo.reports import RolloutReport, ScoreReport, TrainReport
 from vlmrun.algorithms.grpo.rollout_rows import RolloutRows
 from vlmrun.distributed.worker_group import gather
 from vlmrun.plane.fields import Stage
@@ -39,9 +40,9 @@ from vlmrun.plane.interface import SampleBatch
 class StepRecord:
     """What one step's stages reported: per replica (shard order) and per rank (by_dp order)."""
 
-    rollouts: list[dict]
-    scores: list[dict]
-    trains: list[dict]
+    rollouts: list[RolloutReport]
+    scores: list[ScoreReport]
+    trains: list[TrainReport]
     advantages: torch.Tensor
     walls: dict[str, float] = field(default_factory=dict)  # stage -> seconds, as the controller saw it
     controller_plane: dict[str, float] = field(default_factory=dict)  # what the step waited for, all bytes
@@ -59,7 +60,7 @@ class PlaneStages:
         t0 = time.perf_counter()
         rollouts = self.group.replica_owners("rollout", lambda shard: {"step": step, "n_micro": self.n_micro})
         walls["rollout"] = time.perf_counter() - t0
-        ids = [r["sample_ids"] for r in rollouts]
+        ids = [r.sample_ids for r in rollouts]
         parts = [partition_name(step, shard) for shard in range(len(ids))]
         t0 = time.perf_counter()
         scoring = self.group.submit_by_dp("score", [{"step": step, "sample_ids": i} for i in ids])
@@ -73,7 +74,7 @@ class PlaneStages:
         scores = gather(scoring)
         gather(told)
         # the controller's plane time the step waited for: what of it outlasted the slowest rank's compute
-        slowest = max(r["times"]["logprob"] + r["plane"]["seconds"] for r in scores)
+        slowest = max(r.times["logprob"] + r.plane["seconds"] for r in scores)
         waited = min(plane["seconds"], max(0.0, beside_s - slowest))
         walls["logprob"] = time.perf_counter() - t0
         walls["advantage"] = beside_s
@@ -88,7 +89,7 @@ class PlaneStages:
             walls=walls,
             controller_plane={"seconds": waited, "bytes": plane["bytes"]},
             controller_plane_beside=plane["seconds"],
-            loader_s=max(r["times"]["loader"] for r in rollouts),
+            loader_s=max(r.times["loader"] for r in rollouts),
         )
 
     def _advantages(self, parts: list[str], ids: list[list[str]]) -> list[torch.Tensor]:
@@ -115,12 +116,14 @@ class DriverStages:
         )
         rollouts = gather(refs)
         walls["rollout"] = time.perf_counter() - t0
-        rows: list[RolloutRows] = [r.pop("rows") for r in rollouts]
+        rows: list[RolloutRows] = [r.rows for r in rollouts]
+        for r in rollouts:  # the record keeps the reports, not the rollout itself
+            r.rows = None
         t0 = time.perf_counter()
         scores = self.group.by_dp("score", [self._stage_kwargs(step, r, Stage.PREV_LOGPROB) for r in rows])
         walls["logprob"] = time.perf_counter() - t0
         for shard, r in enumerate(rows):
-            r.responses.columns.update(self._replica_results(scores, shard)["columns"])
+            r.responses.columns.update(self._replica_results(scores, shard).columns)
         t0 = time.perf_counter()
         advantages = []
         for r in rows:
@@ -156,7 +159,7 @@ class DriverStages:
         sent = RolloutRows(prompts=only(rows.prompts, prompt_fields), responses=only(rows.responses, response_fields))
         return {"step": step, "sample_ids": list(rows.responses.sample_ids), "rows": sent}
 
-    def _replica_results(self, results: list[dict], shard: int) -> dict:
+    def _replica_results(self, results: list[ScoreReport], shard: int) -> ScoreReport:
         """The first rank's result of replica `shard` (by_dp returns shard, then rank order)."""
         per_replica = len(results) // len(self.group.plan.shards)
         return results[shard * per_replica]

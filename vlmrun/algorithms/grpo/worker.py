@@ -1,6 +1,6 @@
-"""GrpoWorker: the Ray actor of one GRPO rank. It holds the rank's policy and, colocated in the same
-process, its replica's generation backend (refit from the policy in memory each step), loader shard
-and data-plane client.
+"""GrpoWorker: the Ray actor of one GRPO rank (a `RankWorker`: policy, generation engine, validation,
+checkpoints). The generation engine is colocated in the same process and refit from the policy in
+memory each step; the replica's owner rank holds the loader shard; every rank a data-plane client.
 
 Stages, each one call from the controller (stages.py):
 
@@ -24,10 +24,8 @@ from __future__ import annotations
 
 import time
 
-import torch
-
 from vlmrun.algorithms.common.checkpoint import Checkpoint, PendingCheckpoint
-from vlmrun.algorithms.common.policy_parts import load_policy, save_policy
+from vlmrun.algorithms.common.worker import RankWorker
 from vlmrun.algorithms.grpo.loss import ClippedPgLoss
 from vlmrun.algorithms.grpo.micro_batches import model_batches, pg_micro_batches, response_values
 from vlmrun.algorithms.grpo.partition import (
@@ -38,6 +36,7 @@ from vlmrun.algorithms.grpo.partition import (
     split_fields,
     stage_fields,
 )
+from vlmrun.algorithms.grpo.reports import RolloutReport, ScoreReport, TrainReport
 from vlmrun.algorithms.grpo.rewards import score_responses
 from vlmrun.algorithms.grpo.rollout_rows import (
     RolloutRows,
@@ -48,46 +47,21 @@ from vlmrun.algorithms.grpo.rollout_rows import (
     response_lengths,
     response_sample_ids,
 )
-from vlmrun.distributed.worker_group import RankActor, StepGate, side_call
+from vlmrun.config.dtype import torch_dtype
+from vlmrun.distributed.worker_group import StepGate, side_call
 from vlmrun.generation.interface import SamplingParams
 from vlmrun.generation.prompts import join_prompts
 from vlmrun.plane.fields import Stage
 from vlmrun.plane.interface import Put, SampleBatch
-from vlmrun.policy import rng
-from vlmrun.policy.interface import PolicyBackend, StepResult
 
 
-class GrpoWorker(RankActor):
-    def __init__(
-        self,
-        *,
-        rank: int,
-        world_size: int,
-        replica: int,
-        owner: bool,
-        recipe_json: str,
-        model_dir: str,
-        threads: int = 1,
-        plane_endpoint=None,
-        plane_enabled: bool = True,
-    ):
-        from vlmrun.config.recipe import Recipe
-        from vlmrun.generation.hf import HfGenerator
-        from vlmrun.policy.hf import HfPolicy  # model.backend: hf is the one backend today
+class GrpoWorker(RankWorker):
+    needs_generator = True
 
-        torch.set_num_threads(threads)
-        self.rank, self.replica, self.owner = rank, replica, owner
-        self.recipe = r = Recipe.model_validate_json(recipe_json)
-        self.model_dir = model_dir
-        self.policy: PolicyBackend = HfPolicy.from_recipe(r, rank=rank, world_size=world_size, model_dir=model_dir)
-        self.generator = HfGenerator(  # on the rank's GPU (Ray made it cuda:0), in the compute dtype
-            model_dir=model_dir,
-            replica=replica,
-            dtype="bfloat16" if r.parallel.mixed_precision == "bf16" else r.model.dtype,
-            device="cuda" if r.cluster.gpus_per_node else "cpu",
-            threads=threads,
-        )
-        self.dtype = torch.bfloat16 if r.model.dtype == "bfloat16" else torch.float32
+    def __init__(self, *, plane_endpoint=None, plane_enabled: bool = True, **kwargs):
+        super().__init__(**kwargs)
+        r = self.recipe
+        self.dtype = torch_dtype(r.model.dtype)
         self.sampling = SamplingParams(
             temperature=r.grpo.temperature,
             top_p=r.grpo.top_p,
@@ -98,34 +72,11 @@ class GrpoWorker(RankActor):
         self.rows_per_micro = r.train.micro_batch_size * r.grpo.num_generations
         self.plane = StagePlane.open(plane_endpoint, pixel_dtype=self.dtype) if plane_enabled else None
         self._advantages = StepGate()
-        self.loader = None
-
-    def setup(self, master_addr: str, master_port: int, max_steps: int) -> dict:
-        from transformers import AutoTokenizer
-
-        info = self.policy.setup(master_addr=master_addr, master_port=master_port, max_steps=max_steps)
-        self.image_token_id = self.generator.setup()["image_token_id"]
-        self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
-        self.pad_token_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
-        return info
-
-    def attach_loader(self, shard: int, num_shards: int, placement_hash: str) -> None:
-        """The plane paths: this rank owns loader shard `shard` of its replica."""
-        from vlmrun.data.loader import open_loader_shard
-
-        self.loader = open_loader_shard(
-            self.recipe,
-            processor_dir=self.model_dir,
-            shard=shard,
-            num_shards=num_shards,
-            placement_hash=placement_hash,
-            split=self.recipe.data.split,
-        )
 
     # ---- stages ----------------------------------------------------------------------------------
-    def rollout(self, step: int, n_micro: int = 0, prompts: list | None = None) -> dict:
+    def rollout(self, step: int, n_micro: int = 0, prompts: list | None = None) -> RolloutReport:
         """Stage 1. The driver path passes `prompts` (the replica's prompt micro-batches) and gets the
-        rollout back in "rows"; the plane paths take `n_micro` micro-batches from the owned loader."""
+        rollout back in the report's `rows`; the plane paths take `n_micro` micro-batches from the owned loader."""
         t0 = time.perf_counter()
         if prompts is None:
             prompts = [self.loader.next_batch() for _ in range(n_micro)]
@@ -148,34 +99,32 @@ class GrpoWorker(RankActor):
         scored = self._score(rollouts)
         responses = response_columns(rollouts, scored, prompt_rows.sample_ids)
         times["reward"] = time.perf_counter() - t0
-        report = {
-            "prompts": list(batch.sample_ids),
-            "templates": list(batch.templates) or [""] * len(batch),
-            "sample_ids": responses.sample_ids,
-            "rewards": [s.reward for s in scored],
-            "correct": [s.correct for s in scored],
-            "well_formed": [s.well_formed for s in scored],
-            "lengths": response_lengths(rollouts),
-            "generated_tokens": rollouts.response_ids.numel(),
-            "times": times,
-        }
+        report = RolloutReport(
+            prompts=list(batch.sample_ids),
+            templates=list(batch.templates) or [""] * len(batch),
+            sample_ids=responses.sample_ids,
+            rewards=[s.reward for s in scored],
+            correct=[s.correct for s in scored],
+            well_formed=[s.well_formed for s in scored],
+            lengths=response_lengths(rollouts),
+            generated_tokens=rollouts.response_ids.numel(),
+            times=times,
+        )
         if self.plane is None:
-            return report | {"rows": RolloutRows(prompts=prompt_rows, responses=responses), "plane": {}}
+            report.rows = RolloutRows(prompts=prompt_rows, responses=responses)
+            return report
         self.plane.put_many([Put(part, responses.sample_ids, responses.columns)])
         self.plane.prefetch([self._gets(part, responses.sample_ids, Stage.PREV_LOGPROB).rollout])
-        return report | {"plane": self.plane.take()}
+        report.plane = self.plane.take()
+        return report
 
     def _score(self, rollouts) -> list:
         """Every response's reward (rewards.py), from its text and whether it ended its turn."""
         g = self.recipe.grpo
-        texts = self.tokenizer.batch_decode(
-            rollouts.response_ids.masked_fill(rollouts.response_mask == 0, self.pad_token_id),
-            skip_special_tokens=True,
-        )
         ended = ended_with(rollouts, self.generator.eos_ids)
-        return score_responses(g.reward, texts, rollouts.answers, ended, format_reward=g.format_reward)
+        return score_responses(g.reward, self._decode(rollouts), rollouts.answers, ended, format_reward=g.format_reward)
 
-    def score(self, step: int, sample_ids: list[str], rows: RolloutRows | None = None) -> dict:
+    def score(self, step: int, sample_ids: list[str], rows: RolloutRows | None = None) -> ScoreReport:
         """Stage 2: prev (and, with KL, ref) logprobs of the replica's samples."""
         got = self._fetch(step, sample_ids, Stage.PREV_LOGPROB, rows)
         part = partition_name(step, self.replica)
@@ -193,16 +142,18 @@ class GrpoWorker(RankActor):
             if kl:
                 out["ref_logprobs"] += response_values(self.policy.reference_logprobs(b), a, n)
             start += len(b)
-        report = {"times": {"logprob": time.perf_counter() - t0}}
+        report = ScoreReport(times={"logprob": time.perf_counter() - t0})
         if self.plane is None:
-            return report | {"columns": out, "plane": {}}
+            report.columns = out
+            return report
         # A sample's writes must not overlap: the controller's advantages first (stages.py, 1). Then the
         # write, and the train stage's read of its response fields, go on the plane thread in order.
         self._advantages.wait(step)
         self.plane.put_many([Put(part, list(sample_ids), out)], wait=False)
         if train.later is not None:
             self.plane.prefetch([train.later])
-        return report | {"plane": self.plane.take()}
+        report.plane = self.plane.take()
+        return report
 
     @side_call
     def advantages_written(self, step: int, ok: bool = True) -> None:
@@ -210,7 +161,7 @@ class GrpoWorker(RankActor):
         advantage stage failed: a `score` waiting for them goes on, or raises."""
         self._advantages.open(step, ok)
 
-    def train(self, step: int, sample_ids: list[str], rows: RolloutRows | None = None) -> dict:
+    def train(self, step: int, sample_ids: list[str], rows: RolloutRows | None = None) -> TrainReport:
         """Stage 3: `grpo.inner_steps` optimizer steps over the replica's samples; the partition is cleared
         (while the steps run: the plane is empty when the stage returns)."""
         try:
@@ -226,8 +177,7 @@ class GrpoWorker(RankActor):
         times = {"train": time.perf_counter() - t0}
         if self.plane is not None:
             self.plane.flush()
-        plane = self.plane.take() if self.plane is not None else {}
-        return {"results": [_plain(r) for r in results], "times": times, "plane": plane}
+        return TrainReport(results, times, self.plane.take() if self.plane is not None else {})
 
     def _fetch(self, step: int, sample_ids: list[str], stage: Stage, rows: RolloutRows | None) -> SampleBatch:
         """The stage's fields of the responses `sample_ids`, each with its prompt's: from the plane, or
@@ -261,48 +211,17 @@ class GrpoWorker(RankActor):
     def plane_put(self, partition: str, sample_ids: list[str], columns: dict) -> None:
         self.plane.serve("put", partition, sample_ids, columns)
 
-    # ---- validation and checkpoints ---------------------------------------------------------------
-    def validate(self, loss_batches: list, prompt_batches: list) -> list[float]:
-        """This rank's [nll, tokens, correct, answered] over its share of the val batches."""
-        return self.policy.score(loss_batches, prompt_batches)
+    # ---- checkpoints ------------------------------------------------------------------------------
+    def _save_own(self, pending: PendingCheckpoint) -> dict[str, dict]:
+        """The sampling stream, on the replica's owner rank (every rank of a replica holds the same)."""
+        return pending.write("generation", self.generator.state_dict(), index=self.replica) if self.owner else {}
 
-    def save(self, pending: PendingCheckpoint) -> dict[str, dict]:
-        """This rank's parts: its share of the policy, its RNG, and, on a replica's owner, the sampling
-        stream and the owned loader shard; returns {file: digest}."""
-        written = save_policy(self.policy, pending, rank=self.rank)
-        written |= pending.write("rng", rng.rng_state(), index=self.rank)
-        if self.owner:
-            written |= pending.write("generation", self.generator.state_dict(), index=self.replica)
-        if self.loader is not None:
-            written |= pending.write("loader", self.loader.state_dict(), index=self.loader.shard)
-        return written
-
-    def load(self, checkpoint: Checkpoint, restart_data: bool = False) -> None:
-        """Restore this rank's parts; with `restart_data` (another dp wrote it) only the policy's."""
-        load_policy(self.policy, checkpoint)
-        if restart_data:
-            return
-        rng.set_rng_state(checkpoint.read("rng", index=self.rank))
+    def _load_own(self, checkpoint: Checkpoint) -> None:
         self.generator.load_state_dict(checkpoint.read("generation", index=self.replica))
-        if self.loader is not None:
-            self.loader.load_state_dict(checkpoint.read("loader", index=self.loader.shard))
 
     def shutdown(self) -> None:
-        if self.loader is not None:
-            self.loader.close()
-        if self.plane is not None:
-            self.plane.close()
-        self.generator.shutdown()
-        self.policy.shutdown()
-
-
-def _plain(result: StepResult) -> dict:
-    return {
-        "loss": result.loss,
-        "grad_norm": result.grad_norm,
-        "lr": result.lr,
-        "valid_tokens": result.valid_tokens,
-        "compute_s": result.compute_s,
-        "peak_rss_mb": result.peak_rss_mb,
-        "stats": dict(result.stats),
-    }
+        try:
+            if self.plane is not None:
+                self.plane.close()
+        finally:
+            super().shutdown()

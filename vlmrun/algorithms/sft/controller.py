@@ -20,7 +20,8 @@ import time
 from vlmrun.algorithms.common.checkpoint import Checkpoint
 from vlmrun.algorithms.common.loop import StepLoop
 from vlmrun.algorithms.sft.worker import SftWorker
-from vlmrun.distributed.worker_group import Placement, WorkerGroup, gather
+from vlmrun.distributed.worker_group import gather
+from vlmrun.run.rows import StepRow
 
 log = logging.getLogger(__name__)
 
@@ -28,45 +29,15 @@ log = logging.getLogger(__name__)
 class SftController(StepLoop):
     # ---- set-up ----------------------------------------------------------------------------------
     def _start(self, found: Checkpoint | None) -> None:
-        self._start_workers()
-        self._open_loaders()
-
-    def _start_workers(self) -> None:
-        """One SftWorker per rank (the worker group places them), joined in one process group."""
-        c = self.recipe.cluster
-        world = self.plan.layout.world_size
-        init = dict(
-            world_size=world, recipe_json=self.recipe_json, model_dir=self.model_dir, threads=self.worker_threads
-        )
-        self.group = WorkerGroup(
-            SftWorker,
-            self.plan,
-            Placement(nodes=c.nodes, gpus_per_rank=1 if c.gpus_per_node else 0),
-            init=lambda rank: dict(init, rank=rank),
-        )
-        self.worker_nodes = self.group.node_addresses()
-        addr, port = self.group.rendezvous()
-        self.group.all_ranks("setup", addr, port, self.steps.max_steps)
-
-    def _open_loaders(self) -> None:
-        self.loaders = {}
+        """One SftWorker per rank, then the loader shards: in the owner ranks (v2) or here (v1)."""
+        self._start_workers(SftWorker, optimizer_steps=self.steps.max_steps)
         if self.recipe.train.loop == "v2":
-            self.group.replica_owners(
-                "attach_loader",
-                lambda shard: dict(
-                    shard=shard, num_shards=self.plan.layout.dp, placement_hash=self.plan.placement_hash
-                ),
-            )
-            return
-        self.loaders = self._open_loader_shards()
-
-    def _close(self) -> None:
-        self.group.shutdown()
-        for loader in self.loaders.values():
-            loader.close()
+            self._attach_loaders()
+        else:
+            self.loaders = self._open_loader_shards()
 
     # ---- one step --------------------------------------------------------------------------------
-    def _train_step(self, step: int, counters: dict) -> dict:
+    def _train_step(self, step: int, counters: dict) -> StepRow:
         t0 = time.perf_counter()
         n_micro = self.steps.micro_batches_per_replica
         if self.recipe.train.loop == "v1":
@@ -76,29 +47,28 @@ class SftController(StepLoop):
                 batches = [self.loaders[s.shard].next_batch() for _ in range(n_micro)]
                 loader_s = max(loader_s, time.perf_counter() - t1)
                 refs += self.group.submit_replica(s.shard, "train_step", step=step, micro_batches=batches)
-            results = gather(refs)
+            reports = gather(refs)
         else:
-            results = self.group.all_ranks("train_step", step, n_micro=n_micro)
-            loader_s = max(r["loader_s"] for r in results)
+            reports = self.group.all_ranks("train_step", step, n_micro=n_micro)
+            loader_s = max(r.loader_s for r in reports)
         dt = time.perf_counter() - t0
-        head = results[0]
+        head = reports[0].result  # identical on every rank
         samples = self.steps.global_batch_size
         counters["consumed_samples"] += samples
-        counters["total_valid_tokens"] += head["valid_tokens"]
-        return {
-            "step": step,
-            "attempt": self.attempt,
-            "epoch": self.steps.epoch_of(step),
-            "loss": head["loss"],
-            "grad_norm": head["grad_norm"],
-            "lr": head["lr"],
-            "valid_tokens": head["valid_tokens"],
-            "consumed_samples": counters["consumed_samples"],
-            "sample_ids": [i for r in results for i in r["sample_ids"]],
-            "step_time_s": round(dt, 4),
-            "loader_latency_max_s": round(loader_s, 4),
-            "tokens_per_s": round(head["valid_tokens"] / dt, 2),
-            "samples_per_s": round(samples / dt, 2),
-            "peak_rss_mb": max(r["peak_rss_mb"] for r in results),
-            "time": round(time.time(), 3),
-        }
+        counters["total_valid_tokens"] += head.valid_tokens
+        return StepRow(
+            step=step,
+            attempt=self.attempt,
+            epoch=self.steps.epoch_of(step),
+            loss=head.loss,
+            grad_norm=head.grad_norm,
+            lr=head.lr,
+            valid_tokens=head.valid_tokens,
+            consumed_samples=counters["consumed_samples"],
+            sample_ids=[i for r in reports for i in r.sample_ids],
+            step_time_s=round(dt, 4),
+            loader_latency_max_s=round(loader_s, 4),
+            tokens_per_s=round(head.valid_tokens / dt, 2),
+            samples_per_s=round(samples / dt, 2),
+            peak_rss_mb=max(r.result.peak_rss_mb for r in reports),
+        )

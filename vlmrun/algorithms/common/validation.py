@@ -1,0 +1,110 @@
+"""Validation: every algorithm's held-out score, computed on the ranks with the policy and a generation engine.
+
+1. The controller cuts the val batches into one `ValidationShare` per rank (`validation_shares`): rank r
+   scores loss batches r, r + n, ... and answers prompt batches r, r + n, ...
+2. On each rank, `evaluate` takes the NLL of the loss batches from the policy's `logprobs` and the
+   greedy answers from a generation engine refit from the policy (`weights_for_refit`), so the policy
+   seam holds no validation code and a sharded policy never gathers the whole model for a forward.
+3. Collectives: a sharded (FSDP2) forward gathers parameters from every rank, so every rank makes the
+   same number of `logprobs` calls: a share with fewer loss batches is padded with repeats of a batch
+   whose result is discarded. The refit is collective too: every rank refits, also one with no prompt.
+   Generation itself runs on the engine's own copy of the weights, with no collective.
+4. The shares' `ValidationScore`s sum to one pass; `validation_row` makes the metrics row's keys of it.
+   A pass that scored no token (every label cut away) has no loss: `val_loss` is null, `val_tokens` 0.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from vlmrun.generation.interface import GenerationBackend, SamplingParams
+from vlmrun.policy.interface import PolicyBackend
+from vlmrun.policy.loss import valid_tokens
+from vlmrun.run.rows import Validation
+
+#: Validation's answers: greedy (temperature 0 draws nothing from a sampling stream), a few tokens.
+GREEDY = SamplingParams(temperature=0.0, max_new_tokens=4)
+
+
+@dataclass(frozen=True)
+class ValidationShare:
+    """One rank's part of a pass: `loss_batches` are scored, `padding` run and discarded (module doc, 3),
+    `prompt_batches` answered."""
+
+    loss_batches: list
+    prompt_batches: list
+    padding: list = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class ValidationScore:
+    """Sums over a share (or, added up, over a pass): NLL over `tokens` label tokens, `correct` of
+    `answered` greedy answers exactly right."""
+
+    nll: float = 0.0
+    tokens: int = 0
+    correct: int = 0
+    answered: int = 0
+
+    def __add__(self, other: ValidationScore) -> ValidationScore:
+        return ValidationScore(
+            self.nll + other.nll,
+            self.tokens + other.tokens,
+            self.correct + other.correct,
+            self.answered + other.answered,
+        )
+
+
+def validation_shares(loss_batches: list, prompt_batches: list, ranks: int) -> list[ValidationShare]:
+    """Every rank's share, each with as many forward calls as the largest (module doc, 3)."""
+    scored = [loss_batches[r::ranks] for r in range(ranks)]
+    calls = max(len(s) for s in scored)
+    shares = []
+    for r, mine in enumerate(scored):
+        filler = mine[-1] if mine else (loss_batches[0] if loss_batches else None)
+        padding = [filler] * (calls - len(mine)) if filler is not None else []
+        shares.append(ValidationShare(mine, prompt_batches[r::ranks], padding))
+    return shares
+
+
+def evaluate(
+    share: ValidationShare,
+    *,
+    policy: PolicyBackend,
+    generator: GenerationBackend,
+    decode: Callable[[object], list[str]],
+) -> ValidationScore:
+    """This rank's score of `share`: the NLL from `policy.logprobs`, greedy answers from `generator` once
+    it is refit from `policy`; `decode(rollouts)` gives the responses' texts. Every rank calls it together."""
+    nll, tokens = 0.0, 0
+    for batch in share.loss_batches:
+        nll += -float(policy.logprobs(batch).sum())
+        tokens += valid_tokens(batch.labels)
+    for batch in share.padding:  # the same number of (collective) forwards on every rank
+        policy.logprobs(batch)
+    generator.load_weights(policy.weights_for_refit())
+    correct = answered = 0
+    for prompts in share.prompt_batches:
+        texts = decode(generator.generate(prompts, GREEDY, n=1))
+        for text, answer in zip(texts, prompts.answers, strict=True):
+            correct += text.strip() == answer.strip()
+            answered += 1
+    return ValidationScore(nll, tokens, correct, answered)
+
+
+def validation_row(score: ValidationScore, answers: list[str]) -> Validation:
+    """The metrics row's validation keys of a whole pass; `answers` are every prompt's reference answer."""
+    return Validation(
+        val_loss=score.nll / score.tokens if score.tokens else None,
+        val_accuracy=score.correct / score.answered if score.answered else None,
+        val_samples=score.answered,
+        val_tokens=score.tokens,
+        val_majority_baseline=majority_share(answers),
+    )
+
+
+def majority_share(answers: list[str]) -> float:
+    """Accuracy of always answering the most common answer: the bar a model must beat."""
+    return Counter(answers).most_common(1)[0][1] / len(answers) if answers else 0.0

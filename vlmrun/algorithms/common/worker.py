@@ -1,0 +1,146 @@
+"""The rank worker every algorithm's per-rank actor extends: what SFT and GRPO ranks hold and do alike.
+
+1. Construction: the rank's policy from `vlmrun.policy.open_policy` (the recipe's `model.backend`) and,
+   when the algorithm or validation needs one, its generation engine from
+   `vlmrun.generation.open_generator` (`generation.backend`), on the rank's GPU when it has one, in the
+   compute dtype, refit from the policy in memory.
+2. `setup`: the process group and the policy, then the engine and the tokenizer.
+3. `attach_loader`: the loader shard this rank owns (`open_train_shard`, the one way a loop opens one).
+4. `validate`: this rank's share of a validation pass (validation.py).
+5. Checkpoints: `save` writes the policy's state (`PendingCheckpoint.write_policy`), this rank's RNG,
+   the owned loader shard's position and what the algorithm adds (`_save_own`); `load` reads them back.
+
+Subclasses add their stages; `needs_generator` and `_save_own` / `_load_own` are their hooks.
+"""
+
+from __future__ import annotations
+
+from vlmrun.algorithms.common.checkpoint import Checkpoint, PendingCheckpoint
+from vlmrun.algorithms.common.shards import open_train_shard
+from vlmrun.algorithms.common.validation import ValidationScore, ValidationShare, evaluate
+from vlmrun.config.dtype import compute_dtype
+from vlmrun.distributed.worker_group import RankActor
+from vlmrun.errors import InputError
+from vlmrun.generation import open_generator
+from vlmrun.generation.interface import GenerationBackend
+from vlmrun.models.spec import ModelSpec
+from vlmrun.policy import open_policy, rng
+from vlmrun.policy.interface import PolicyBackend, Storage
+
+
+class RankWorker(RankActor):
+    """Rank `rank` of `world_size` of the run of `recipe_json`, its model from `model_dir`; `replica`
+    is its data-parallel replica (the generation engine's sampling stream), `owner` whether it is the
+    replica's owner rank (the one that holds the replica's loader shard and sampling stream)."""
+
+    #: Whether the algorithm itself generates (GRPO); else an engine is opened only for validation.
+    needs_generator = False
+
+    def __init__(
+        self,
+        *,
+        rank: int,
+        world_size: int,
+        recipe_json: str,
+        model_dir: str,
+        threads: int = 1,
+        replica: int = 0,
+        owner: bool = True,
+    ):
+        import torch
+
+        from vlmrun.config.recipe import Recipe
+
+        torch.set_num_threads(threads)
+        self.rank, self.replica, self.owner = rank, replica, owner
+        self.recipe = r = Recipe.model_validate_json(recipe_json)
+        self.model_dir = model_dir
+        gpus = r.cluster.gpus_per_node > 0
+        self.policy: PolicyBackend = open_policy(
+            r.model.backend,
+            model=ModelSpec(directory=model_dir, dtype=r.model.dtype),
+            rank=rank,
+            world_size=world_size,
+            train=r.train,
+            parallel=r.parallel,
+            gpus=gpus,
+        )
+        self.generator: GenerationBackend | None = None
+        if self.needs_generator or r.train.val_samples > 0:  # on the rank's GPU (Ray made it cuda:0)
+            self.generator = open_generator(
+                r.generation.backend,
+                model=ModelSpec(directory=model_dir, dtype=compute_dtype(r.model.dtype, r.parallel.mixed_precision)),
+                replica=replica,
+                device="cuda" if gpus else "cpu",
+                threads=threads,
+            )
+        self.loader = None
+
+    def setup(self, master_addr: str, master_port: int, max_steps: int) -> dict:
+        from transformers import AutoTokenizer
+
+        info = self.policy.setup(master_addr=master_addr, master_port=master_port, max_steps=max_steps)
+        self.image_token_id = self.generator.setup()["image_token_id"] if self.generator is not None else None
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
+        self.pad_token_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        return info
+
+    def attach_loader(self, shard: int, num_shards: int, placement_hash: str) -> None:
+        """This rank owns loader shard `shard` of `num_shards` (its replica's)."""
+        self.loader = open_train_shard(
+            self.recipe, self.model_dir, shard=shard, num_shards=num_shards, placement_hash=placement_hash
+        )
+
+    def validate(self, share: ValidationShare) -> ValidationScore:
+        """This rank's score of its share of the val batches (collective: every rank calls it)."""
+        return evaluate(share, policy=self.policy, generator=self.generator, decode=self._decode)
+
+    def _decode(self, rollouts) -> list[str]:
+        """The texts of the rollouts' responses, special tokens dropped."""
+        ids = rollouts.response_ids.masked_fill(rollouts.response_mask == 0, self.pad_token_id)
+        return self.tokenizer.batch_decode(ids, skip_special_tokens=True)
+
+    # ---- checkpoints ------------------------------------------------------------------------------
+    def save(self, pending: PendingCheckpoint) -> dict[str, dict]:
+        """Write this rank's parts into `pending` (collective when the policy is sharded); returns
+        {file: digest} of what this rank wrote."""
+        written = pending.write_policy(self.policy.checkpoint_state(), rank=self.rank)
+        written |= pending.write("rng", rng.rng_state(), index=self.rank)
+        written |= self._save_own(pending)
+        if self.loader is not None:
+            written |= pending.write("loader", self.loader.state_dict(), index=self.loader.shard)
+        return written
+
+    def load(self, checkpoint: Checkpoint, restart_data: bool = False) -> None:
+        """Restore this rank's parts; with `restart_data` (another dp wrote it) only the policy's.
+        InputError when the checkpoint's policy was written in the other layout (parallel.fsdp)."""
+        state = self.policy.checkpoint_state()
+        if checkpoint.policy_storage is not state.storage:
+            written = "true" if checkpoint.policy_storage is Storage.SHARDED else "false"
+            raise InputError(
+                "parallel.fsdp",
+                self.recipe.parallel.fsdp,
+                message=f"parallel.fsdp: checkpoint {checkpoint.path} was written with parallel.fsdp: {written}; "
+                f"resume with parallel.fsdp: {written}",
+            )
+        self.policy.load_checkpoint_state(checkpoint.read_policy(state))
+        if restart_data:
+            return
+        rng.set_rng_state(checkpoint.read("rng", index=self.rank))
+        self._load_own(checkpoint)
+        if self.loader is not None:
+            self.loader.load_state_dict(checkpoint.read("loader", index=self.loader.shard))
+
+    def _save_own(self, pending: PendingCheckpoint) -> dict[str, dict]:
+        """The algorithm's own parts of this rank (none by default)."""
+        return {}
+
+    def _load_own(self, checkpoint: Checkpoint) -> None:
+        """Restore what `_save_own` wrote."""
+
+    def shutdown(self) -> None:
+        if self.loader is not None:
+            self.loader.close()
+        if self.generator is not None:
+            self.generator.shutdown()
+        self.policy.shutdown()
