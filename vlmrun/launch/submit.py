@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
+from vlmrun.algorithms.common.checkpoint_store import CheckpointStore, run_checkpoints
 from vlmrun.cluster.preflight import preflight_run
 from vlmrun.errors import InputError
 from vlmrun.launch.result import SubmitResult
@@ -38,7 +40,8 @@ def submit_run(
 
     Raises InputError (before a run dir is created or data generated) for a bad recipe, argument, a
     missing model or data set, too few GPUs on this machine for a local run (cluster/preflight.py), or
-    a GPU recipe whose memory estimate exceeds cluster.gpu_memory_gb (models/fit.py). The estimate
+    a GPU recipe whose memory estimate exceeds cluster.gpu_memory_gb (models/fit.py), or a
+    checkpoint.dir that belongs to another run (algorithms/common/checkpoint_owner.py). The estimate
     rides on the result (`memory`); its warning (within 10% of the limit) goes to `echo` before a run.
     """
     from vlmrun.config.load import load_recipe
@@ -57,12 +60,15 @@ def submit_run(
         )
     memory = check_memory_fit(recipe)  # before preflight: a layout that cannot fit, wherever the weights are
     preflight_run(recipe, runs_here=chosen == "local")  # a dry run reports the same errors as a submit
+    checkpoints = run_checkpoints(rd, recipe)  # with the id this submit gives the run
+    checkpoints.check_owner()
     if memory.warning and echo is not None and not dry_run:
         echo(f"warning: {memory.warning}")
     if chosen == "slurm":
         from vlmrun.launch.slurm.submit import submit_slurm
 
-        result = submit_slurm(rd, recipe, dry_run=dry_run, wait=wait, echo=echo)
+        with _claimed(checkpoints, rd, explicit=not dry_run and recipe.checkpoint.dir is not None):
+            result = submit_slurm(rd, recipe, dry_run=dry_run, wait=wait, echo=echo)
         if dry_run:
             result.script, result.rendered = result.rendered, dump_recipe(recipe)
         result.memory = memory
@@ -71,12 +77,35 @@ def submit_run(
         return SubmitResult(rd.path, chosen, True, rendered=dump_recipe(recipe), memory=memory)
     from vlmrun.launch.local import start_local
 
-    lock = RunLock.acquire(rd.path)  # before our first write: one attempt per run dir (exit 2 naming the holder)
-    try:
-        rd.create(recipe)
-    except BaseException:
-        lock.release()
-        raise
+    with _claimed(checkpoints, rd, explicit=recipe.checkpoint.dir is not None):
+        lock = RunLock.acquire(rd.path)  # before our first write: one attempt per run dir (exit 2 naming the holder)
+        try:
+            rd.create(recipe)
+        except BaseException:
+            lock.release()
+            raise
     result = start_local(rd, recipe, wait=wait, lock=lock, echo=echo)
     result.memory = memory
     return result
+
+
+@contextlib.contextmanager
+def _claimed(checkpoints: CheckpointStore, rd: RunDirectory, *, explicit: bool) -> Iterator[None]:
+    """An explicit checkpoint.dir is claimed for the new run before its run directory is made, so that of
+    two submits at once onto one folder exactly one goes ahead (the other: exit 2 naming the winner).
+    When the block fails before the run directory came to be, the claim, and a folder it made, go
+    again. The default folder, inside the new run directory, is claimed by the run's job."""
+    if not explicit:
+        yield
+        return
+    made = not checkpoints.root.exists()
+    checkpoints.claim()
+    try:
+        yield
+    except BaseException:
+        if not rd.exists():
+            checkpoints.release_claim()
+            if made:
+                with contextlib.suppress(OSError):
+                    checkpoints.root.rmdir()
+        raise
