@@ -206,13 +206,14 @@ def test_a_checkpoint_being_read_outlives_retention_and_goes_at_a_later_save(tmp
 
 def test_readers_racing_a_writer_with_keep_1_always_read_a_whole_checkpoint(tmp_path):
     import threading
+    import time
 
     writer = CheckpointStore(tmp_path, keep=1)
     _save(writer, 1, 1.0)
     done, errors, reads = threading.Event(), [], []
 
     def write():
-        for step in range(2, 150):
+        for step in range(2, 80):
             _save(writer, step, float(step))
         done.set()
 
@@ -226,6 +227,7 @@ def test_readers_racing_a_writer_with_keep_1_always_read_a_whole_checkpoint(tmp_
                     reads.append(found.step)
             except Exception as e:  # noqa: BLE001 - the test reports every failure of a reader
                 errors.append(repr(e))
+            time.sleep(0.002)  # a reader a few times per save, not a spin that starves the writer
 
     threads = [threading.Thread(target=write)] + [threading.Thread(target=read) for _ in range(3)]
     for t in threads:
@@ -234,4 +236,4 @@ def test_readers_racing_a_writer_with_keep_1_always_read_a_whole_checkpoint(tmp_
         t.join(timeout=120)
     assert errors == [] and len(reads) > 10
     left = [s for s, _ in writer.complete()]
-    assert left[-1] == 149 and len(left) <= 1 + 3  # at most one held back per reader, until the next save
+    assert left[-1] == 79 and len(left) <= 1 + 3  # at most one held back per reader, until the next save

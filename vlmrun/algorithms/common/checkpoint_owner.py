@@ -122,6 +122,8 @@ def release_claim(folder: Path, owner: CheckpointOwner) -> None:
 
 
 def _describe(record: dict) -> str:
-    run_dir = record.get("run_dir") or "a run directory it does not name"
+    run_id, run_dir = record.get("run_id", "?"), record.get("run_dir")
+    if not run_dir:
+        return f"run id {run_id}"
     resume = f" (continue it with `vlmrun resume {run_dir}`)" if RunDirectory(run_dir).exists() else ""
-    return f"{run_dir}, run id {record.get('run_id', '?')}{resume}"
+    return f"{run_dir}, run id {run_id}{resume}"

@@ -43,7 +43,8 @@ from vlmrun.run.directory import RunDirectory
 
 log = logging.getLogger(__name__)
 
-_READ_ROUNDS = 5  # listings a reader tries when every checkpoint it listed was deleted before it held one
+_READ_ROUNDS = 100  # listings a reader tries while each one it listed was deleted before it held it
+_EMPTY_LISTINGS = 3  # of those, how many may come back empty before the store counts as empty
 
 
 class MissingCheckpoint(LookupError):
@@ -178,20 +179,27 @@ class CheckpointStore:
         """
         self.check_owner()
         skipped: list[str] = []
-        for _ in range(_READ_ROUNDS):
-            vanished = False
-            for s, path in [(s, p) for s, p in reversed(self.complete()) if step in (None, s)]:
+        for round_ in range(_READ_ROUNDS):
+            listed = [(s, p) for s, p in reversed(self.complete()) if step in (None, s)]
+            # a listing beside the run's renames may miss every entry (readdir): look again, briefly
+            vanished = not listed and round_ < _EMPTY_LISTINGS
+            if vanished:
+                time.sleep(0.01)
+            for s, path in listed:
                 with shared_hold(path) as held:
-                    if not held:  # deleted or moved since the listing: the next one
-                        vanished = True
-                        continue
                     try:
                         manifest = verify(path)
                     except CorruptCheckpoint as e:
+                        if not held and not path.exists():  # deleted or moved since the listing: the next one
+                            vanished = True
+                            continue
                         if step is not None:
                             raise
                         if (line := f"skipped {path.name}: {e}") not in skipped:
                             skipped.append(line)
+                        continue
+                    if not held:  # sealed again under the same name since the listing: list anew
+                        vanished = True
                         continue
                     yield Checkpoint(s, path, manifest), skipped
                     return
