@@ -65,13 +65,8 @@ def default_run_dir(name: str, root: Path | None = None) -> Path:
 
 def write_atomic(path: Path, text: str) -> None:
     """Write `text` to `path` through a temp file in the same folder and a rename."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    tmp = _written_beside(path, text)
     try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -84,6 +79,18 @@ def write_once(path: Path, text: str) -> bool:
     Atomic and exclusive (a temp file, then link(2), which never replaces): of two writers at once
     exactly one wins, and a reader sees the whole file or none.
     """
+    tmp = _written_beside(path, text)
+    try:
+        os.link(tmp, path)
+        return True
+    except FileExistsError:
+        return False
+    finally:
+        Path(tmp).unlink(missing_ok=True)
+
+
+def _written_beside(path: Path, text: str) -> str:
+    """A temp file in `path`'s folder (made when missing) holding `text`, on disk; the caller publishes it."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     try:
@@ -91,12 +98,10 @@ def write_once(path: Path, text: str) -> bool:
             f.write(text)
             f.flush()
             os.fsync(f.fileno())
-        os.link(tmp, path)
-        return True
-    except FileExistsError:
-        return False
-    finally:
+    except BaseException:
         Path(tmp).unlink(missing_ok=True)
+        raise
+    return tmp
 
 
 @dataclass(frozen=True)

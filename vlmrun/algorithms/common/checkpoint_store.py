@@ -241,22 +241,25 @@ class CheckpointStore:
         try:
             verify(path)
         except CorruptCheckpoint as e:
-            self._skip(path, e, set_aside=True)
+            self._skip(path, e, set_aside=True, wait=False)  # the training loop never waits on a reader
             return False
         self._valid[step] = path
         return True
 
-    def _skip(self, path: Path, error: CorruptCheckpoint, *, set_aside: bool) -> str:
+    def _skip(self, path: Path, error: CorruptCheckpoint, *, set_aside: bool, wait: bool = True) -> str:
+        """The line that reports a damaged checkpoint; with `set_aside`, it is moved aside first: at once
+        when `wait` is False and a reader holds it, it stays (not counted) until a later look."""
         line = f"skipped {path.name}: {error}"
         if set_aside:
             stamp = time.strftime("%Y%m%d-%H%M%S")
             aside, n = path.with_name(f"damaged_{path.name}-{stamp}"), 1
             while aside.exists():
                 aside, n = path.with_name(f"damaged_{path.name}-{stamp}.{n}"), n + 1
-            with exclusive_hold(path, wait=True):  # its readers fail to verify it and let go
-                os.rename(path, aside)
+            with exclusive_hold(path, wait=wait) as free:  # its readers fail to verify it and let go
+                if free:
+                    os.rename(path, aside)
+                    line += f"; moved aside to {aside.name}"
             self._valid.pop(int(path.name[5:]), None)
-            line += f"; moved aside to {aside.name}"
         log.warning("%s (in %s)", line, self.root)
         return line
 
