@@ -188,3 +188,15 @@ def test_other_weights_at_the_same_model_path_are_refused_on_resume_and_by_the_j
         shutil.copytree(models["seed0"], path, copy_function=shutil.copyfile)  # the same weights, new mtimes
     rd = RunDirectory(winner)
     check_resumable(rd, rd.load_recipe())  # a copy of the same weights resumes
+
+
+@pytest.mark.slurm
+def test_a_slurm_submit_refused_after_the_claim_leaves_neither_the_claim_nor_the_folder(tmp_path):
+    """The claim on an explicit checkpoint.dir is taken before the SLURM checks; when those refuse the
+    run (here: more CPUs than a node has), the claim and the folder it made go again."""
+    folder = tmp_path / "checkpoints"
+    run = tmp_path / "run"
+    args = ["--cluster", "slurm", "--run-dir", str(run), "--set", f"checkpoint.dir={folder}"]
+    out = vlmrun("submit", TINY, *args, "--set", "cluster.cpus_per_node=999", timeout=120)
+    one_line_refusal(out, "cluster.cpus_per_node")
+    assert not folder.exists() and not run.exists()
