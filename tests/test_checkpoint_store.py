@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from vlmrun.algorithms.common.checkpoint import PARTS, CheckpointStore, part_file, verify
+from vlmrun.algorithms.common.checkpoint import PARTS, CorruptCheckpoint, part_file, verify
+from vlmrun.algorithms.common.checkpoint_store import CheckpointStore, MissingCheckpoint
 
 FORMAT1 = Path(__file__).resolve().parent / "fixtures" / "format1-run" / "checkpoints" / "step_9"
 
@@ -48,7 +49,7 @@ def test_retention_and_newest_wins(tmp_path):
         _save(store, step)
     assert [s for s, _ in store.complete()] == [6, 9]
     found, skipped = store.latest()
-    assert found.step == 9 and not skipped and store.newest_step() == 9
+    assert found.step == 9 and not skipped
 
 
 @pytest.mark.parametrize("damage", ["delete_manifest", "truncate", "flip", "bad_json", "drop_part", "no_files"])
@@ -118,3 +119,121 @@ def test_unknown_format_is_refused_naming_it(tmp_path):
     (path / "manifest.json").write_text(json.dumps(m | {"format": 7}))
     found, skipped = CheckpointStore(tmp_path, keep=1).latest()
     assert found is None and "format 7" in skipped[0] and "formats 1 and 2" in skipped[0]
+
+
+# ---- damaged checkpoints: moved aside, never counted, the step saved again ------------------------------
+def _damage(path: Path) -> None:
+    model = path / PARTS["model"]
+    model.write_bytes(b"y" + model.read_bytes()[1:])
+
+
+def test_the_job_moves_a_damaged_newest_aside_and_saves_its_step_again(tmp_path):
+    store = CheckpointStore(tmp_path, keep=2)
+    _save(store, 2)
+    _damage(_save(store, 4))
+    attempt = CheckpointStore(tmp_path, keep=2)  # the next attempt's store
+    found, skipped = attempt.latest(set_aside=True)
+    assert found.step == 2 and len(skipped) == 1
+    aside = [p.name for p in tmp_path.iterdir() if p.name.startswith("damaged_step_4-")]
+    assert len(aside) == 1 and aside[0] in skipped[0] and "checksum mismatch" in skipped[0]
+    assert [s for s, _ in attempt.complete()] == [2]  # kept for inspection, never counted again
+    assert not attempt.holds(4)
+    _save(attempt, 3)
+    _save(attempt, 4)  # the step the damaged one held, saved again
+    assert [s for s, _ in attempt.complete()] == [3, 4] and verify(tmp_path / "step_4")["step"] == 4
+
+
+def test_retention_counts_valid_checkpoints_only_and_keeps_the_last_valid_one(tmp_path):
+    store = CheckpointStore(tmp_path, keep=2)
+    _save(store, 2)
+    _damage(_save(store, 4))
+    _save(CheckpointStore(tmp_path, keep=2), 6)  # a store that never looked: retention verifies step_4
+    assert [s for s, _ in CheckpointStore(tmp_path, keep=2).complete()] == [2, 6]
+    assert verify(tmp_path / "step_2") and any(p.name.startswith("damaged_step_4-") for p in tmp_path.iterdir())
+
+
+def test_a_reader_reports_a_damaged_newest_and_moves_nothing(tmp_path):
+    store = CheckpointStore(tmp_path, keep=3)
+    _save(store, 2, 2.0)
+    _damage(_save(store, 4))
+    with CheckpointStore(tmp_path, keep=3).reading() as (found, skipped):
+        assert found.step == 2 and torch.equal(found.read("model")["w"], torch.full((100,), 2.0))
+        assert len(skipped) == 1 and "step_4" in skipped[0] and "moved" not in skipped[0]
+    assert (tmp_path / "step_4").is_dir()
+    with pytest.raises(CorruptCheckpoint, match="checksum"):
+        with CheckpointStore(tmp_path, keep=3).reading(4):
+            pass
+    with pytest.raises(MissingCheckpoint, match="no checkpoint of step 3"):
+        with CheckpointStore(tmp_path, keep=3).reading(3):
+            pass
+
+
+def test_a_sealed_checkpoint_counts_as_valid_without_a_rehash_until_a_stat_says_otherwise(tmp_path, monkeypatch):
+    from vlmrun.algorithms.common import checkpoint
+
+    hashed: list[str] = []
+    real = checkpoint._sha256
+    store = CheckpointStore(tmp_path, keep=2)
+    _save(store, 1)
+    writers = store.begin
+
+    def counted_finish(step):
+        pending = writers(step)
+        files = {f: d for p in ("controller", "model", "optimizer") for f, d in pending.write(p, {"w": 1}).items()}
+        monkeypatch.setattr(checkpoint, "_sha256", lambda p: hashed.append(p.name) or real(p))
+        store.finish(pending, files, {})
+        monkeypatch.setattr(checkpoint, "_sha256", real)
+
+    for step in (2, 3, 4, 5):
+        counted_finish(step)
+    assert hashed == []  # retention re-read nothing this store sealed
+    assert store.holds(5)
+    (tmp_path / "step_5" / PARTS["model"]).write_bytes(b"short")
+    assert not store.holds(5)  # a truncated file is seen by the stat: the step is saved again
+
+
+def test_a_checkpoint_being_read_outlives_retention_and_goes_at_a_later_save(tmp_path):
+    writer = CheckpointStore(tmp_path, keep=1)
+    _save(writer, 1, 1.0)
+    with CheckpointStore(tmp_path, keep=1).reading() as (found, _):
+        _save(writer, 2, 2.0)
+        _save(writer, 3, 3.0)
+        assert found.step == 1 and (tmp_path / "step_1").is_dir()
+        assert torch.equal(found.read("model")["w"], torch.full((100,), 1.0))
+    _save(writer, 4, 4.0)
+    assert [s for s, _ in writer.complete()] == [4]
+
+
+def test_readers_racing_a_writer_with_keep_1_always_read_a_whole_checkpoint(tmp_path):
+    import threading
+    import time
+
+    writer = CheckpointStore(tmp_path, keep=1)
+    _save(writer, 1, 1.0)
+    done, errors, reads = threading.Event(), [], []
+
+    def write():
+        for step in range(2, 80):
+            _save(writer, step, float(step))
+        done.set()
+
+    def read():
+        reader = CheckpointStore(tmp_path, keep=1)
+        while not done.is_set():
+            try:
+                with reader.reading() as (found, skipped):
+                    value = found.read("model")["w"][0].item()
+                    assert value == found.step and not skipped, (value, found.step, skipped)
+                    reads.append(found.step)
+            except Exception as e:  # noqa: BLE001 - the test reports every failure of a reader
+                errors.append(repr(e))
+            time.sleep(0.002)  # a reader a few times per save, not a spin that starves the writer
+
+    threads = [threading.Thread(target=write)] + [threading.Thread(target=read) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert errors == [] and len(reads) > 10
+    left = [s for s, _ in writer.complete()]
+    assert left[-1] == 79 and len(left) <= 1 + 3  # at most one held back per reader, until the next save

@@ -13,7 +13,8 @@ import pytest
 import torch
 from data_samples import read_raw_samples
 
-from vlmrun.algorithms.common.checkpoint import Checkpoint, CheckpointStore, verify
+from vlmrun.algorithms.common.checkpoint import Checkpoint, verify
+from vlmrun.algorithms.common.checkpoint_store import CheckpointStore
 from vlmrun.models.source import ensure_model
 from vlmrun.run.directory import RunDirectory
 

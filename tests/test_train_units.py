@@ -30,7 +30,7 @@ def step_row(**values) -> StepRow:
     """A row with every common key; `values` override them (and may add `grpo`, `validation`)."""
     base = dict(step=1, attempt=0, epoch=0, loss=1.0, grad_norm=0.5, lr=1e-3, valid_tokens=16, consumed_samples=8)
     base |= dict(sample_ids=["a"], step_time_s=0.1, loader_latency_max_s=0.0, tokens_per_s=160.0, samples_per_s=80.0)
-    return StepRow(**(base | {"peak_rss_mb": 800.0} | values))
+    return StepRow(**(base | {"peak_rss_mb": 800.0, "time": 1796123343.042} | values))
 
 
 def test_data_plane_one_write_per_field_then_clear():

@@ -60,7 +60,8 @@ def _rank(rank: int, world: int, mb: int, folder: str, port: int, out: str) -> N
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from vlmrun.algorithms.common.checkpoint import CheckpointStore, digest
+    from vlmrun.algorithms.common.checkpoint import digest
+    from vlmrun.algorithms.common.checkpoint_store import CheckpointStore
     from vlmrun.policy.interface import MODEL_PART, OPTIMIZER_PART, PolicyState, Storage
 
     torch.set_num_threads(1)

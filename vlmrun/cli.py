@@ -232,7 +232,9 @@ def compare(
 def export(
     run_dir: Path = typer.Argument(..., help="run directory with checkpoints"),
     out: Path = typer.Argument(..., help="new folder for the Hugging Face model (must not exist, or be empty)"),
-    step: int | None = typer.Option(None, "--step", min=1, help="checkpoint step (default: the newest complete one)"),
+    step: int | None = typer.Option(
+        None, "--step", min=1, help="checkpoint step (default: the newest one that verifies)"
+    ),
     json_out: bool = JsonOpt,
 ):
     """Write a checkpoint of a run as a Hugging Face model directory (config, safetensors weights, processor,
@@ -244,6 +246,8 @@ def export(
     from vlmrun.launch.export import export_checkpoint
 
     result = export_checkpoint(run_dir, out, step=step)
+    for line in result.skipped:  # a newer checkpoint was damaged: never pass it over in silence
+        typer.echo(f"warning: {line}; exported step {result.step}, the newest that verifies", err=True)
     if json_out:
         _print_json(result.summary())
     else:

@@ -26,7 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from vlmrun.algorithms.common.checkpoint import CheckpointStore
+from vlmrun.algorithms.common.checkpoint_store import CheckpointStore
 from vlmrun.algorithms.common.validation import ValidationShare, evaluate
 from vlmrun.data.batch import Batch, PromptBatch
 from vlmrun.generation import open_generator
@@ -119,7 +119,8 @@ def run(model_dir: str, folder: Path) -> dict:
     next_a = first.train_step(micro)
     first.shutdown()
     second = policy(model_dir, free_port())
-    second.load_checkpoint_state(store.at(3).read_policy(second.checkpoint_state()))
+    with store.reading(3) as (saved, _):
+        second.load_checkpoint_state(saved.read_policy(second.checkpoint_state()))
     next_b = second.train_step(micro)
     second.shutdown()
     return {

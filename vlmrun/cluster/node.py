@@ -203,11 +203,11 @@ def _run(rd: RunDirectory, attempt: int, job_id: str, started_at: float, alloc, 
     check_components(recipe)
     chosen = _choose_checkpoint(rd, recipe, attempt)
     if stop.is_set():
-        return _stopped_before_training(rd, recipe, stop)
+        return _stopped_before_training(rd, recipe, stop, chosen)
     cpus = max(recipe.parallel.world_size, os.cpu_count() or 1)
     with _ray(job_id, cpus, alloc, rd):
         if stop.is_set():
-            return _stopped_before_training(rd, recipe, stop)
+            return _stopped_before_training(rd, recipe, stop, chosen)
         from vlmrun.algorithms.common.steps import plan_steps
         from vlmrun.data.splits import split_size
 
@@ -237,12 +237,16 @@ def _run_controller(rd: RunDirectory, recipe, job_id: str, run: dict) -> RunOutc
 
 
 def _choose_checkpoint(rd: RunDirectory, recipe, attempt: int):
-    """The newest checkpoint that verifies (verified once, here; the controller resumes from it) and the
-    newer ones skipped. When every checkpoint is invalid, say so plainly, on the console and in
-    job.json, before training starts from step 0."""
-    from vlmrun.algorithms.common.checkpoint import CheckpointStore
+    """The newest checkpoint of this run that verifies (verified once, here; the controller resumes
+    from it) and the newer, damaged ones, moved aside. Claims the checkpoint folder for the run first:
+    one that belongs to another run is refused (InputError, exit 2) before anything is read. When every
+    checkpoint is invalid, say so plainly, on the console and in job.json, before training starts from
+    step 0."""
+    from vlmrun.algorithms.common.checkpoint_store import run_checkpoints
 
-    found, skipped = CheckpointStore(rd.checkpoints(recipe), recipe.checkpoint.keep).latest()
+    store = run_checkpoints(rd, recipe)
+    store.claim()
+    found, skipped = store.latest(set_aside=True)
     if found is None and skipped:
         notice = f"no valid checkpoint left ({'; '.join(skipped)}): training from step 0"
         log.warning("%s", notice)
@@ -250,16 +254,27 @@ def _choose_checkpoint(rd: RunDirectory, recipe, attempt: int):
     return found, skipped
 
 
-def _stopped_before_training(rd: RunDirectory, recipe, stop: StopFlag) -> RunOutcome:
-    """A stop that came before the first step: nothing trained, the run stays at its newest checkpoint."""
-    from vlmrun.algorithms.common.checkpoint import CheckpointStore
+def _stopped_before_training(rd: RunDirectory, recipe, stop: StopFlag, chosen=None) -> RunOutcome:
+    """A stop that came before the first step: nothing trained. The reason names the checkpoint the
+    run stays at only once it has been verified (`chosen`); before that, verifying it would cost a
+    full read in the stop's grace time, so the next attempt does."""
+    from vlmrun.algorithms.common.checkpoint_store import run_checkpoints
 
-    step = CheckpointStore(rd.checkpoints(recipe), recipe.checkpoint.keep).newest_step() or 0
     name = stop.signal_name or "requested"
+    reason = f"stop requested ({name}) before training started; nothing trained in this attempt"
+    if chosen is None:
+        sealed = run_checkpoints(rd, recipe).complete()
+        step = sealed[-1][0] if sealed else 0
+    else:
+        found = chosen[0]
+        step = found.step if found is not None else 0
+        reason += (
+            f"; the run stays at its checkpoint of step {step}" if found else "; no valid checkpoint to resume from"
+        )
     return RunOutcome(
         state=State.STOPPED,
         last_step=step,
-        reason=f"stop requested ({name}) before training started; the run stays at step {step}",
+        reason=reason,
         stop_signal=name if name.startswith("SIG") else None,
     )
 

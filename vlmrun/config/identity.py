@@ -1,8 +1,14 @@
 """What defines a run: the recipe fields a resume may not change, because its checkpoints belong to them.
 
-A checkpoint records `run_identity(recipe)`; `vlmrun resume` (before anything starts) and the job (at
-its start, from the checkpoint it verified) compare it with the recipe about to run, whatever changed
-it (`--set`, or an edited recipe.yaml), and refuse a change naming every field as `field: old -> new`.
+A checkpoint records `run_identity(recipe, model_contents=...)`; `vlmrun resume` (before anything
+starts) and the job (at its start, from the checkpoint it verified) compare it with the recipe about
+to run, whatever changed it (`--set`, or an edited recipe.yaml), and refuse a change naming every
+field as `field: old -> new`.
+
+The recipe names the model by its path; what the path holds is part of the run too (other weights at
+the same path would change the training, and GRPO's KL reference: the model directory's initial
+weights). The caller passes a fingerprint of it (models/fingerprint.py; None for a tiny model, which
+`model.tiny`, `model.family` and `train.seed` already define), recorded as MODEL_CONTENTS.
 """
 
 from __future__ import annotations
@@ -35,6 +41,8 @@ IDENTITY_FIELDS = (
     "model.backend",
     "model.dtype",
 )
+#: The identity key of the fingerprint of what model.path holds.
+MODEL_CONTENTS = "model.path contents"
 #: Identity fields a resume may change with `--restart-data-order` (checkpoint.restart_data_order),
 #: and what that costs, in the words every message about it uses.
 RESHARDABLE = ("parallel.dp",)
@@ -44,32 +52,37 @@ RESHARD_TERMS = (
 )
 
 
-def run_identity(recipe) -> dict[str, Any]:
-    """{dotted field: value} of IDENTITY_FIELDS for `recipe` (JSON values)."""
+def run_identity(recipe, *, model_contents: str | None) -> dict[str, Any]:
+    """{dotted field: value} of IDENTITY_FIELDS for `recipe` (JSON values), and `model_contents` (the
+    fingerprint of what model.path holds; None for a tiny model) as MODEL_CONTENTS."""
     out = {}
     for dotted in IDENTITY_FIELDS:
         value: Any = recipe
         for part in dotted.split("."):
             value = getattr(value, part)
         out[dotted] = value
+    if model_contents is not None:
+        out[MODEL_CONTENTS] = model_contents
     return out
 
 
-def check_same_identity(saved: dict[str, Any], recipe, *, where: str, ignore: tuple[str, ...] = ()) -> None:
-    """Raise InputError listing every field where `recipe` differs from the `saved` identity.
+def check_same_identity(
+    saved: dict[str, Any], current: dict[str, Any], *, where: str, ignore: tuple[str, ...] = ()
+) -> None:
+    """Raise InputError listing every field where the `current` identity (run_identity of the recipe
+    about to run) differs from the `saved` one.
 
     `where` names the checkpoint for the message. Fields `saved` lacks (written by an older vlmrun)
     and fields in `ignore` are not compared.
     """
-    current = run_identity(recipe)
-    changes = [
-        (k, saved[k], current[k]) for k in IDENTITY_FIELDS if k in saved and k not in ignore and saved[k] != current[k]
-    ]
+    keys = [k for k in (*IDENTITY_FIELDS, MODEL_CONTENTS) if k in saved and k not in ignore]
+    changes = [(k, saved[k], current.get(k)) for k in keys if saved[k] != current.get(k)]
     if not changes:
         return
     listed = "; ".join(f"{k}: {_show(old)} -> {_show(new)}" for k, old, new in changes)
+    field = changes[0][0] if changes[0][0] != MODEL_CONTENTS else "model.path"
     raise InputError(
-        changes[0][0],
+        field,
         changes[0][2],
         message=f"{listed}: {where} belongs to the old value{'s' if len(changes) > 1 else ''}; "
         "a resume continues the same run (put the old values back), or start a new run with `vlmrun submit`",

@@ -57,7 +57,8 @@ def _run_loop(recipe: Path, loop: str, run_dir: Path, steps: int | None, overrid
     from vlmrun.errors import CheckFailed
     from vlmrun.launch.submit import submit_run
 
-    sets = [*overrides, f"train.loop={loop}", "train.val_samples=0", "checkpoint.save_period=0"]
+    # each loop's checkpoints in its own run dir: a checkpoint folder serves one run
+    sets = [*overrides, f"train.loop={loop}", "train.val_samples=0", "checkpoint.save_period=0", "checkpoint.dir=null"]
     if steps is not None:
         sets.append(f"train.max_steps={steps}")
     if echo:

@@ -6,10 +6,12 @@
    a checkpoint of another dp (DCP reshards a sharded one) and starts the data order over.
 2. Whatever changed the recipe (`--set`, or an edited recipe.yaml), the fields that define the run
    (config/identity.py: batch sizes, layout, seed, data and splits, sequence length, loop, algorithm,
-   model) must equal those the newest checkpoint recorded, or the resume is refused listing each
-   `field: old -> new`. The job repeats the check against the checkpoint it verified.
-3. A COMPLETED run whose checkpoints reached its planned steps has nothing to do: said, exit 0,
-   nothing started or recorded.
+   model, and what model.path holds) must equal those the newest checkpoint recorded, or the resume
+   is refused listing each `field: old -> new`. The job repeats the check against the checkpoint it
+   verified. A checkpoint folder that belongs to another run is refused too (checkpoint_owner.py).
+3. A COMPLETED run whose newest valid checkpoint reached its planned steps has nothing to do: said,
+   exit 0, nothing started or recorded. That checkpoint is verified here (a full read, on this rare
+   path only): a damaged final checkpoint must be trained again, not reported as done.
 4. The new attempt runs where the run ran (job.json's `cluster`, launch/executor.py). A run dir
    that was never submitted (no job.json) runs where `submit --cluster auto` would put it.
 """
@@ -18,12 +20,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from vlmrun.algorithms.common.checkpoint import CheckpointStore
+from vlmrun.algorithms.common.checkpoint_store import run_checkpoints
 from vlmrun.cluster.preflight import preflight_run
-from vlmrun.config.identity import RESHARD_TERMS, RESHARDABLE, check_same_identity
+from vlmrun.config.identity import RESHARD_TERMS, RESHARDABLE, check_same_identity, run_identity
 from vlmrun.errors import InputError
 from vlmrun.launch.result import SubmitResult
 from vlmrun.launch.targets import executor_of, find_run, resolve_cluster
+from vlmrun.models.fingerprint import model_contents
 from vlmrun.run import job as job_record
 from vlmrun.run.directory import check_recipe, dump_recipe, write_atomic
 from vlmrun.run.lock import RunLock, RunLocked, live_holder
@@ -116,22 +119,28 @@ def _unsubmitted_executor(rd):
 
 def check_resumable(rd, recipe) -> None:
     """Refuse (InputError, exit 2) a recipe that no longer defines the run its newest checkpoint belongs
-    to, whatever changed it (`--set` or an edited recipe.yaml); the job checks again at its start."""
-    newest = CheckpointStore(rd.checkpoints(recipe), recipe.checkpoint.keep).newest_manifest()
+    to, whatever changed it (`--set` or an edited recipe.yaml), or what model.path holds; and a
+    checkpoint folder that is another run's. The job checks again at its start."""
+    store = run_checkpoints(rd, recipe, assign=False)
+    store.check_owner()
+    newest = store.newest_manifest()
     if newest is not None:
         step, manifest = newest
         ignore = RESHARDABLE if recipe.checkpoint.restart_data_order else ()
-        check_same_identity(manifest.get("identity", {}), recipe, where=f"the checkpoint of step {step}", ignore=ignore)
+        current = run_identity(recipe, model_contents=model_contents(recipe.model))
+        check_same_identity(
+            manifest.get("identity", {}), current, where=f"the checkpoint of step {step}", ignore=ignore
+        )
 
 
 def _nothing_left(rd, recipe) -> int | None:
-    """The run's planned step count when its newest checkpoint already reached it, else None."""
+    """The run's planned step count when its newest valid checkpoint already reached it, else None."""
     from vlmrun.algorithms.common.steps import plan_steps
     from vlmrun.data.splits import split_size
 
-    newest = CheckpointStore(rd.checkpoints(recipe), recipe.checkpoint.keep).newest_step()
+    found, _ = run_checkpoints(rd, recipe, assign=False).latest()
     try:
         planned = plan_steps(recipe, split_size(recipe.data.path, recipe.data.split)).max_steps
     except InputError:  # the data set is gone: the job would say so; count on train.max_steps
         planned = recipe.train.max_steps
-    return planned if newest is not None and newest >= planned else None
+    return planned if found is not None and found.step >= planned else None

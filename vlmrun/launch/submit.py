@@ -11,9 +11,10 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
+from vlmrun.algorithms.common.checkpoint_store import CheckpointStore, run_checkpoints
 from vlmrun.cluster.preflight import preflight_run
 from vlmrun.errors import InputError
 from vlmrun.launch.result import SubmitResult
@@ -37,9 +38,10 @@ def submit_run(
 
     Raises InputError (before a run dir is created or data generated) for a bad recipe, argument, a
     missing model or data set, too few GPUs on this machine for a local run (cluster/preflight.py), a
-    GPU recipe whose memory estimate exceeds cluster.gpu_memory_gb (models/fit.py), or a SLURM whose
-    controller does not answer. The estimate rides on the result (`memory`); its warning (within 10%
-    of the limit) goes to `echo` before a run.
+    GPU recipe whose memory estimate exceeds cluster.gpu_memory_gb (models/fit.py), a checkpoint.dir
+    that belongs to another run (algorithms/common/checkpoint_owner.py), or a SLURM whose controller
+    does not answer. The estimate rides on the result (`memory`); its warning (within 10% of the
+    limit) goes to `echo` before a run.
     """
     from vlmrun.config.load import load_recipe
 
@@ -58,12 +60,14 @@ def submit_run(
         )
     memory = check_memory_fit(recipe)  # before preflight: a layout that cannot fit, wherever the weights are
     preflight_run(recipe, runs_here=executor.runs_here)  # a dry run reports the same errors as a submit
+    checkpoints = run_checkpoints(rd, recipe)  # with the id this submit gives the run
+    checkpoints.check_owner()
     if dry_run:
         result = executor.dry_run(rd, recipe, echo=echo)
     else:
         if memory.warning and echo is not None:
             echo(f"warning: {memory.warning}")
-        with _undone_unless_recorded(rd):
+        with _claimed(checkpoints, rd, explicit=recipe.checkpoint.dir is not None), _undone_unless_recorded(rd):
             result = executor.submit(rd, recipe, wait=wait, echo=echo)
     result.memory = memory
     return result
@@ -84,4 +88,26 @@ def _undone_unless_recorded(rd: RunDirectory):
             for name in set(os.listdir(rd.path)) - before:
                 path = rd.path / name
                 shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
+        raise
+
+
+@contextlib.contextmanager
+def _claimed(checkpoints: CheckpointStore, rd: RunDirectory, *, explicit: bool) -> Iterator[None]:
+    """An explicit checkpoint.dir is claimed for the new run before its run directory is made, so that of
+    two submits at once onto one folder exactly one goes ahead (the other: exit 2 naming the winner).
+    When the block fails before the run directory came to be, the claim, and a folder it made, go
+    again. The default folder, inside the new run directory, is claimed by the run's job."""
+    if not explicit:
+        yield
+        return
+    made = not checkpoints.root.exists()
+    checkpoints.claim()
+    try:
+        yield
+    except BaseException:
+        if not rd.exists():
+            checkpoints.release_claim()
+            if made:
+                with contextlib.suppress(OSError):
+                    checkpoints.root.rmdir()
         raise

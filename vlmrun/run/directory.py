@@ -1,6 +1,7 @@
 """The run directory: the contract between submit, the job, resume, status and compare.
 
 <run dir>/recipe.yaml     fully resolved recipe; the job reads only this
+          run.json        the run's id, given once when the directory is created (RunId)
           job.json        lineage (job ids, attempts, states); read and written by run/job.py
           metrics.jsonl   one row per optimizer step; a resumed attempt appends
           checkpoints/    complete checkpoints only (step_<N>)
@@ -18,8 +19,11 @@ one of them, and `check_recipe` says so.
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
+import uuid
+from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
@@ -28,6 +32,7 @@ import yaml
 from vlmrun.errors import InputError
 
 RECIPE_FILE = "recipe.yaml"
+RUN_FILE = "run.json"
 JOB_FILE = "job.json"
 LOCK_FILE = "lock"  # run/lock.py: the flock of the live attempt
 LOCK_HOLDER_FILE = "lock.json"  # run/lock.py: who holds it
@@ -37,6 +42,7 @@ CANCEL_REQUEST = "CANCEL_REQUESTED"
 RUN_NAMES = frozenset(
     {
         RECIPE_FILE,
+        RUN_FILE,
         JOB_FILE,
         LOCK_FILE,
         LOCK_HOLDER_FILE,
@@ -59,6 +65,32 @@ def default_run_dir(name: str, root: Path | None = None) -> Path:
 
 def write_atomic(path: Path, text: str) -> None:
     """Write `text` to `path` through a temp file in the same folder and a rename."""
+    tmp = _written_beside(path, text)
+    try:
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def write_once(path: Path, text: str) -> bool:
+    """Write `text` to `path` unless something is there already; True when this call wrote it.
+
+    Atomic and exclusive (a temp file, then link(2), which never replaces): of two writers at once
+    exactly one wins, and a reader sees the whole file or none.
+    """
+    tmp = _written_beside(path, text)
+    try:
+        os.link(tmp, path)
+        return True
+    except FileExistsError:
+        return False
+    finally:
+        Path(tmp).unlink(missing_ok=True)
+
+
+def _written_beside(path: Path, text: str) -> str:
+    """A temp file in `path`'s folder (made when missing) holding `text`, on disk; the caller publishes it."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     try:
@@ -66,10 +98,23 @@ def write_atomic(path: Path, text: str) -> None:
             f.write(text)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+    return tmp
+
+
+@dataclass(frozen=True)
+class RunId:
+    """Who a run is, wherever its directory lies: given once, when the run directory is created, and
+    kept through resumes and requeues (run.json). Every checkpoint names the run id that wrote it.
+
+    `adopted`: the run directory was made before vlmrun gave runs an id and got one later, so the
+    checkpoints that name no run are its own.
+    """
+
+    value: str
+    adopted: bool = False
 
 
 class RunDirectory:
@@ -77,8 +122,10 @@ class RunDirectory:
 
     def __init__(self, path: str | Path):
         self.path = Path(path).expanduser().resolve()
+        self._new_id: str | None = None  # the id `create` writes: drawn when first asked for
 
     recipe_file = property(lambda self: self.path / RECIPE_FILE)
+    run_file = property(lambda self: self.path / RUN_FILE)
     job_file = property(lambda self: self.path / JOB_FILE)
     logs = property(lambda self: self.path / "logs")
     cache = property(lambda self: self.path / "cache")
@@ -104,7 +151,41 @@ class RunDirectory:
         text = dump_recipe(recipe)
         self.path.mkdir(parents=True, exist_ok=True)
         self.logs.mkdir(exist_ok=True)
+        # the id before the recipe: a folder with recipe.yaml but no run.json is one from before run ids
+        write_atomic(self.run_file, _run_file_text(RunId(self._draw_id())))
         write_atomic(self.recipe_file, text)
+
+    def run_id(self, *, assign: bool = True) -> RunId:
+        """The run's id (run.json). For a run directory not created yet: the id `create` will write.
+
+        For one made before run ids: a new id, `adopted`; with `assign` it is written to run.json (the
+        first writer wins, so concurrent callers agree and every later attempt keeps it); without
+        (readers), it is not kept. Raises InputError naming run.json when the file is not a run id.
+        """
+        found = self._read_run_id()
+        if found is not None:
+            return found
+        if not self.exists():
+            return RunId(self._draw_id())
+        if not assign:
+            return RunId(uuid.uuid4().hex[:16], adopted=True)
+        write_once(self.run_file, _run_file_text(RunId(uuid.uuid4().hex[:16], adopted=True)))
+        return self._read_run_id()
+
+    def _draw_id(self) -> str:
+        self._new_id = self._new_id or uuid.uuid4().hex[:16]
+        return self._new_id
+
+    def _read_run_id(self) -> RunId | None:
+        try:
+            data = json.loads(self.run_file.read_text())
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError) as e:
+            raise InputError("RUN_DIR", str(self.path), message=f"{self.run_file} is unreadable: {e}") from None
+        if not isinstance(data, dict) or not isinstance(data.get("run_id"), str):
+            raise InputError("RUN_DIR", str(self.path), message=f"{self.run_file} holds no run_id")
+        return RunId(data["run_id"], adopted=bool(data.get("adopted", False)))
 
     def load_recipe(self):
         """The run's validated recipe. Raises InputError naming recipe.yaml when it is missing, is not
@@ -139,6 +220,11 @@ class RunDirectory:
 
     def attempt_log(self, attempt: int) -> Path:
         return self.logs / f"attempt-{attempt}.log"
+
+
+def _run_file_text(run_id: RunId) -> str:
+    created = datetime.now().astimezone().isoformat(timespec="seconds")
+    return json.dumps({"run_id": run_id.value, "created": created, "adopted": run_id.adopted}, indent=1) + "\n"
 
 
 def check_recipe(recipe) -> None:

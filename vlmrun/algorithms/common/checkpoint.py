@@ -1,8 +1,11 @@
-"""Checkpoints: everything needed for a bitwise-identical continuation. This module owns their layout.
+"""Checkpoints: everything needed for a bitwise-identical continuation. This module owns their format.
 
+    checkpoints/owner.json           the run this folder belongs to (checkpoint_owner.py)
     checkpoints/tmp_step_<N>/        being written (ignored, and removed by the next save)
+    checkpoints/damaged_step_<N>-<time>/  a checkpoint found damaged, moved aside for inspection
     checkpoints/step_<N>/            complete
-        manifest.json                format, step, every file with its size and sha256, run metadata
+        manifest.json                format, step, the run that wrote it (run_id, run_dir), every file
+                                     with its size and sha256, run metadata
         controller.pt                the controller's RNG and step counters
         policy/model.pt              the policy's parts (one copy when every rank holds the same state)
         policy/optimizer.pt          optimizer and LR schedule
@@ -21,10 +24,10 @@
    whose storage says how they are written: one copy by rank 0 for every rank, or, sharded, by every
    rank at once through DCP (each rank writes its own shard, nobody gathers the whole state).
 2. Every writer returns {file: size and sha256} of what it wrote, hashed right after writing in the
-   writer's process (ranks hash in parallel, from the page cache); `finish` puts them in the manifest,
-   fsyncs, renames tmp_step_<N> -> step_<N>, then keeps the newest `keep`. `latest` returns the newest checkpoint that verifies (every listed
-   file has its size and checksum, and the parts every checkpoint needs are there); a torn or corrupt
-   one is reported and skipped.
+   writer's process (ranks hash in parallel, from the page cache); `seal` writes them into the
+   manifest and fsyncs. `verify` checks every listed file's size and checksum and that the parts
+   every checkpoint needs are there. The store (checkpoint_store.py) names, lists, retains and
+   guards the folders.
 3. Format 1 (written before the layered layout: `meta.json`, `model.pt`, `optim.pt`, and loader and
    plane state in one `loader/shard_<r>.pt`) is read through the same `Checkpoint.read`.
 """
@@ -33,17 +36,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import logging
 import os
-import shutil
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from vlmrun.policy.interface import MODEL_PART, OPTIMIZER_PART, POLICY_PARTS, PolicyState, Storage
-
-log = logging.getLogger(__name__)
 
 FORMAT = 2
 MANIFEST = "manifest.json"
@@ -176,102 +174,18 @@ class Checkpoint:
         return part_file(part, index, layout=_V1_PARTS if self.format == 1 else PARTS)
 
 
-class CheckpointStore:
-    """The checkpoints of one run under `root`; the newest `keep` complete ones are retained."""
-
-    def __init__(self, root: Path, keep: int):
-        self.root, self.keep = Path(root), keep
-
-    def begin(self, step: int) -> PendingCheckpoint:
-        """A fresh, empty tmp_step_<N> folder for the writers."""
-        tmp = self.root / f"tmp_step_{step}"
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        tmp.mkdir(parents=True)
-        return PendingCheckpoint(step, str(tmp))
-
-    def finish(self, pending: PendingCheckpoint, files: dict[str, dict], meta: dict) -> Path:
-        """Seal `pending` ({file: digest} from the writers into the manifest, fsync) and rename it to
-        step_<N>; apply retention."""
-        tmp = Path(pending.path)
-        missing = _lacking(files, PARTS)
-        if missing:
-            raise ValueError(f"checkpoint step {pending.step} lacks the parts {missing}")
-        manifest = dict(
-            meta, format=FORMAT, step=pending.step, saved_at=time.time(), files={f: files[f] for f in sorted(files)}
-        )
-        with open(tmp / MANIFEST, "w") as f:
-            json.dump(manifest, f, indent=1, sort_keys=True)
-            f.flush()
-            os.fsync(f.fileno())
-        _fsync_tree(tmp)
-        final = self.root / f"step_{pending.step}"
-        if final.exists():
-            shutil.rmtree(final)
-        os.rename(tmp, final)
-        _fsync_dir(self.root)
-        self._retain()
-        return final
-
-    def complete(self) -> list[tuple[int, Path]]:
-        """(step, folder) of every sealed checkpoint, oldest first (not yet verified)."""
-        if not self.root.is_dir():
-            return []
-        found = []
-        for p in self.root.iterdir():
-            if p.is_dir() and p.name.startswith("step_") and p.name[5:].isdigit():
-                found.append((int(p.name[5:]), p))
-        return sorted(found)
-
-    def newest_step(self) -> int | None:
-        done = self.complete()
-        return done[-1][0] if done else None
-
-    def newest_manifest(self) -> tuple[int, dict] | None:
-        """(step, manifest) of the newest sealed checkpoint, read without verifying its files (cheap:
-        for checks on a login node); None when there is none or its manifest is unreadable."""
-        for step, path in reversed(self.complete()):
-            try:
-                return step, _read_manifest(path)
-            except CorruptCheckpoint:
-                continue
-        return None
-
-    def at(self, step: int) -> Checkpoint:
-        """The sealed checkpoint of `step`, verified; KeyError when there is none, CorruptCheckpoint
-        when it does not verify."""
-        path = self.root / f"step_{step}"
-        if not path.is_dir():
-            raise KeyError(f"no checkpoint of step {step} in {self.root}")
-        return Checkpoint(step, path, verify(path))
-
-    def latest(self) -> tuple[Checkpoint | None, list[str]]:
-        """The newest checkpoint that verifies, and a line for each newer one that was skipped."""
-        skipped = []
-        for step, path in reversed(self.complete()):
-            try:
-                return Checkpoint(step, path, verify(path)), skipped
-            except CorruptCheckpoint as e:
-                skipped.append(f"skipped {path.name}: {e}")
-                log.warning("skipping checkpoint %s: %s", path, e)
-        return None, skipped
-
-    def _retain(self) -> None:
-        for tmp in self.root.glob("tmp_step_*"):
-            shutil.rmtree(tmp, ignore_errors=True)
-        done = self.complete()
-        for _, path in done[: max(0, len(done) - self.keep)]:
-            shutil.rmtree(path, ignore_errors=True)
-
-
-def verify(path: Path) -> dict:
+def verify(path: Path, *, checksums: bool = True) -> dict:
     """The manifest of the checkpoint at `path` once every listed file has its recorded size and
-    sha256 and the required parts are listed; raises CorruptCheckpoint naming what is wrong."""
-    manifest = _read_manifest(path)
+    sha256 and the required parts are listed; raises CorruptCheckpoint naming what is wrong.
+
+    `checksums=False` checks presence and sizes only (a stat per file, no read): for a checkpoint
+    whose files were hashed when they were written, to see that it is still whole.
+    """
+    manifest = read_manifest(path)
     fmt = manifest.get("format")
     if fmt not in (1, FORMAT) or not isinstance(manifest.get("files"), dict):
         raise CorruptCheckpoint(f"unknown checkpoint format {fmt!r} (this vlmrun reads formats 1 and {FORMAT})")
-    lacking = _lacking(manifest["files"], _V1_PARTS if fmt == 1 else PARTS)
+    lacking = lacking_parts(manifest["files"], _V1_PARTS if fmt == 1 else PARTS)
     if lacking:
         raise CorruptCheckpoint(f"the manifest lists no {', '.join(lacking)} part")
     for name, want in manifest["files"].items():
@@ -280,12 +194,12 @@ def verify(path: Path) -> dict:
             raise CorruptCheckpoint(f"{name} is missing")
         if f.stat().st_size != want.get("size"):
             raise CorruptCheckpoint(f"{name} has {f.stat().st_size} bytes, expected {want.get('size')}")
-        if _sha256(f) != want.get("sha256"):
+        if checksums and _sha256(f) != want.get("sha256"):
             raise CorruptCheckpoint(f"{name} checksum mismatch")
     return manifest
 
 
-def _lacking(files, layout: dict[str, str]) -> list[str]:
+def lacking_parts(files, layout: dict[str, str] = PARTS) -> list[str]:
     """The required parts `files` lacks: the controller's, and the policy's (replicated or sharded)."""
     lacking = [p for p in REQUIRED if part_file(p, layout=layout) not in files]
     if f"{SHARDED_POLICY}/{_DCP_METADATA}" not in files:
@@ -293,12 +207,34 @@ def _lacking(files, layout: dict[str, str]) -> list[str]:
     return lacking
 
 
+def seal(folder: Path, manifest: dict) -> None:
+    """Write `manifest` into `folder` and fsync every file and folder in it: what a rename then publishes
+    is on disk whole."""
+    with open(folder / MANIFEST, "w") as f:
+        json.dump(manifest, f, indent=1, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+    for p in sorted(folder.rglob("*")):
+        if p.is_file():
+            with open(p, "rb") as f:
+                os.fsync(f.fileno())
+    for d in [folder, *[p for p in folder.rglob("*") if p.is_dir()]]:
+        fsync_dir(d)
+
+
 def digest(path: Path) -> dict:
     """{size, sha256} of a written file, as the manifest records it."""
     return {"size": path.stat().st_size, "sha256": _sha256(path)}
 
 
-def _read_manifest(path: Path) -> dict:
+def manifest_file(path: Path) -> Path:
+    """The manifest of the checkpoint folder `path` (format 1's meta.json when only that is there)."""
+    return path / _V1_MANIFEST if not (path / MANIFEST).exists() and (path / _V1_MANIFEST).exists() else path / MANIFEST
+
+
+def read_manifest(path: Path) -> dict:
+    """The manifest of the checkpoint folder `path`, unverified; CorruptCheckpoint when it is missing or
+    not a JSON object."""
     for name in (MANIFEST, _V1_MANIFEST):
         try:
             manifest = json.loads((path / name).read_text())
@@ -320,16 +256,7 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def _fsync_tree(root: Path) -> None:
-    for p in sorted(root.rglob("*")):
-        if p.is_file():
-            with open(p, "rb") as f:
-                os.fsync(f.fileno())
-    for d in [root, *[p for p in root.rglob("*") if p.is_dir()]]:
-        _fsync_dir(d)
-
-
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)

@@ -29,7 +29,8 @@ import threading
 import time
 from pathlib import Path
 
-from vlmrun.algorithms.common.checkpoint import Checkpoint, CheckpointStore, PendingCheckpoint
+from vlmrun.algorithms.common.checkpoint import Checkpoint, PendingCheckpoint
+from vlmrun.algorithms.common.checkpoint_store import run_checkpoints
 from vlmrun.algorithms.common.shards import open_train_shard
 from vlmrun.algorithms.common.steps import plan_steps
 from vlmrun.algorithms.common.validation import ValidationScore, validation_row, validation_shares
@@ -37,6 +38,7 @@ from vlmrun.config.identity import RESHARD_TERMS, RESHARDABLE, check_same_identi
 from vlmrun.distributed.topology import plan_placement
 from vlmrun.distributed.worker_group import Placement, WorkerGroup, freeze_heap
 from vlmrun.errors import CheckFailed, InputError
+from vlmrun.models.fingerprint import model_contents
 from vlmrun.observe.wandb_sink import WandbSink
 from vlmrun.policy import rng
 from vlmrun.run.directory import RunDirectory
@@ -168,7 +170,6 @@ class StepLoop:
         from vlmrun.data.splits import split_size
 
         self.steps = plan_steps(r, split_size(r.data.path, r.data.split))
-        self.store = CheckpointStore(self.rd.checkpoints(r), r.checkpoint.keep)
         self.metrics = MetricsLog(self.rd.metrics_file(r))
         self.wandb = WandbSink(
             mode=r.logger.wandb_mode,
@@ -177,7 +178,7 @@ class StepLoop:
             name=self.rd.path.name,
             run_id=wandb_id(self.rd.path),
         )
-        found, skipped = self.chosen if self.chosen is not None else self.store.latest()
+        found, skipped = self._open_checkpoints()
         self.restart_data = False
         if found is not None:  # before any worker starts: a refused resume costs nothing
             self.restart_data = self._check_belongs(found)
@@ -242,13 +243,24 @@ class StepLoop:
             **notes,
         )
 
+    def _open_checkpoints(self) -> tuple[Checkpoint | None, list[str]]:
+        """The run's store, its identity (with a fingerprint of the model directory, taken before any
+        worker loads it) and the checkpoint to resume from: the one the node verified, counted as
+        valid here without re-reading it."""
+        self.store = run_checkpoints(self.rd, self.recipe)
+        self.identity = run_identity(self.recipe, model_contents=model_contents(self.recipe.model))
+        found, skipped = self.chosen if self.chosen is not None else self.store.latest(set_aside=True)
+        if found is not None:
+            self.store.mark_verified(found)
+        return found, skipped
+
     def _check_belongs(self, found: Checkpoint) -> bool:
         """Refuse a checkpoint written by another run definition or layout (InputError, exit 2).
         Returns True when it was written with another dp and `checkpoint.restart_data_order` lets the
         run take its model, optimizer and counters while the data order starts over."""
         meta, restart = found.manifest, self.recipe.checkpoint.restart_data_order
         ignore = RESHARDABLE if restart else ()
-        check_same_identity(meta.get("identity", {}), self.recipe, where=f"checkpoint {found.path}", ignore=ignore)
+        check_same_identity(meta.get("identity", {}), self.identity, where=f"checkpoint {found.path}", ignore=ignore)
         if meta["placement_hash"] == self.plan.placement_hash:
             return False
         if not restart:
@@ -310,7 +322,7 @@ class StepLoop:
         return validation
 
     def _save(self, step: int, counters: dict) -> None:
-        if step <= 0 or self.store.newest_step() == step:
+        if step <= 0 or self.store.holds(step):  # already saved, valid: the one resumed from, or just sealed
             return
         t0 = time.perf_counter()
         pending = self.store.begin(step)
@@ -321,7 +333,7 @@ class StepLoop:
             "layout": self.plan.describe(),
             "loop": self.recipe.train.loop,
             "algorithm": self.recipe.train.algorithm,
-            "identity": run_identity(self.recipe),
+            "identity": self.identity,
             "attempt": self.attempt,
             "counters": counters,
         }

@@ -1,0 +1,202 @@
+"""A checkpoint belongs to one run and to what defined it, with real runs through the CLI (local cluster).
+
+Two submits at once onto one `checkpoint.dir`: one runs, the other is refused (exit 2, naming
+checkpoint.dir and the run that has it); later submits, dry runs and a job started on that folder by
+another run are refused too, and the run keeps every checkpoint. Replacing what `model.path` holds
+(same path, other weights) is refused on resume and by the job (`model.path contents: old -> new`); a
+copy of the same weights is not.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = str(ROOT / "recipes" / "tiny-clevr-cpu.yaml")
+FORMAT1 = ROOT / "tests" / "fixtures" / "format1-run" / "checkpoints" / "step_9"
+ENV = os.environ | {"HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline"}
+
+
+def vlmrun(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "vlmrun.cli", *args], capture_output=True, text=True, env=ENV, cwd=ROOT, timeout=timeout
+    )
+
+
+def node(run: Path) -> subprocess.CompletedProcess:
+    """The job's node process started directly on `run`, as SLURM or the local launcher would."""
+    return subprocess.run(
+        [sys.executable, "-m", "vlmrun.cluster.node", "--run-dir", str(run)],
+        capture_output=True,
+        text=True,
+        env=ENV,
+        cwd=ROOT,
+        timeout=600,
+    )
+
+
+def one_line_refusal(out: subprocess.CompletedProcess, *words: str) -> None:
+    assert out.returncode == 2, out.stdout + out.stderr[-3000:]
+    assert "Traceback" not in out.stderr and 1 <= len(out.stderr.strip().splitlines()) <= 2, out.stderr
+    for w in words:
+        assert w in out.stderr, (w, out.stderr)
+
+
+def snapshot(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def run_id(run: Path) -> str:
+    return json.loads((run / "run.json").read_text())["run_id"]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> dict[str, Path]:
+    """Two tiny models of other seeds, and `path`: the model directory the runs name (seed 0's files)."""
+    from vlmrun.models.tiny import ensure_tiny_model
+
+    base = tmp_path_factory.mktemp("models")
+    seeds = {f"seed{k}": ensure_tiny_model("qwen2_5_vl", base / "cache", seed=k) for k in (0, 1)}
+    shutil.copytree(seeds["seed0"], base / "model")
+    return seeds | {"path": base / "model"}
+
+
+@pytest.fixture(scope="module")
+def race(tmp_path_factory, models) -> dict:
+    """Two submits started at once onto one checkpoint.dir, each of a tiny run of 4 steps (checkpoints 2, 4)."""
+    base = tmp_path_factory.mktemp("race")
+    folder = base / "shared-checkpoints"
+    sets = [
+        f"data.path={base / 'clevr'}",
+        "data.synthetic={train: 64, val: 8, image_size: 64, seed: 0}",
+        "train.max_steps=4",
+        "checkpoint.save_period=2",
+        "train.val_samples=0",
+        "logger.wandb_mode=disabled",
+        f"checkpoint.dir={folder}",
+        f"model.path={models['path']}",
+        "model.tiny=false",
+    ]
+    args = [a for s in sets for a in ("--set", s)]
+    runs = [base / "run-a", base / "run-b"]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "vlmrun.cli", "submit", TINY, "--cluster", "local", "--run-dir", str(r), "--wait"]
+            + args,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=ENV,
+            cwd=ROOT,
+        )
+        for r in runs
+    ]
+    outs = [p.communicate(timeout=600) for p in procs]
+    codes = [p.returncode for p in procs]
+    assert sorted(codes) == [0, 2], (codes, [err[-2000:] for _, err in outs])
+    won = codes.index(0)
+    return {
+        "folder": folder,
+        "sets": args,
+        "winner": runs[won],
+        "loser": runs[1 - won],
+        "loser_err": outs[1 - won][1],
+    }
+
+
+def test_of_two_submits_at_once_onto_one_checkpoint_dir_one_runs_and_the_other_is_refused(race):
+    winner, folder = race["winner"], race["folder"]
+    err = race["loser_err"]
+    assert "Traceback" not in err and len(err.strip().splitlines()) <= 2, err
+    assert "checkpoint.dir" in err and str(winner) in err and run_id(winner) in err, err
+    assert not race["loser"].exists()  # refused before its run directory was made
+    assert json.loads((winner / "job.json").read_text())["state"] == "COMPLETED"
+    steps = sorted(p.name for p in folder.glob("step_*"))
+    assert steps == ["step_2", "step_4"]
+    for step in steps:
+        assert json.loads((folder / step / "manifest.json").read_text())["run_id"] == run_id(winner)
+    assert json.loads((folder / "owner.json").read_text())["run_id"] == run_id(winner)
+
+
+def test_a_later_submit_or_dry_run_onto_that_checkpoint_dir_is_refused_and_nothing_changes(race, tmp_path):
+    before = snapshot(race["folder"])
+    for extra in (["--dry-run"], ["--cluster", "local", "--run-dir", str(tmp_path / "late"), "--wait"]):
+        out = vlmrun("submit", TINY, *extra, *race["sets"], timeout=120)
+        one_line_refusal(out, "checkpoint.dir", str(race["winner"]), run_id(race["winner"]))
+    assert not (tmp_path / "late").exists()
+    assert snapshot(race["folder"]) == before
+    # checkpoints from before run ids are nobody's to take either
+    shutil.copytree(FORMAT1, tmp_path / "old-checkpoints" / "step_9")
+    out = vlmrun("submit", TINY, "--dry-run", "--set", f"checkpoint.dir={tmp_path / 'old-checkpoints'}", timeout=120)
+    one_line_refusal(out, "checkpoint.dir", "step_9", "before vlmrun gave runs an id")
+
+
+def test_export_reads_only_the_runs_own_checkpoints(race, tmp_path):
+    out = vlmrun("export", str(race["winner"]), str(tmp_path / "export"), "--json")
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert json.loads(out.stdout)["step"] == 4
+    record = json.loads((tmp_path / "export" / "vlmrun_export.json").read_text())
+    assert record["run_dir"] == str(race["winner"]) and record["step"] == 4
+
+
+def test_a_job_of_another_run_on_that_checkpoint_dir_fails_before_it_reads_anything(race, tmp_path):
+    """A run that got past submit (here: a copy of the winner given a run id of its own) meets the claim
+    again when its job starts: FAILED, exit 2, naming checkpoint.dir and the run that has the folder."""
+    other = tmp_path / "other"
+    shutil.copytree(race["winner"], other, ignore=shutil.ignore_patterns("cache", "lock*"))
+    (other / "run.json").write_text(json.dumps({"run_id": "another-run", "created": "now", "adopted": False}))
+    before = snapshot(race["folder"])
+    out = node(other)
+    assert out.returncode == 2, out.stderr[-3000:]
+    attempt = json.loads((other / "job.json").read_text())["attempts"][-1]
+    assert attempt["state"] == "FAILED" and "checkpoint.dir" in attempt["reason"]
+    assert str(race["winner"]) in attempt["reason"]
+    assert snapshot(race["folder"]) == before
+
+
+def test_other_weights_at_the_same_model_path_are_refused_on_resume_and_by_the_job(race, models, tmp_path):
+    from vlmrun.launch.resume import check_resumable
+    from vlmrun.run.directory import RunDirectory
+
+    winner, path = race["winner"], models["path"]
+    job_before = (winner / "job.json").read_text()
+    try:
+        shutil.rmtree(path)
+        shutil.copytree(models["seed1"], path)  # same path, other weights
+        out = vlmrun("resume", str(winner), "--set", "train.max_steps=6", "--wait", timeout=120)
+        one_line_refusal(out, "model.path contents: '", "' -> '")
+        assert (winner / "job.json").read_text() == job_before
+        # the job checks the checkpoint it verified too (a copy of the run: same run id, same folder)
+        twin = tmp_path / "twin"
+        shutil.copytree(winner, twin, ignore=shutil.ignore_patterns("cache", "lock*"))
+        (twin / "recipe.yaml").write_text((twin / "recipe.yaml").read_text().replace("max_steps: 4", "max_steps: 6"))
+        job = node(twin)
+        assert job.returncode == 2, job.stderr[-3000:]
+        attempt = json.loads((twin / "job.json").read_text())["attempts"][-1]
+        assert attempt["state"] == "FAILED" and "model.path contents: '" in attempt["reason"]
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+        shutil.copytree(models["seed0"], path, copy_function=shutil.copyfile)  # the same weights, new mtimes
+    rd = RunDirectory(winner)
+    check_resumable(rd, rd.load_recipe())  # a copy of the same weights resumes
+
+
+@pytest.mark.slurm
+def test_a_slurm_submit_refused_after_the_claim_leaves_neither_the_claim_nor_the_folder(tmp_path):
+    """The claim on an explicit checkpoint.dir is taken before the SLURM checks; when those refuse the
+    run (here: more CPUs than a node has), the claim and the folder it made go again."""
+    folder = tmp_path / "checkpoints"
+    run = tmp_path / "run"
+    args = ["--cluster", "slurm", "--run-dir", str(run), "--set", f"checkpoint.dir={folder}"]
+    out = vlmrun("submit", TINY, *args, "--set", "cluster.cpus_per_node=999", timeout=120)
+    one_line_refusal(out, "cluster.cpus_per_node")
+    assert not folder.exists() and not run.exists()
