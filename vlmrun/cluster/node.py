@@ -221,18 +221,22 @@ def _run(rd: RunDirectory, attempt: int, job_id: str, started_at: float, alloc, 
 
 
 def _run_grpo(rd: RunDirectory, recipe, job_id: str, run: dict) -> RunOutcome:
-    """GRPO between the job's data-plane servers (none for `local` or a disabled plane), on node 0."""
+    """GRPO between the job's data-plane servers (none for `local` or a disabled plane), on node 0. A
+    server that dies ends the attempt within seconds, FAILED with one line naming it (plane_servers.py)."""
     import ray
 
     from vlmrun.algorithms.grpo.driver import run_grpo
-    from vlmrun.cluster.mooncake import running_plane_servers
+    from vlmrun.cluster.plane_servers import running_plane_servers, watched
     from vlmrun.cluster.ray.nodes import port_block
 
     dp = recipe.data_plane
     impl = dp.impl if dp.enabled else "local"
     host = ray.util.get_node_ip_address()
-    with running_plane_servers(impl, dp.backend, block=port_block(job_id), host=host, log_dir=rd.path / "logs") as ep:
-        return run_grpo(rd, recipe, plane_endpoint=ep, **run)
+    with (
+        running_plane_servers(impl, dp.backend, block=port_block(job_id), host=host, log_dir=rd.logs) as servers,
+        watched(servers, on_hard_exit=lambda reason: job_record.fail_attempt(rd, run["attempt"], reason)),
+    ):
+        return run_grpo(rd, recipe, plane_endpoint=servers.endpoint, **run)
 
 
 def _choose_checkpoint(rd: RunDirectory, recipe, attempt: int):

@@ -1,6 +1,6 @@
 """The GRPO driver: the common driver (algorithms/common/driver.py) with the GRPO controller.
 
-`plane_endpoint` is what the job's data-plane servers hand out (cluster/mooncake.py,
+`plane_endpoint` is what the job's data-plane servers hand out (cluster/plane_servers.py,
 `running_plane_servers`): None for `data_plane.impl: local` or a disabled plane.
 """
 
