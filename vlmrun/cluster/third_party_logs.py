@@ -13,8 +13,10 @@ errors; the libraries' chatter goes to the attempt's third-party log (logs/attem
    once it gives up), and the raylet reports every killed worker in a long paragraph. Those go to the
    third-party log; everything else a worker prints (a traceback, a fatal or critical line) stays on
    the console.
-3. Ray's start-up line about token authentication is not printed at all: cluster/ray/local.py sets
-   RAY_AUTH_MODE=token explicitly, which keeps token authentication on.
+3. Ray's own logger (its start-up lines, the one about token authentication among them) writes into
+   ours from before `ray.init`, so its records are levelled down like any library's. (Setting
+   RAY_AUTH_MODE=token instead would silence that line, but Ray reads the mode when it is imported: on
+   SLURM, where our Ray runs with RAY_AUTH_MODE=disabled, the driver would then disagree with it.)
 
 `route_ray_logs()` wraps a private seam of Ray 2.60: `ray._private.worker.print_to_stdstream(batch,
 ignore_prefix)`, through which the driver prints every line forwarded from a worker (the handler

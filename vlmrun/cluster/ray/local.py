@@ -17,7 +17,6 @@ from vlmrun.cluster.reaper import TEMP_ENV
 LOCAL_ENV = {
     "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",  # FACTS: the node then registers as 127.0.0.1
     "RAY_USAGE_STATS_ENABLED": "0",
-    "RAY_AUTH_MODE": "token",  # Ray's default, said explicitly: it then starts without a line about it
     "GLOO_SOCKET_IFNAME": "lo",  # keep gloo's collectives on loopback, not the machine's outward address
     "HF_HUB_DISABLE_PROGRESS_BARS": "1",
     "TRANSFORMERS_VERBOSITY": "error",
