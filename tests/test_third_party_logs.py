@@ -27,6 +27,7 @@ CHATTER = [
     "http=404 body: metadata not found",
     "W1201 10:01:27.967999 12686 transfer_metadata.cpp:1115] Failed to retrieve segment descriptor",
     "[rank0]:W1201 10:01:35.154000 12686 /venv/torch/fx/_symbolic_trace.py:57] is_fx_tracing will return true",
+    "[W1201 11:03:14.822049513 socket.cpp:207] [c10d] The hostname of the client socket cannot be retrieved.",
     "/venv/lib/python3.11/site-packages/foo/bar.py:12: DeprecationWarning: use baz",
     "2026-12-01 10:14:51,771 - ERROR - transfer_queue.storage.clients.mooncake_client - batch_get_into failed "
     "for keys ['16@response_ids', '17@response_ids']. Retrying up to 3 times...",
@@ -53,10 +54,11 @@ def test_errors_and_our_lines_are_not_chatter(line):
 
 
 def test_a_warning_s_source_line_goes_with_it_and_a_traceback_stays_whole():
-    lines = [CHATTER[5], "  warnings.warn(", *KEPT[:3], CHATTER[1]]
+    warning = next(line for line in CHATTER if "Warning: " in line)
+    lines = [warning, "  warnings.warn(", *KEPT[:3], CHATTER[1]]
     kept, chatter = split_worker_lines(lines)
     assert kept == KEPT[:3]  # the traceback's indented line follows a kept line: kept
-    assert chatter == [CHATTER[5], "  warnings.warn(", CHATTER[1]]
+    assert chatter == [warning, "  warnings.warn(", CHATTER[1]]
 
 
 def record(name: str, level: int) -> logging.LogRecord:
@@ -96,7 +98,7 @@ def test_ray_s_seam_is_wrapped_once_and_files_the_chatter(monkeypatch, caplog, c
     assert ray_worker.print_to_stdstream is wrapped  # idempotent: wrapped once
     with caplog.at_level(logging.INFO, logger=WORKERS_LOGGER):
         ray_worker.print_to_stdstream({"lines": [CHATTER[1], KEPT[0]], "pid": 12, "actor_name": "GrpoWorker"}, False)
-        ray_worker.print_to_stdstream({"lines": [CHATTER[7]], "pid": "raylet"}, False)
+        ray_worker.print_to_stdstream({"lines": [CHATTER[-1]], "pid": "raylet"}, False)
     assert printed == [[KEPT[0]]]  # a batch of chatter alone prints nothing
-    assert [r.getMessage() for r in caplog.records] == [f"(GrpoWorker 12) {CHATTER[1]}", f"(raylet) {CHATTER[7]}"]
+    assert [r.getMessage() for r in caplog.records] == [f"(GrpoWorker 12) {CHATTER[1]}", f"(raylet) {CHATTER[-1]}"]
     assert logging.getLogger("ray").propagate and not logging.getLogger("ray").handlers

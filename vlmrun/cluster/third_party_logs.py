@@ -7,7 +7,8 @@ errors; the libraries' chatter goes to the attempt's third-party log (logs/attem
 2. Lines Ray forwards from its workers (the stdout and stderr of our actors, on every node): C++
    libraries log with glog (Mooncake's clients ~20 lines each at start, among them an E-level
    "metadata not found" in a healthy run: Mooncake's failures reach us as failed calls, and the
-   plane's watchdog names a dead master), torch logs in glog's format behind "[rank<k>]:", a Python
+   plane's watchdog names a dead master), torch logs in glog's format behind "[rank<k>]:" (and its
+   C++ part in c10's, as "[W1201 ... socket.cpp:207] [c10d] ..." on a node without a hostname), a Python
    warning comes as a "file:line: XWarning: ..." line with its source line under it, TransferQueue
    logs every retry of a failed put or get at ERROR with the keys it tried (and raises to the caller
    once it gives up), and the raylet reports every killed worker in a long paragraph. Those go to the
@@ -31,7 +32,11 @@ import re
 from collections.abc import Callable, Iterable
 
 WORKERS_LOGGER = "ray.workers"  # a library's name: lines filed under it go to the third-party log
-_GLOG = re.compile(r"^(\[rank\d+\]:)?[IWE]\d{4} \d\d:\d\d:\d\d\.\d+\s+\d+ \S+:\d+\] ")
+#: glog's line prefix, as Mooncake and torch write it ("[rank0]:W1201 ... 12686 file.py:57] "), or as
+#: torch's C++ (c10) writes it ("[W1201 11:03:14.822049513 socket.cpp:207] ")
+_GLOG = re.compile(
+    r"^(\[rank\d+\]:)?(\[[IWE]\d{4} \d\d:\d\d:\d\d\.\d+|[IWE]\d{4} \d\d:\d\d:\d\d\.\d+\s+\d+) \S+:\d+\] "
+)
 _PY_WARNING = re.compile(r"^\S.*\.py:\d+: \w*Warning: ")
 _TRANSFER_QUEUE = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+ - (DEBUG|INFO|WARNING|ERROR) - transfer_queue\.")
 _CHATTER = (
