@@ -4,12 +4,17 @@ The policy starts from a short SFT run exported with `vlmrun export` (a random m
 reward). What users depend on: every data-plane setting (local, TransferQueue simple and Mooncake, and
 no plane) gives the same numbers at every step; with one inner step the ratio is exactly 1; a SIGKILLed
 run resumed with `vlmrun resume` matches an uninterrupted one; the plane is empty at step boundaries.
+A SIGKILLed server of the job's plane (storage unit, TransferQueue controller, mooncake_master) fails
+the attempt within 30 s with one line naming it, a node killed with its reaper leaves no process and no
+temp root behind, and either way `vlmrun resume` finishes the run as if nothing happened.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import re
 import signal
 import statistics
 import subprocess
@@ -17,8 +22,10 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
+from vlmrun.cluster.reaper import marked_processes
 from vlmrun.run.metrics import history
 
 pytestmark = pytest.mark.slow
@@ -119,13 +126,28 @@ def test_two_inner_steps_move_the_ratio_off_one_and_the_kl_penalty_sees_it(tmp_p
     assert all(r["kl"] > 0 for r in rows.values())  # the reference logprobs went through the plane
 
 
-def test_sigkill_then_resume_matches_uninterrupted(tmp_path, base):
-    steps = ["train.max_steps=6", "checkpoint.save_period=2"]
-    want = grpo(tmp_path / "a", base, *steps)
+RESUMED = ["train.max_steps=8", "checkpoint.save_period=2"]  # the runs that are killed and resumed
+
+
+@pytest.fixture(scope="module")
+def want(tmp_path_factory, base) -> dict[int, dict]:
+    """The uninterrupted run that every killed and resumed run must match."""
+    return grpo(tmp_path_factory.mktemp("runs") / "uninterrupted", base, *RESUMED)
+
+
+def assert_same_history(run: Path, want: dict[int, dict]) -> None:
+    got = history(run / "metrics.jsonl")
+    assert sorted(got) == sorted(want)
+    for step in want:
+        for key in (*SAME, "probs_ratio_max", "accuracy"):
+            assert got[step][key] == want[step][key], (step, key)
+
+
+def test_sigkill_then_resume_matches_uninterrupted(tmp_path, base, want):
     run = tmp_path / "b"
     cmd = [sys.executable, "-m", "vlmrun.cli", "submit", GRPO, "--cluster", "local", "--run-dir", str(run)]
     proc = subprocess.Popen(
-        [*cmd, *base, *sets(*steps), "--wait"],
+        [*cmd, *base, *sets(*RESUMED), "--wait"],
         env=ENV,
         cwd=ROOT,
         start_new_session=True,
@@ -141,12 +163,148 @@ def test_sigkill_then_resume_matches_uninterrupted(tmp_path, base):
         proc.wait()
     out = vlmrun("resume", str(run), "--wait")
     assert out.returncode == 0, out.stderr[-3000:]
-    got = history(run / "metrics.jsonl")
-    assert sorted(got) == sorted(want)
-    for step in want:
-        for key in (*SAME, "probs_ratio_max", "accuracy"):
-            assert got[step][key] == want[step][key], (step, key)
+    assert_same_history(run, want)
     job = json.loads((run / "job.json").read_text())
     assert [a["state"] for a in job["attempts"]] == ["KILLED", "COMPLETED"]
     checkpoint = sorted((run / "checkpoints").glob("step_*"))[-1]
     assert {p.name for p in (checkpoint / "generation").iterdir()} == {"replica_0.pt", "replica_1.pt"}
+
+
+# ---------------------------------------------------------------- the job's own servers, killed mid-step
+
+GONE_S = 10.0  # everything of an attempt is gone this long after its node ended
+#: what a dead server's attempt says: one line naming it (pid of the victim filled in)
+NAMED = {
+    "storage unit": r"the TransferQueue storage unit storage-0 \(actor [0-9a-f]+, pid {pid} on [\d.]+\) died",
+    "controller": r"the TransferQueue controller \(actor [0-9a-f]+, pid {pid} on [\d.]+\) died",
+    "mooncake_master": r"mooncake_master \(pid {pid}, port \d+ on [\d.]+\) exited with signal SIGKILL "
+    r"\(its log: \S+/logs/mooncake-master\.log\)",
+}
+PROCESS = {"storage unit": "ray::SimpleStorageUnit", "controller": "ray::TransferQueueController"}
+#: on a console or in an attempt log, none of these: a traceback, a key dump, Mooncake's glog, Ray's auth line
+NOISE = re.compile(
+    r"Traceback|@response_ids|[IWE]\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ \S+:\d+\]|InitGoogleLogging|Token auth"
+)
+
+
+def kill_mid_step(run: Path, args: list[str], at_step: int, victim: str) -> dict:
+    """`vlmrun <args> --wait`; once step `at_step` is done, SIGKILL `victim` ("storage unit", "controller",
+    "mooncake_master" or "node+reaper"). Returns what was seen: victims, exit code, seconds from the kill
+    to the launcher's end (`ended_s`) and to the last process of the attempt and its temp root (`gone_s`)."""
+    err = run.parent / f"{run.name}-{len(list(run.parent.glob(run.name + '-*.err')))}.err"
+    with open(err, "w") as out:
+        launcher = subprocess.Popen(
+            [sys.executable, "-m", "vlmrun.cli", *args, "--wait"], env=ENV, cwd=ROOT, stderr=out, start_new_session=True
+        )
+    try:
+        node = wait_for(lambda: _node_of(run), 120, "the attempt's node")
+        marker, temp_root, reaper = wait_for(lambda: _reaper_of(node), 30, "the node's reaper")
+        wait_for(lambda: max(history(run / "metrics.jsonl") or [0]) >= at_step, 300, f"step {at_step}")
+        census = {p: psutil.Process(p).name() for p in marked_processes(marker)}
+        if victim == "node+reaper":
+            victims = [node, reaper]
+        else:
+            name = PROCESS.get(victim, victim)
+            victims = [p for p, n in census.items() if n.startswith(name)]
+        assert len(victims) == (2 if victim == "node+reaper" else 1), (victim, census)
+        for pid in victims:
+            os.kill(pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        code = launcher.wait(timeout=120)
+        ended_s = time.monotonic() - t0
+        wait_for(lambda: not _alive(census) and not temp_root.exists(), ended_s + GONE_S, "the attempt's end")
+        gone_s = time.monotonic() - t0
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(launcher.pid, signal.SIGKILL)
+    attempt = json.loads((run / "job.json").read_text())["attempts"][-1]
+    return dict(victims=victims, census=census, code=code, ended_s=ended_s, gone_s=gone_s, attempt=attempt, err=err)
+
+
+def _node_of(run: Path) -> int | None:
+    """The pid of the run's live node process, once the lock describes it."""
+    try:
+        pid = json.loads((run / "lock.json").read_text())["pid"]
+        return pid if "vlmrun.cluster.node" in psutil.Process(pid).cmdline() else None
+    except (OSError, ValueError, KeyError, psutil.Error):
+        return None
+
+
+def _reaper_of(node: int) -> tuple[str, Path, int] | None:
+    """(marker, temp root, pid) of the node's reaper (not its guard), from the reaper's command line."""
+    for p in psutil.process_iter(["cmdline"]):
+        cmd = p.info["cmdline"] or []
+        if "vlmrun.cluster.reaper" in cmd and "--after" not in cmd and cmd[cmd.index("--pid") + 1] == str(node):
+            return cmd[cmd.index("--marker") + 1], Path(cmd[cmd.index("--temp-root") + 1]), p.pid
+    return None
+
+
+def _alive(census: dict[int, str]) -> list[int]:
+    """The processes of `census` still running (same pid, same name: not a reused pid)."""
+    alive = []
+    for pid, name in census.items():
+        with contextlib.suppress(psutil.Error):
+            p = psutil.Process(pid)
+            if p.name() == name and p.status() != psutil.STATUS_ZOMBIE:
+                alive.append(pid)
+    return alive
+
+
+def wait_for(predicate, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.02)
+    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+
+
+def assert_failed_naming(seen: dict, victim: str) -> None:
+    """The attempt ended FAILED within 30 s, its reason one line naming the server, said once and quietly."""
+    a, err = seen["attempt"], seen["err"].read_text()
+    print(f"{victim} SIGKILLed: attempt FAILED {seen['ended_s']:.1f}s later: {a['reason']}")
+    assert seen["code"] == 1 and a["state"] == "FAILED" and seen["ended_s"] < 30, (seen, err[-3000:])
+    assert re.match(NAMED[victim].format(pid=seen["victims"][0]) + "; `vlmrun resume` continues", a["reason"]), a
+    assert err.count(a["reason"]) == 1 and "\n" not in a["reason"], err[-3000:]
+    assert not NOISE.search(err), NOISE.search(err)
+    assert seen["gone_s"] < seen["ended_s"] + GONE_S
+
+
+CHAINS = {  # (plane, the first attempt's victim, the resumed attempt's victim)
+    "simple": ("simple", "storage unit", "controller"),
+    "mooncake": ("mooncake", "mooncake_master", "node+reaper"),
+}
+
+
+@pytest.mark.parametrize("chain", CHAINS)
+def test_dead_plane_servers_fail_the_attempt_naming_them_and_resume_matches(tmp_path, base, want, chain):
+    backend, first, second = CHAINS[chain]
+    if backend == "mooncake":
+        from vlmrun.cluster.mooncake import mooncake_unavailable
+
+        if mooncake_unavailable():
+            pytest.skip(mooncake_unavailable())
+    run = tmp_path / "run"
+    plane = ["data_plane.impl=transfer_queue", f"data_plane.backend={backend}"]
+    submit = ["submit", GRPO, "--cluster", "local", "--run-dir", str(run), *base, *sets(*RESUMED, *plane)]
+    seen = kill_mid_step(run, submit, 2, first)
+    assert_failed_naming(seen, first)
+    filed = (run / "logs" / "attempt-0.third-party.log").read_text().count("metadata not found")
+    assert (filed > 0) == (backend == "mooncake")  # Mooncake's chatter (every client's, at its start), filed
+    seen = kill_mid_step(run, ["resume", str(run)], 5, second)
+    if second == "node+reaper":
+        names = sorted(seen["census"].values())
+        print(f"node and reaper SIGKILLed: {len(names)} processes gone in {seen['gone_s']:.2f}s: {names}")
+        assert "mooncake_master" in names and "raylet" in names and "ray::TransferQueueController" in names, names
+        assert seen["gone_s"] < GONE_S and seen["attempt"]["state"] == "KILLED"
+    else:
+        assert_failed_naming(seen, second)
+    out = vlmrun("resume", str(run), "--wait")
+    assert out.returncode == 0 and not NOISE.search(out.stderr), out.stderr[-3000:]
+    assert_same_history(run, want)
+    states = [a["state"] for a in json.loads((run / "job.json").read_text())["attempts"]]
+    assert states == ["FAILED", "KILLED" if second == "node+reaper" else "FAILED", "COMPLETED"]
+    for log in (run / "logs").glob("attempt-*.log"):
+        if ".third-party." not in log.name:
+            assert not NOISE.search(log.read_text()), (log, NOISE.search(log.read_text()))

@@ -1,10 +1,15 @@
-"""The job's mooncake_master: ports from the job's block, health-checked start, a stop that leaves nothing."""
+"""The job's mooncake_master: ports from the job's block, health-checked start, a stop that leaves nothing,
+death named in one line, and no master outliving the process that started it."""
 
 from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
+import textwrap
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -86,3 +91,49 @@ def test_stopping_the_master_leaves_no_process(tmp_path):
     assert not [p for p in psutil.Process().children(recursive=True) if p.pid == pid]
     assert taken_ports(HOST, master.ports.all()) == []
     stop_mooncake_master(master)  # stopping twice is fine
+
+
+def test_a_dead_master_is_named_and_none_outlives_its_starter(tmp_path):
+    """A SIGKILLed master says so in one line (pid, port, signal, log), and a master whose starter is
+    SIGKILLed (a node killed with its reaper) dies at once although it ignores SIGTERM."""
+    a_block, b_block = free_blocks(2, start=400)
+    master = start_mooncake_master(a_block, host=HOST, log_path=tmp_path / "a.log")
+    assert master.exited() is None
+    os.kill(master.pid, signal.SIGKILL)
+    master.proc.wait(timeout=5)
+    assert master.exited() == (
+        f"mooncake_master (pid {master.pid}, port {master.ports.rpc} on {HOST}) exited with signal SIGKILL "
+        f"(its log: {tmp_path / 'a.log'})"
+    )
+    starter = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(STARTER), str(b_block.base), str(tmp_path / "b.log")],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=Path(__file__).resolve().parents[1],
+    )
+    pid = int(starter.stdout.readline())
+    assert psutil.Process(pid).name().startswith("mooncake_maste")
+    starter.kill()
+    starter.wait()
+    deadline = time.monotonic() + 2
+    while _running(pid) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not _running(pid)
+
+
+STARTER = """
+    import sys, time
+    from pathlib import Path
+    from vlmrun.cluster.mooncake import start_mooncake_master
+    from vlmrun.cluster.ray.nodes import PortBlock
+    master = start_mooncake_master(PortBlock(int(sys.argv[1])), host="127.0.0.1", log_path=Path(sys.argv[2]))
+    print(master.pid, flush=True)
+    time.sleep(60)
+"""
+
+
+def _running(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False

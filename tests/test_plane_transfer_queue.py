@@ -3,11 +3,14 @@
 The same property as the local plane (tests/test_plane_wire.py): random ragged batches come back
 exactly, for a dp shard of the ids and a subset of the fields, and a later stage adds a column. Then
 a worker actor does what a GRPO rank does: reads its shard, writes logprobs back for the driver.
+A SIGKILLed server is named as dead within seconds, and a call waiting on it ends at its bound.
 """
 
 from __future__ import annotations
 
 import os
+import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -23,7 +26,8 @@ from test_plane_wire import (
     ragged_batches,
 )
 
-from vlmrun.cluster.mooncake import mooncake_unavailable, running_plane_servers
+from vlmrun.cluster.mooncake import mooncake_unavailable
+from vlmrun.cluster.plane_servers import running_plane_servers
 from vlmrun.plane.fields import Stage
 from vlmrun.plane.interface import DataPlaneError, PartitionSpec
 
@@ -80,13 +84,14 @@ def ray_local():
 
 @pytest.fixture(scope="module", params=BACKENDS)
 def endpoint(request, ray_local, tmp_path_factory):
-    """The job's servers as the node starts them (cluster/mooncake.py), for one backend."""
+    """The job's servers as the node starts them (cluster/plane_servers.py), for one backend."""
     block = free_blocks(1, start=600)[0] if request.param == "mooncake" else None
     log_dir = tmp_path_factory.mktemp("plane-servers")
     with running_plane_servers(
         "transfer_queue", request.param, block=block, host="127.0.0.1", log_dir=log_dir, storage_units=2, **SIZES
-    ) as endpoint:
-        yield endpoint
+    ) as servers:
+        assert servers.lost() is None
+        yield servers.endpoint
 
 
 @pytest.fixture(scope="module")
@@ -216,3 +221,34 @@ def test_small_rows_ride_in_the_tags_and_come_back_exact(planes):
 
 def test_put_many_and_get_many_overlap_their_requests_and_check_them_first(planes):
     check_put_many_and_get_many(planes[torch.float32], "tq")  # a refused put leaves no sample behind
+
+
+@pytest.mark.parametrize("victim", ["storage unit", "controller"])
+def test_a_dead_server_is_named_and_a_call_waiting_on_it_ends_at_its_bound(ray_local, victim):
+    """What the node's watchdog relies on (cluster/plane_servers.py): Ray reports a SIGKILLed server
+    actor dead within seconds, named with its pid, and a client's call gives up at its bound (not
+    after TransferQueue's 3 x 200 s for a storage unit, or never for the controller)."""
+    from vlmrun.plane.transfer_queue.servers import start_transfer_queue, stop_transfer_queue
+    from vlmrun.plane.transfer_queue.store import TransferQueuePlane
+
+    servers = start_transfer_queue("simple")
+    plane = TransferQueuePlane(servers.endpoint, request_timeout_s=3.0)
+    ids, rollout = _rollout(2)
+    try:
+        plane.register("doomed", PartitionSpec.for_stages("qwen2_5_vl", GRPO_CONSUMERS, 2))
+        plane.put("doomed", ids, rollout)
+        assert servers.lost() is None
+        (actor,) = [a for a in servers.actors if victim in a.what]
+        os.kill(actor.pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        with pytest.raises(DataPlaneError, match="did not answer within 3 s"):
+            plane.get("doomed", ids, ["response_ids", "pixel_values"])
+        assert time.monotonic() - t0 < 6
+        deadline = time.monotonic() + 10
+        while (lost := servers.lost()) is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert lost == f"{actor.describe()} died"
+        assert f"TransferQueue {victim}" in lost and f"pid {actor.pid} on 127.0.0.1" in lost, lost
+    finally:
+        plane.close()
+        stop_transfer_queue(servers)

@@ -190,6 +190,52 @@ def test_reaper_ends_the_attempt_when_its_node_is_killed():
     assert time.monotonic() - t0 < 10
 
 
+def test_the_reaper_s_guard_sweeps_when_the_reaper_dies_with_the_node():
+    """Node and reaper SIGKILLed together: the guard (a second reaper) still ends every process of the
+    attempt, one that ignores SIGTERM included, removes the temp root, and then exits itself."""
+    node = python(
+        """
+        import subprocess, sys
+        from vlmrun.cluster.reaper import AttemptScope
+        scope = AttemptScope.open()
+        reaper = scope.start_reaper()
+        scope.enter()
+        stubborn = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(60)"
+        subprocess.Popen([sys.executable, "-c", stubborn], start_new_session=True)
+        child = subprocess.Popen(["sleep", "60"])
+        print(scope.marker, scope.temp_root, reaper.pid, flush=True)
+        child.wait()
+        """
+    )
+    marker, root, reaper = node.stdout.readline().split()
+    wait_for(lambda: len(marked_processes(marker)) == 2)
+    guard = [p for p in _reapers(marker) if p != int(reaper)]
+    assert len(guard) == 1, _reapers(marker)
+    os.kill(int(reaper), signal.SIGKILL)
+    node.kill()
+    node.wait()
+    t0 = time.monotonic()
+    wait_for(lambda: not marked_processes(marker) and not Path(root).exists())
+    assert time.monotonic() - t0 < 10
+    wait_for(lambda: not _reapers(marker))  # the guard is done too
+
+
+def _reapers(marker: str) -> list[int]:
+    """The reaper and guard processes of `marker` still running."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = f.read().split(b"\0")
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                zombie = f.read().rsplit(b")", 1)[1].split()[0] == b"Z"
+        except OSError:
+            continue
+        if b"vlmrun.cluster.reaper" in cmd and marker.encode() in cmd and not zombie:
+            found.append(int(pid))
+    return found
+
+
 def test_attempt_scope_sends_temp_files_under_its_root():
     code = """
         import subprocess, sys

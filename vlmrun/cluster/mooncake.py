@@ -7,21 +7,16 @@
    HTTP metadata server binds 0.0.0.0 whatever host it is given (FACTS.md).
 2. The master runs as our child in its own process group, blocking SIGUSR2 and SIGTERM (a job-wide
    stop signal is for the node's stop flag: the step in flight still needs the store), with eviction
-   off (a full store fails a put; it never drops data). It inherits the attempt's marker, so the
-   attempt's reaper ends it if the node dies. `start_mooncake_master` returns once /health says the
+   off (a full store fails a put; it never drops data). It dies with the thread that started it
+   (PR_SET_PDEATHSIG: it ignores SIGTERM, so it must be SIGKILL), and it inherits the attempt's
+   marker, so the attempt's reaper ends it too. `start_mooncake_master` returns once /health says the
    service is ready, or raises with the log's tail; `stop_mooncake_master` ends it by PID with
-   SIGKILL (it keeps nothing worth a graceful exit) and reaps it.
+   SIGKILL (it keeps nothing worth a graceful exit) and reaps it; `MooncakeMaster.exited()` says, in
+   one line, that it died.
 3. Never TransferQueue's `auto_init`: it kills every mooncake_master on the host, other jobs' too.
 
-The node entrypoint is expected to do, on node 0 after Ray is up and before the driver, with the
-recipe's `data_plane` section:
-
-    with running_plane_servers(dp.impl, dp.backend, block=port_block(job_id), host=node_ip,
-                               log_dir=rd.path / "logs") as endpoint:
-        ...  # the driver gets `endpoint` (None for impl local) and hands it to every rank
-
-`running_plane_servers` starts nothing for `local`, TransferQueue's actors for `transfer_queue`, and
-this module's mooncake_master first for `backend: mooncake`; it stops them in reverse order.
+The node starts it through `running_plane_servers` (cluster/plane_servers.py), for the
+`transfer_queue` plane's `backend: mooncake`.
 """
 
 from __future__ import annotations
@@ -40,11 +35,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from vlmrun.cluster.ray.nodes import PortBlock, reachable, taken_ports
-from vlmrun.plane.transfer_queue.endpoint import MooncakeStoreConfig, TransferQueueEndpoint
+from vlmrun.plane.transfer_queue.endpoint import MooncakeStoreConfig
 
 #: Offsets in the job's port block (module doc, 1).
 RPC_OFFSET, HTTP_METADATA_OFFSET, METRICS_OFFSET = 8, 9, 10
 _STOP_S = 5.0
+_PR_SET_PDEATHSIG = 1
 
 
 class MooncakeError(RuntimeError):
@@ -82,6 +78,17 @@ class MooncakeMaster:
     @property
     def pid(self) -> int:
         return self.proc.pid
+
+    def exited(self) -> str | None:
+        """ "mooncake_master (pid, port) exited with ..." once it has ended, None while it runs."""
+        code = self.proc.poll()
+        if code is None:
+            return None
+        how = f"signal {signal.Signals(-code).name}" if code < 0 else f"code {code}"
+        return (
+            f"mooncake_master (pid {self.pid}, port {self.ports.rpc} on {self.host}) exited with {how} "
+            f"(its log: {self.log_path})"
+        )
 
     def store_config(self, **sizes: int) -> MooncakeStoreConfig:
         """What the plane's clients need; `sizes` may set `segment_bytes` and `buffer_bytes`."""
@@ -127,6 +134,7 @@ def start_mooncake_master(block: PortBlock, *, host: str, log_path: Path, deadli
     if busy:
         raise MooncakeError(f"mooncake_master ports {busy} on {host} are taken (another job in the same port block?)")
     log_path.parent.mkdir(parents=True, exist_ok=True)
+    parent = os.getpid()
     with open(log_path, "ab") as out:
         proc = subprocess.Popen(
             _command(master_binary(), host, ports),
@@ -134,7 +142,7 @@ def start_mooncake_master(block: PortBlock, *, host: str, log_path: Path, deadli
             stdout=out,
             stderr=subprocess.STDOUT,
             process_group=0,
-            preexec_fn=_ignore_stop_signals,
+            preexec_fn=lambda: _as_job_server(parent),
         )
     master = MooncakeMaster(host=host, ports=ports, proc=proc, log_path=log_path)
     try:
@@ -165,41 +173,6 @@ def running_mooncake_master(
         yield master
     finally:
         stop_mooncake_master(master)
-
-
-@contextlib.contextmanager
-def running_plane_servers(
-    impl: str,
-    backend: str,
-    *,
-    block: PortBlock | None,
-    host: str,
-    log_dir: Path,
-    storage_units: int = 1,
-    **mooncake_sizes: int,
-) -> Iterator[TransferQueueEndpoint | None]:
-    """The job's data-plane servers for `data_plane.impl` / `data_plane.backend`; yields what clients need
-    (`open_plane(endpoint)`), None for `impl: local`. Needs this process's Ray (node 0, after Ray is up).
-    `block` (the job's port block) is needed for `backend: mooncake`; `mooncake_sizes` (`segment_bytes`,
-    `buffer_bytes`) size every client's share of the Mooncake store. Close every plane client before
-    the block ends."""
-    if impl == "local":
-        yield None
-        return
-    from vlmrun.plane.transfer_queue.servers import start_transfer_queue, stop_transfer_queue
-
-    with contextlib.ExitStack() as stack:
-        mooncake = None
-        if backend == "mooncake":
-            if block is None:
-                raise MooncakeError("the mooncake backend needs the job's port block")
-            master = stack.enter_context(
-                running_mooncake_master(block, host=host, log_path=log_dir / "mooncake-master.log")
-            )
-            mooncake = master.store_config(**mooncake_sizes)
-        servers = start_transfer_queue(backend, mooncake=mooncake, storage_units=storage_units)
-        stack.callback(stop_transfer_queue, servers)
-        yield servers.endpoint
 
 
 def master_healthy(master: MooncakeMaster, timeout_s: float = 1.0) -> bool:
@@ -248,9 +221,13 @@ def _tail(path: Path, lines: int = 20) -> str:
         return f"(no log at {path})"
 
 
-def _ignore_stop_signals() -> None:
+def _as_job_server(parent: int) -> None:
+    """`preexec_fn` of the master (module doc, 2); `parent` is the pid of the process that starts it."""
     # blocked, not only ignored: mooncake_master installs its own SIGTERM handler (a graceful exit)
     stop = (signal.SIGUSR2, signal.SIGTERM)
     for s in stop:
         signal.signal(s, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_BLOCK, stop)
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != parent:  # the parent died before the line above
+        os._exit(1)

@@ -26,6 +26,7 @@ from vlmrun.algorithms.common.stop import StopFlag
 from vlmrun.cluster.failure import failure_reason
 from vlmrun.cluster.reaper import AttemptScope
 from vlmrun.cluster.slurm_env import SlurmAllocation
+from vlmrun.cluster.third_party_logs import LibrariesBelowError, OursAndErrors, route_ray_logs
 from vlmrun.errors import EXIT_BAD_INPUT, VlmrunError
 from vlmrun.run import job as job_record
 from vlmrun.run.directory import RunDirectory
@@ -58,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
             if alloc is not None:
                 _tell_workers_done(rd, alloc)
             return e.exit_code
-        _tee_log(os.environ.get("VLMRUN_TEE_LOG"))
+        _tee_log(rd, os.environ.get("VLMRUN_TEE_LOG"))
         _wait_until_recorded()
     scope = AttemptScope.open()
     scope.start_reaper(run_dir=rd.path if node0 else None, job_id=job_id)
@@ -205,6 +206,7 @@ def _run(rd: RunDirectory, attempt: int, job_id: str, started_at: float, alloc, 
     if stop.is_set():
         return _stopped_before_training(rd, recipe, stop, chosen)
     cpus = max(recipe.parallel.world_size, os.cpu_count() or 1)
+    route_ray_logs()  # before Ray starts: its start-up and the workers' lines are levelled down too
     with _ray(job_id, cpus, alloc, rd):
         if stop.is_set():
             return _stopped_before_training(rd, recipe, stop, chosen)
@@ -220,20 +222,24 @@ def _run(rd: RunDirectory, attempt: int, job_id: str, started_at: float, alloc, 
 
 def _run_controller(rd: RunDirectory, recipe, job_id: str, run: dict) -> RunOutcome:
     """The controller of `train.algorithm` between the job's data-plane servers (none for `local` or a
-    disabled plane: every SFT run), on node 0."""
+    disabled plane: every SFT run), on node 0. A server that dies ends the attempt within seconds,
+    FAILED with one line naming it (plane_servers.py)."""
     import ray
 
     from vlmrun.algorithms.common.driver import run_controller
     from vlmrun.algorithms.controllers import controller_class
-    from vlmrun.cluster.mooncake import running_plane_servers
+    from vlmrun.cluster.plane_servers import running_plane_servers, watched
     from vlmrun.cluster.ray.nodes import port_block
 
     controller = controller_class(recipe.train.algorithm)
     dp = recipe.data_plane
     impl = dp.impl if dp.enabled else "local"
     host = ray.util.get_node_ip_address()
-    with running_plane_servers(impl, dp.backend, block=port_block(job_id), host=host, log_dir=rd.path / "logs") as ep:
-        return run_controller(controller, rd, recipe, plane_endpoint=ep, **run)
+    with (
+        running_plane_servers(impl, dp.backend, block=port_block(job_id), host=host, log_dir=rd.logs) as servers,
+        watched(servers, on_hard_exit=lambda reason: job_record.fail_attempt(rd, run["attempt"], reason)),
+    ):
+        return run_controller(controller, rd, recipe, plane_endpoint=servers.endpoint, **run)
 
 
 def _choose_checkpoint(rd: RunDirectory, recipe, attempt: int):
@@ -286,19 +292,27 @@ def _parse(argv):
 
 
 def _setup_logging() -> None:
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(_FORMAT)
-    root = logging.getLogger()
-    root.setLevel(logging.INFO)
-    root.addHandler(handler)
+    """The console: our records and everyone's errors; the libraries' chatter is levelled down
+    (third_party_logs.py) into the attempt's third-party log, once this process holds the run."""
+    logging.captureWarnings(True)
+    _add_handler(logging.StreamHandler(sys.stderr), OursAndErrors())
+    logging.getLogger().setLevel(logging.INFO)
 
 
-def _tee_log(path: str | None) -> None:
-    """Also write the log to the attempt's log file (only once this process holds the run)."""
+def _tee_log(rd: RunDirectory, path: str | None) -> None:
+    """Also write the log to the attempt's log file (only once this process holds the run), and the
+    libraries' records below ERROR to the attempt's third-party log."""
     if path:
-        handler = logging.FileHandler(path)
-        handler.setFormatter(_FORMAT)
-        logging.getLogger().addHandler(handler)
+        _add_handler(logging.FileHandler(path), OursAndErrors())
+    third_party = rd.attempt_log(job_record.next_attempt(rd)).with_suffix(".third-party.log")
+    third_party.parent.mkdir(exist_ok=True)
+    _add_handler(logging.FileHandler(third_party, delay=True), LibrariesBelowError())
+
+
+def _add_handler(handler: logging.Handler, only: logging.Filter) -> None:
+    handler.setFormatter(_FORMAT)
+    handler.addFilter(only)
+    logging.getLogger().addHandler(handler)
 
 
 _FORMAT = logging.Formatter("%(asctime)s %(levelname)s %(message)s", "%H:%M:%S")

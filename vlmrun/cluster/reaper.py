@@ -12,6 +12,10 @@
    in job.json (under the run lock) when the node ended without recording how it ended.
 3. The node sweeps too at the end of a normal teardown, so a finished attempt leaves nothing behind
    by the time it exits; the reaper's sweep then finds nothing.
+4. A second line for the case where the reaper dies with the node (both SIGKILLed, a kill of every
+   process named vlmrun): its guard, a second reaper in a session of its own, waits for the node and
+   then for the reaper, and sweeps after them (usually finding nothing). Besides, the job's servers
+   die with their parent (mooncake_master: PR_SET_PDEATHSIG) and Ray's processes with Ray's head.
 
 `python -m vlmrun.cluster.reaper` imports only the standard library (and run/process.py, which does too)
 until it has to record a kill.
@@ -65,16 +69,18 @@ class AttemptScope:
         tempfile.tempdir = str(self.temp_root)
 
     def start_reaper(self, *, run_dir: Path | None = None, job_id: str | None = None) -> subprocess.Popen:
-        """Start the reaper of this process; with `run_dir` it also records a kill of `job_id` in job.json."""
+        """Start the reaper of this process and its guard (module doc, 4); with `run_dir` they also
+        record a kill of `job_id` in job.json. Returns the reaper."""
         env = {k: v for k, v in os.environ.items() if k not in (MARKER_ENV, TEMP_ENV)}
         me = os.getpid()
         cmd = [sys.executable, "-m", "vlmrun.cluster.reaper", "--pid", str(me), "--marker", self.marker]
         cmd += ["--pid-start", str(start_time(me)), "--temp-root", str(self.temp_root)]
         if run_dir is not None and job_id is not None:
             cmd += ["--run-dir", str(run_dir), "--job-id", job_id]
-        return subprocess.Popen(
-            cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, env=env, start_new_session=True
-        )
+        start = dict(stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, env=env, start_new_session=True)
+        reaper = subprocess.Popen(cmd, **start)
+        subprocess.Popen([*cmd, "--after", str(reaper.pid)], **start)
+        return reaper
 
     def sweep(self) -> int:
         """End every process of this attempt except the caller and remove the temp root; returns how many were killed."""
@@ -166,21 +172,35 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--temp-root", type=Path, required=True)
     p.add_argument("--run-dir", type=Path)
     p.add_argument("--job-id")
+    p.add_argument("--after", type=int, help="the guard of this reaper: sweep after it ended (module doc, 4)")
     args = p.parse_args(argv)
     for s in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR2, signal.SIGHUP):
         signal.signal(s, signal.SIG_IGN)
+    reaper = _pidfd(args.after) if args.after else None  # opened now, while that pid is surely the reaper
     wait_for_exit(args.pid, args.pid_start)
+    if reaper is not None:
+        select.select([reaper], [], [])
+        os.close(reaper)
     t0 = time.monotonic()
     killed = sweep(args.marker, [args.temp_root])
     recorded = args.run_dir is not None and _record_kill(args.run_dir, args.job_id, args.pid)
     if killed or recorded:
+        who = "vlmrun reaper" + (f" (guard of reaper {args.after}, which died with the node)" if args.after else "")
         print(
-            f"vlmrun reaper: the node process {args.pid} ended; killed {killed} process(es) of its attempt "
+            f"{who}: the node process {args.pid} ended; killed {killed} process(es) of its attempt "
             f"in {time.monotonic() - t0:.1f}s" + (f"; recorded job {args.job_id} KILLED" if recorded else ""),
             file=sys.stderr,
             flush=True,
         )
     return 0
+
+
+def _pidfd(pid: int) -> int | None:
+    """A pidfd of `pid` (readable once it has ended), or None when it is gone already or pidfds are missing."""
+    try:
+        return os.pidfd_open(pid)
+    except (ProcessLookupError, AttributeError, OSError):
+        return None
 
 
 if __name__ == "__main__":

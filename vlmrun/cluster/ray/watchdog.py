@@ -2,18 +2,13 @@
 
 from __future__ import annotations
 
-import _thread
 import json
-import logging
-import os
 import subprocess
-import threading
 from pathlib import Path
 
 from vlmrun.cluster.ray.nodes import node_resource, stop_ray_node
+from vlmrun.cluster.watchdog import FailFast
 from vlmrun.errors import CheckFailed
-
-log = logging.getLogger(__name__)
 
 
 class RayNodeLost(CheckFailed):
@@ -43,8 +38,8 @@ def registered_nodes(nodes: list[str]) -> dict[str, dict]:
     return found
 
 
-class NodeWatchdog:
-    """Fails the driver fast when a node leaves: interrupts the main thread, which raises RayNodeLost.
+class NodeWatchdog(FailFast):
+    """Fails the driver fast when a node leaves (cluster/watchdog.py): the body ends with RayNodeLost.
 
     If the main thread does not come back within `hard_exit_s` (blocked in a call without timeout),
     ends our Ray processes and exits the process with code 1.
@@ -54,38 +49,14 @@ class NodeWatchdog:
         self, nodes: list[str], rdv: Path, head_proc: subprocess.Popen, period_s: float = 2.0, hard_exit_s: float = 60.0
     ):
         self.nodes, self.rdv, self.head_proc = nodes, rdv, head_proc
-        self.period_s, self.hard_exit_s = period_s, hard_exit_s
-        self.failure: str | None = None
-        self._stop = threading.Event()
-        self._lock = threading.Lock()
-        self._thread = threading.Thread(target=self._run, name="vlmrun-ray-watchdog", daemon=True)
-
-    def __enter__(self) -> NodeWatchdog:
-        self._thread.start()
-        return self
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        with self._lock:
-            self._stop.set()
-        if exc_type is KeyboardInterrupt and self.failure:
-            raise RayNodeLost(self.failure) from None
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.period_s):
-            problem = self._check()
-            if not problem:
-                continue
-            with self._lock:
-                if self._stop.is_set():
-                    return
-                self.failure = problem
-                log.error("%s; failing the job", problem)
-                _thread.interrupt_main()
-            if not self._stop.wait(self.hard_exit_s):
-                log.error("the driver did not stop within %.0fs after a node was lost: exiting", self.hard_exit_s)
-                stop_ray_node(self.head_proc)
-                os._exit(1)
-            return
+        super().__init__(
+            self._check,
+            RayNodeLost,
+            period_s=period_s,
+            hard_exit_s=hard_exit_s,
+            on_hard_exit=lambda _problem: stop_ray_node(head_proc),
+            name="vlmrun-ray-watchdog",
+        )
 
     def _check(self) -> str | None:
         if self.head_proc.poll() is not None:

@@ -10,12 +10,17 @@ Called once per job by whoever starts Ray (the node entrypoint, or a test), afte
 Unlike `tq.init`, the actors ask Ray for no CPU (`tq.init` hangs forever when Ray has no free CPU for
 its controller and storage units), carry no global name (two deployments may share one Ray), wait for
 readiness with a deadline, and never touch mooncake_master (cluster/mooncake.py owns it).
+
+A client of a dead server waits long (a put to a dead storage unit retries for 3 x 200 s; a call to a
+dead controller has no timeout at all), so whoever started the servers watches them: `lost()` names
+the first actor Ray reports dead, with its process and node.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,6 +39,21 @@ log = logging.getLogger(__name__)
 #: Storage units and the controller deserialize with one thread (TransferQueue's default 8 warns on small nodes).
 _ACTOR_ENV = {"env_vars": {"TQ_NUM_THREADS": "1"}}
 _SHUTDOWN_S = 15.0
+_PING_S = 5.0
+
+
+@dataclass(frozen=True)
+class ServerActor:
+    """One of the job's TransferQueue actors, and where it runs: what a message about it names."""
+
+    what: str  # "the TransferQueue controller", "the TransferQueue storage unit storage-0"
+    handle: Any
+    actor_id: str = ""
+    pid: int = 0
+    node_ip: str = ""
+
+    def describe(self) -> str:
+        return f"{self.what} (actor {self.actor_id[:12]}, pid {self.pid} on {self.node_ip})"
 
 
 @dataclass
@@ -43,6 +63,23 @@ class TransferQueueServers:
     endpoint: TransferQueueEndpoint
     controller: Any
     storage_units: dict[str, Any] = field(default_factory=dict)
+    actors: list[ServerActor] = field(default_factory=list)
+
+    def lost(self, timeout_s: float = _PING_S) -> str | None:
+        """ "<actor> died" for the first actor Ray reports dead, or None while all answer (or are
+        too busy to answer within `timeout_s`: only a death counts)."""
+        import ray
+
+        pings = [a.handle.__ray_ready__.remote() for a in self.actors]
+        ready, _ = ray.wait(pings, num_returns=len(pings), timeout=timeout_s)
+        for actor, ping in zip(self.actors, pings, strict=True):
+            if ping not in ready:
+                continue
+            try:
+                ray.get(ping)
+            except ray.exceptions.RayActorError:
+                return f"{actor.describe()} died"
+        return None
 
 
 def start_transfer_queue(
@@ -77,6 +114,10 @@ def start_transfer_queue(
         if backend == "simple":
             servers.storage_units = _start_storage_units(storage_units, storage_node_resource)
         unit_infos = {name: _ready(h, f"storage unit {name}", deadline_s) for name, h in servers.storage_units.items()}
+        servers.actors = [
+            _located(controller, "the TransferQueue controller"),
+            *(_located(h, f"the TransferQueue storage unit {name}") for name, h in servers.storage_units.items()),
+        ]
     except BaseException:
         stop_transfer_queue(servers)
         raise
@@ -113,6 +154,20 @@ def _start_storage_units(n: int, node_resource: str | None) -> dict[str, Any]:
         ).remote(config=config)
         for i in range(n)
     }
+
+
+def _located(actor: Any, what: str) -> ServerActor:
+    import ray
+
+    actor_id, pid, node_ip = ray.get(actor.__ray_call__.remote(_whereabouts), timeout=_PING_S)
+    return ServerActor(what, actor, actor_id, pid, node_ip)
+
+
+def _whereabouts(_actor: Any) -> tuple[str, int, str]:
+    """Run inside an actor (`__ray_call__`): its actor id, process id and node address."""
+    import ray
+
+    return ray.get_runtime_context().get_actor_id(), os.getpid(), ray.util.get_node_ip_address()
 
 
 def _ready(actor: Any, what: str, deadline_s: float) -> Any:

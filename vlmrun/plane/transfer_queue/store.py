@@ -25,6 +25,10 @@
 5. TransferQueue sets torch's thread count around every put and get (to TQ_NUM_THREADS, then to the
    count it saw at import). The adapter pins TQ_NUM_THREADS to this process's count before the import
    and restores the caller's count after every call.
+6. Every call is bounded: one that has no answer within `request_timeout_s` raises DataPlaneError.
+   TransferQueue's own waits for a dead server are minutes (a put to a dead storage unit) or forever
+   (the controller); the node's watchdog names a dead server within seconds (cluster/plane_servers.py),
+   and this bound covers what it cannot see, a server alive but out of this client's reach.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import collections
+import concurrent.futures
 import contextlib
 import json
 import os
@@ -51,6 +56,9 @@ _ZMQ_IO_THREADS = 2
 _METAS_HELD = 16
 #: Rows of at most this many bytes travel in their sample's tag (module doc, 2).
 INLINE_BYTES = 32
+#: The longest a plane call may wait for TransferQueue (module doc, 6). A call moves one stage's share of a
+#: step's partition, at ~1 GB/s on loopback: seconds, where this allows minutes.
+REQUEST_TIMEOUT_S = 120.0
 
 
 def import_transfer_queue() -> None:
@@ -63,13 +71,14 @@ def import_transfer_queue() -> None:
 
 
 class TransferQueueStore(RowStore):
-    """Not thread-safe: one client per process (or per thread)."""
+    """Not thread-safe: one client per process (or per thread). A call without an answer within
+    `request_timeout_s` raises DataPlaneError (module doc, 6)."""
 
-    def __init__(self, endpoint: TransferQueueEndpoint):
+    def __init__(self, endpoint: TransferQueueEndpoint, *, request_timeout_s: float = REQUEST_TIMEOUT_S):
         import_transfer_queue()
         from transfer_queue.client import TransferQueueClient
 
-        self.endpoint = endpoint
+        self.endpoint, self.request_timeout_s = endpoint, request_timeout_s
         client_id = f"vlmrun-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self._client = TransferQueueClient(client_id, endpoint.controller.server_info(), zmq_io_threads=_ZMQ_IO_THREADS)
         # (partition, ids) -> their BatchMeta from this client's last read or write of them (module doc, 4)
@@ -250,10 +259,20 @@ class TransferQueueStore(RowStore):
         return await self._client.async_kv_retrieve_meta(keys=ids, partition_id=partition, create=create)
 
     def _run(self, coroutine):
-        """Run `coroutine` on the client's event loop; torch's thread count is the caller's again after."""
+        """Run `coroutine` on the client's event loop, for at most `request_timeout_s`; torch's thread
+        count is the caller's again after."""
         threads = torch.get_num_threads()
+        future = asyncio.run_coroutine_threadsafe(coroutine, self._client._loop)
         try:
-            return self._client._run_coroutine(coroutine)
+            concurrent.futures.wait([future], timeout=self.request_timeout_s)
+            if not future.done():
+                future.cancel()
+                c = self.endpoint.controller
+                raise DataPlaneError(
+                    f"TransferQueue did not answer within {self.request_timeout_s:.0f} s (its controller at "
+                    f"{c.ip}): a server of the job's data plane is gone or out of reach"
+                )
+            return future.result()
         finally:
             torch.set_num_threads(threads)
 
@@ -262,11 +281,17 @@ class TransferQueuePlane(RowPlane):
     """The `transfer_queue` adapter (`backend: simple` or `backend: mooncake`, as the endpoint says).
 
     Pixel values are cast to `pixel_dtype` before the wire (None: as given). `close` ends this client's
-    connections; the partitions live on in the job's servers.
+    connections; the partitions live on in the job's servers. A call waits at most `request_timeout_s`.
     """
 
-    def __init__(self, endpoint: TransferQueueEndpoint, *, pixel_dtype: torch.dtype | None = None):
-        super().__init__(TransferQueueStore(endpoint), pixel_dtype=pixel_dtype)
+    def __init__(
+        self,
+        endpoint: TransferQueueEndpoint,
+        *,
+        pixel_dtype: torch.dtype | None = None,
+        request_timeout_s: float = REQUEST_TIMEOUT_S,
+    ):
+        super().__init__(TransferQueueStore(endpoint, request_timeout_s=request_timeout_s), pixel_dtype=pixel_dtype)
 
 
 def _ray_node_address() -> str:
