@@ -8,7 +8,9 @@ samples (full conversation and prompt) for `vlmrun.data.loader.val_batches` to c
 left-padded into `PromptBatch`es with the reference answer (for the reward) and the question
 template; GRPO validates like SFT (the same validation twin). Every hook
 is `@stateless` (a pure function of its input), which is what lets Energon restore a shuffle buffer
-or a group by re-reading samples. `decoder = None`: samples reach the cooker as raw bytes, and the
+or a group by re-reading samples. The one thing a batcher adds is a count: the samples the
+shard's `ErrorBudget` skipped in this process since the group before (`SampleCounts`), so a group
+carries the drops that happened while it was filled; a rebuilt group's count is not used. `decoder = None`: samples reach the cooker as raw bytes, and the
 cooker decodes images straight to uint8 (Energon's default decoder would make float tensors the
 processor then rescales again: ~45% of the loader's time, docs/measurements.md).
 """
@@ -18,8 +20,10 @@ from __future__ import annotations
 from megatron.energon import DefaultTaskEncoder, Sample, edataclass, stateless
 
 from vlmrun.config.families import family_spec
+from vlmrun.data.batch import SampleCounts
 from vlmrun.data.chat_encoding import ConversationEncoder, Encoded, EncodedPrompt
 from vlmrun.data.cookers import Conversation, decode_media, energon_cookers
+from vlmrun.data.error_budget import ErrorBudget
 from vlmrun.data.transport import PackedBatches, PromptGroup, SlotPool, collate_packed
 
 
@@ -34,6 +38,8 @@ class EncodedSample(Sample):
 class EncodedValSample(Sample):
     encoded: Encoded
     prompt: EncodedPrompt
+    #: Samples skipped just before this one (the validation set counts those before its last sample).
+    dropped_before: int = 0
 
 
 class ChatSftTaskEncoder(DefaultTaskEncoder):
@@ -48,6 +54,8 @@ class ChatSftTaskEncoder(DefaultTaskEncoder):
         self.micro_batch_size = micro_batch_size
         #: Set by the loader before its workers fork (see `vlmrun.data.transport.SlotPool`).
         self.slot_pool: SlotPool | None = None
+        #: The shard's error handler, set by the loader: the batcher takes its count of skipped samples.
+        self.budget: ErrorBudget | None = None
         self.cookers = energon_cookers(cookers)
         self.encoder = ConversationEncoder(processor, family_spec(family), max_seq_len)
 
@@ -60,7 +68,12 @@ class ChatSftTaskEncoder(DefaultTaskEncoder):
         """The samples of one transfer group as micro-batches of `micro_batch_size`, packed (see transport)."""
         size = self.micro_batch_size
         groups = [[s.encoded for s in samples[i : i + size]] for i in range(0, len(samples), size)]
-        return collate_packed(self.encoder, groups, self.slot_pool)
+        packed = collate_packed(self.encoder, groups, self.slot_pool)
+        packed.counts = SampleCounts(dropped=self._take_skipped(), truncated=sum(s.encoded.truncated for s in samples))
+        return packed
+
+    def _take_skipped(self) -> int:
+        return self.budget.take_skipped() if self.budget is not None else 0
 
 
 class ChatSftValTaskEncoder(ChatSftTaskEncoder):
@@ -70,9 +83,8 @@ class ChatSftValTaskEncoder(ChatSftTaskEncoder):
     @stateless
     def encode_sample(self, sample: Conversation) -> EncodedValSample:
         decode_media(sample)  # the full conversation and the prompt use the same pixels: decode them once
-        return EncodedValSample.derive_from(
-            sample, encoded=self.encoder.encode(sample), prompt=self.encoder.encode_prompt(sample)
-        )
+        encoded, prompt = self.encoder.encode(sample), self.encoder.encode_prompt(sample)
+        return EncodedValSample.derive_from(sample, encoded=encoded, prompt=prompt, dropped_before=self._take_skipped())
 
     @stateless
     def batch(self, samples: list[EncodedValSample]) -> list[EncodedValSample]:
@@ -97,7 +109,8 @@ class ChatGrpoTaskEncoder(ChatSftTaskEncoder):
         size = self.micro_batch_size
         prompts = [s.prompt for s in samples]
         return PromptGroup(
-            batches=[self.encoder.collate_prompts(prompts[i : i + size]) for i in range(0, len(prompts), size)]
+            batches=[self.encoder.collate_prompts(prompts[i : i + size]) for i in range(0, len(prompts), size)],
+            counts=SampleCounts(dropped=self._take_skipped()),
         )
 
 

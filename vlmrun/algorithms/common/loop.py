@@ -250,7 +250,7 @@ class StepLoop:
                 samples=r.train.val_samples,
                 batch_size=max(1, r.train.micro_batch_size),
             )
-        loss_b, prompt_b = self._val
+        loss_b, prompt_b, dropped = self._val
         n = self.group.world_size
         parts = self.group.per_rank(
             "validate", lambda rank: dict(loss_batches=loss_b[rank::n], prompt_batches=prompt_b[rank::n])
@@ -261,6 +261,7 @@ class StepLoop:
             "val_accuracy": correct / max(answered, 1),
             "val_samples": int(answered),
             "val_majority_baseline": majority_share([a for b in prompt_b for a in b.answers]),
+            "val_dropped_samples": dropped,
         }
 
     def _save(self, step: int, counters: dict) -> None:

@@ -23,6 +23,7 @@ from vlmrun.algorithms.grpo.metrics import step_row
 from vlmrun.algorithms.grpo.partition import ReplicaPlanes, StagePlane
 from vlmrun.algorithms.grpo.stages import DriverStages, PlaneStages
 from vlmrun.algorithms.grpo.worker import GrpoWorker
+from vlmrun.data.batch import SampleCounts
 from vlmrun.distributed.worker_group import Placement, WorkerGroup
 
 log = logging.getLogger(__name__)
@@ -94,4 +95,5 @@ class GrpoController(StepLoop):
             record, step=step, attempt=self.attempt, epoch=self.steps.epoch_of(step), step_s=dt, counters=counters
         )
         counters["total_valid_tokens"] += row["valid_tokens"]
-        return row
+        owned = [loader.counts() for loader in self.loaders.values()]
+        return row | SampleCounts.total([r["loader_counts"] for r in record.rollouts] + owned).metrics()

@@ -67,6 +67,7 @@ class SftWorker(RankActor):
             "lr": result.lr,
             "valid_tokens": result.valid_tokens,
             "sample_ids": [i for b in micro_batches for i in b.sample_ids],
+            "loader_counts": self.loader.counts() if self.loader is not None else None,
             "loader_s": loader_s,
             "compute_s": result.compute_s,
             "peak_rss_mb": result.peak_rss_mb,
