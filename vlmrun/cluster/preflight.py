@@ -23,14 +23,16 @@ _DEV = Path("/dev")
 _DEV_GPU = re.compile(r"^nvidia\d+$")
 
 
-def preflight_run(recipe, *, runs_here: bool) -> None:
+def preflight_run(recipe, *, runs_here: bool, dry_run: bool = False) -> None:
     """Raise InputError naming the field when `recipe` cannot start.
 
     `runs_here`: the run executes on this machine (`--cluster local`), so this machine must have the
     GPUs it asks for; a SLURM run's GPUs are checked against the partition (launch/slurm/preflight.py).
-    Paths must already be absolute (config.load.load_recipe resolves them).
+    `dry_run`: nothing will run, so a model.path missing here passes when model.reference_config can
+    stand in for its config.json (the estimate); a model.path that holds another family's model is
+    refused either way. Paths must already be absolute (config.load.load_recipe resolves them).
     """
-    check_model_source(recipe.model)
+    check_model_source(recipe.model, weights_here=not dry_run)
     check_components(recipe)
     check_data(recipe.data, val=recipe.train.val_samples > 0)
     check_data_size(recipe)

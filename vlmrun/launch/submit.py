@@ -56,7 +56,7 @@ def submit_run(
             f"already holds a run; continue it with `vlmrun resume {rd.path}` or choose another --run-dir",
         )
     memory = check_memory_fit(recipe)  # before preflight: a layout that cannot fit, wherever the weights are
-    preflight_run(recipe, runs_here=chosen == "local")  # a dry run reports the same errors as a submit
+    preflight_run(recipe, runs_here=chosen == "local", dry_run=dry_run)  # a submit's errors (weights aside)
     if memory.warning and echo is not None and not dry_run:
         echo(f"warning: {memory.warning}")
     if chosen == "slurm":
