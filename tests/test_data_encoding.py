@@ -100,6 +100,17 @@ def test_a_text_only_conversation_is_cut_after_its_first_answer_token(encoder, r
     assert cut.truncated and int((cut.labels != IGNORE_INDEX).sum()) == 1
 
 
+def test_a_grpo_answer_has_the_new_tokens_of_room_beyond_the_prompt(encoder, raw):
+    conv = cook_conversation(raw["train-0000004"])
+    full = encoder.encode(conv)
+    prompt, answer = first_label(full), full.input_ids.numel() - first_label(full)
+    roomy = ConversationEncoder(encoder.processor, encoder.family, max_seq_len=prompt, answer_room=answer)
+    assert not roomy.encode(conv).truncated and roomy.encode_prompt(conv).input_ids.numel() == prompt
+    tight = ConversationEncoder(encoder.processor, encoder.family, max_seq_len=prompt - 2, answer_room=1)
+    with pytest.raises(SampleTooLong, match=f"more than data.max_seq_len={prompt - 2} \\+ grpo.max_new_tokens=1;"):
+        tight.encode(conv)
+
+
 def test_a_prompt_is_never_cut(encoder, raw):
     conv = cook_conversation(raw["train-0000004"])
     n = encoder.encode_prompt(conv).input_ids.numel()

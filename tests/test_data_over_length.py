@@ -82,25 +82,42 @@ def test_grpo_prompts_keep_their_image_and_the_drops_are_counted(long_set, tiny_
         assert b.media["image_grid_thw"].shape[0] == len(b) and b.input_ids.shape[1] <= 256
 
 
-@pytest.mark.timeout(HANG_S)
-@pytest.mark.parametrize("save_after", [7, 30])
-def test_a_restored_shard_gives_the_same_batches_and_the_same_count(long_set, tiny_dirs, save_after):
-    from data_samples import flat, same_batches
+def take_counting(shard, n: int) -> tuple[list, list]:
+    """n batches as plain data, and the shard's counts after each."""
+    from data_samples import flat
 
-    straight = open_shard(long_set, tiny_dirs, num_workers=2, on_bad_sample="drop")
-    want = [flat(b) for b in take(straight, save_after + 40)]
-    want_counts = straight.counts()
+    batches, counts = [], []
+    for _ in range(n):
+        batches.append(flat(shard.next_batch()))
+        counts.append(shard.counts())
+    return batches, counts
+
+
+@pytest.mark.timeout(HANG_S)
+@pytest.mark.parametrize("saves", [[7], [30], [6, 1]], ids=["mid-group", "later", "again-right-after-a-restore"])
+def test_a_restored_shard_gives_the_same_batches_and_counts_at_every_batch(long_set, tiny_dirs, saves):
+    from data_samples import same_batches
+
+    def shard():
+        return open_shard(long_set, tiny_dirs, num_workers=2, on_bad_sample="drop")
+
+    total = sum(saves) + 24
+    straight = shard()
+    want, want_counts = take_counting(straight, total)
     straight.close()
-    first = open_shard(long_set, tiny_dirs, num_workers=2, on_bad_sample="drop")
-    take(first, save_after)
-    state, at_save = first.state_dict(), first.counts()
-    first.close()
-    again = open_shard(long_set, tiny_dirs, num_workers=2, on_bad_sample="drop")
-    again.load_state_dict(state)
-    assert again.counts() == at_save
-    got = [flat(b) for b in take(again, 40)]
-    assert same_batches(got, want[save_after:]) and again.counts() == want_counts
-    again.close()
+    got, got_counts, current = [], [], shard()
+    for n in saves:  # take n, save, and go on in a fresh shard from that state
+        batches, counts = take_counting(current, n)
+        got, got_counts = got + batches, got_counts + counts
+        state = current.state_dict()
+        current.close()
+        current = shard()
+        current.load_state_dict(state)
+        assert current.counts() == got_counts[-1]
+    batches, counts = take_counting(current, total - sum(saves))
+    current.close()
+    assert same_batches(got + batches, want) and got_counts + counts == want_counts
+    assert want_counts[-1].dropped >= 1 and want_counts[-1].truncated >= 1
 
 
 @pytest.mark.timeout(HANG_S)

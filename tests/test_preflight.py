@@ -242,6 +242,18 @@ def test_synthetic_data_path_that_cannot_be_made_is_refused(tmp_path, dry):
     assert not (tmp_path / "run").exists()
 
 
+@DRY
+def test_a_synthetic_set_made_with_other_settings_is_refused_at_submit(tmp_path, dry):
+    from vlmrun.datasets.clevr import generate_clevr
+
+    generate_clevr(tmp_path / "clevr", train=16, val=4, image_size=64, seed=0)
+    sets = ["--set", f"data.path={tmp_path / 'clevr'}", "--set", "data.synthetic={train: 16, val: 4, image_size: 64}"]
+    out = vlmrun("submit", TINY, "--cluster", "local", *dry, *sets, "--set", "data.synthetic.seed=3", cwd=tmp_path)
+    err = refused(out, "data.synthetic.seed")
+    assert "holds a CLEVR set made with seed=0; set data.synthetic.seed=0" in err
+    assert not (tmp_path / "runs").exists()
+
+
 def test_resume_is_refused_before_it_starts(tmp_path):
     out = vlmrun(
         "submit",

@@ -127,7 +127,9 @@ def _check_synthetic(data, *, val: bool) -> None:
             str(path),
             message=f"data.path: {path} is a file; a synthetic set needs a directory there, or nothing yet",
         )
-    if read_complete(path) is not None:
+    found = read_complete(path)
+    if found is not None:
+        _check_synthetic_made_so(data, found.params)
         return
     # The set is generated in a hidden sibling of data.path, created with its parents, then renamed.
     parent = nearest_existing(path.parent)
@@ -139,6 +141,20 @@ def _check_synthetic(data, *, val: bool) -> None:
             message=f"data.path: {path} is generated on first use "
             f"(data.synthetic), but {parent} {why}; choose a data.path under a writable directory",
         )
+
+
+def _check_synthetic_made_so(data, made) -> None:
+    """A synthetic set already at data.path must be the one `data.synthetic` asks for (the job would
+    refuse it, after the queue and Ray's start-up)."""
+    for field in ("train", "val", "image_size", "seed"):
+        wanted, there = getattr(data.synthetic, field), getattr(made, field)
+        if wanted != there:
+            raise InputError(
+                f"data.synthetic.{field}",
+                wanted,
+                message=f"data.synthetic.{field}: {wanted}, but {data.path} holds a CLEVR set made with "
+                f"{field}={there}; set data.synthetic.{field}={there}, or choose another data.path",
+            )
 
 
 def nearest_existing(path: Path) -> Path:

@@ -16,7 +16,9 @@ Shared by the Energon task encoder and the reference loader, so both produce ide
    media token (the piece that holds the last image ends before it) and at least one labelled
    token (`Encoded.truncated`); a prompt is never cut. Otherwise the sample raises `SampleTooLong`,
    and the recipe's `data.on_bad_sample` decides (vlmrun.data.error_budget): refuse the run, or drop
-   the sample, counted. Nothing is trained on without its image or without an answer token.
+   the sample, counted. Nothing is trained on without its image or without an answer token. A GRPO
+   run's answers are responses, so its validation conversations have `grpo.max_new_tokens` more room
+   (`answer_room`) than its prompts.
 4. Media stay in the processor's packed form: per sample the rows of all its images and their grid
    sizes; a batch concatenates them in sample order.
 """
@@ -73,11 +75,12 @@ class ConversationEncoder:
     conversation the chat template cannot render consistently.
     """
 
-    def __init__(self, processor, family: FamilySpec, max_seq_len: int):
+    def __init__(self, processor, family: FamilySpec, max_seq_len: int, *, answer_room: int = 0):
         self.processor = processor
         self.tokenizer = processor.tokenizer
         self.family = family
         self.max_seq_len = max_seq_len
+        self.answer_room = answer_room  # a conversation may be this much longer than a prompt
         self.image_token = getattr(processor, "image_token", None)
         self.pad_token_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
 
@@ -86,10 +89,11 @@ class ConversationEncoder:
         """The full conversation with labels on assistant spans, cut to `max_seq_len` where that keeps
         its media and a labelled token; raises `SampleTooLong` where it does not."""
         encoded = self._encode_messages(conv, conv.messages)
-        n, limit = encoded.input_ids.numel(), self.max_seq_len
+        n, limit = encoded.input_ids.numel(), self.max_seq_len + self.answer_room
         if n <= limit:
             return encoded
-        too_long = f"{conv.__key__}: {n} tokens, more than data.max_seq_len={limit}"
+        room = f" + grpo.max_new_tokens={self.answer_room}" if self.answer_room else ""
+        too_long = f"{conv.__key__}: {n} tokens, more than data.max_seq_len={self.max_seq_len}{room}"
         if encoded.media_end > limit:
             raise SampleTooLong(
                 f"{too_long}; its image would be cut (its prompt with the image takes {encoded.media_end})"

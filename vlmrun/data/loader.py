@@ -17,8 +17,9 @@
    (`vlmrun.data.error_budget`); one more fails the shard with its key and tar file. A sample that
    does not fit `data.max_seq_len` is refused (`SampleRefused`) or, with `data.on_bad_sample: drop`,
    skipped within the same budget. `counts()` says how many samples the stream skipped and how many
-   SFT conversations it cut so far; the count is part of the state, so a resumed shard goes on
-   counting from there, in the same order.
+   SFT conversations it cut in the micro-batches handed out so far; the counts are part of the
+   state (with those of a group it is in the middle of), so a resumed shard counts exactly as an
+   uninterrupted one, batch by batch.
 """
 
 from __future__ import annotations
@@ -62,11 +63,13 @@ def load_processor(processor_dir: str, family: str):
 
 @dataclass
 class _HeldGroup:
-    """A group of micro-batches taken from Energon and not yet all handed out."""
+    """A group of micro-batches taken from Energon and not yet all handed out, with the counts each
+    adds to the shard's when it is (`SampleCounts`: the first carries the group's drops)."""
 
     key: tuple
     size: int
     batches: collections.deque
+    counts: collections.deque
 
 
 class LoaderShard:
@@ -171,14 +174,22 @@ class LoaderShard:
             self._held.popleft()
         if not self._held:
             self._held.append(self._fetch())
-        return self._held[0].batches.popleft()
+        group = self._held[0]
+        self._counts += group.counts.popleft()
+        return group.batches.popleft()
 
-    def _fetch(self, taken: int = 0, packed=None) -> _HeldGroup:
-        if packed is None:
-            packed = self._next_group()
-            self._counts += packed.counts  # a rebuilt group (restore_sample) was counted before the save
+    def _fetch(self, taken: int = 0, packed=None, counts: list | None = None) -> _HeldGroup:
+        """The next group from Energon, or `packed` rebuilt from a saved state with the `counts` its
+        remaining micro-batches still add (a rebuilt group's own drop count is not its first's)."""
+        packed = self._next_group() if packed is None else packed
+        batches = self._pool.unpack(packed)[taken:]
+        if counts is None:
+            counts = list(packed.counts)[taken:] or [SampleCounts()] * len(batches)
         return _HeldGroup(
-            key=packed.__restore_key__, size=len(packed), batches=collections.deque(self._pool.unpack(packed)[taken:])
+            key=packed.__restore_key__,
+            size=len(packed),
+            batches=collections.deque(batches),
+            counts=collections.deque(counts),
         )
 
     def _rebuild_held_groups(self) -> None:
@@ -191,7 +202,8 @@ class LoaderShard:
         following = self._fetch()
         for entry in self._to_rebuild:
             packed = self._loader.restore_sample(entry["group_key"])
-            self._held.append(self._fetch(int(entry["taken"]), packed))
+            counts = [SampleCounts(*c) for c in entry.get("counts") or [(0, 0)] * (len(packed) - int(entry["taken"]))]
+            self._held.append(self._fetch(int(entry["taken"]), packed, counts))
         self._held.append(following)
         self._to_rebuild = []
 
@@ -210,7 +222,15 @@ class LoaderShard:
         """Where this shard stands, with its fingerprint; plain data for `torch.save`/`torch.load`."""
         from vlmrun.data.loader_state import to_plain
 
-        pending = [{"group_key": g.key, "taken": g.size - len(g.batches)} for g in self._held if g.batches]
+        pending = [
+            {
+                "group_key": g.key,
+                "taken": g.size - len(g.batches),
+                "counts": [[c.dropped, c.truncated] for c in g.counts],
+            }
+            for g in self._held
+            if g.batches
+        ]
         return {
             "format": LOADER_FORMAT,
             "fingerprint": dict(self.fingerprint),
@@ -290,7 +310,8 @@ def val_batches(recipe, *, processor_dir: str, samples: int, batch_size: int) ->
     Loss batches hold full conversations with labels; prompt batches the same samples' prompts,
     left-padded, with the reference answers. Corrupt samples are skipped (up to the tolerance), and
     samples that do not fit `data.max_seq_len` follow `data.on_bad_sample` (`SampleRefused`, or
-    skipped); `dropped` counts the samples skipped before the last one used.
+    skipped); `dropped` counts the samples skipped before the last one used. A GRPO run's
+    conversations may be `grpo.max_new_tokens` longer than its prompts (its answers are responses).
     """
     from megatron.energon import WorkerConfig, get_loader, get_val_dataset
 
@@ -314,6 +335,7 @@ def val_batches(recipe, *, processor_dir: str, samples: int, batch_size: int) ->
         cookers=d.cookers,
         max_seq_len=d.max_seq_len,
         val=True,
+        answer_room=recipe.grpo.max_new_tokens if recipe.train.algorithm == "grpo" else 0,
     )
     task_encoder.budget = budget
     dataset = get_val_dataset(

@@ -73,8 +73,8 @@ class PackedBatches:
     slot: int | None = None
     #: Set by Energon's batcher: how to rebuild this group with `SavableDataLoader.restore_sample`.
     __restore_key__: tuple = ()
-    #: Samples the worker skipped while it filled this group, and samples of it cut to data.max_seq_len.
-    counts: SampleCounts = field(default_factory=SampleCounts)
+    #: Per micro-batch, what it adds to its shard's `SampleCounts` (set by the task encoder's batcher).
+    counts: list[SampleCounts] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.parts)
@@ -87,7 +87,7 @@ class PromptGroup:
 
     batches: list[PromptBatch]
     __restore_key__: tuple = ()
-    counts: SampleCounts = field(default_factory=SampleCounts)
+    counts: list[SampleCounts] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.batches)

@@ -94,7 +94,9 @@ def training_shape(recipe) -> tuple[TrainingShape, str]:
     per_prompt = recipe.grpo.num_generations if grpo else 1
     steps_per_batch = recipe.grpo.inner_steps if grpo else 1
     micro_batches = max(1, t.global_batch_size // (p.dp * t.micro_batch_size) // steps_per_batch)
-    seq_len = d.max_seq_len + (recipe.grpo.max_new_tokens if grpo else 0)  # a GRPO prompt is cut to max_seq_len
+    seq_len = d.max_seq_len + (
+        recipe.grpo.max_new_tokens if grpo else 0
+    )  # a GRPO prompt fits max_seq_len, its responses add
     image = d.synthetic.image_size if d.synthetic is not None else DEFAULT_IMAGE_SIZE
     shape = TrainingShape(
         master_dtype=recipe.model.dtype,
