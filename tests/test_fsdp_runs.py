@@ -28,8 +28,8 @@ def sets(tmp_path_factory) -> list[str]:
 
     work = tmp_path_factory.mktemp("data")
     generate_clevr(work / "clevr", train=128, val=16, image_size=112, seed=0)
-    # every third sample without its image: text-only micro-batches in the mix
-    mixed = write_corrupt_copy(work / "clevr", work / "mixed", {f"train-{i:07d}": text_only for i in range(0, 128, 3)})
+    # every other sample without its image: a quarter of the micro-batches are text-only, a quarter all images
+    mixed = write_corrupt_copy(work / "clevr", work / "mixed", {f"train-{i:07d}": text_only for i in range(0, 128, 2)})
     pairs = {
         "data.path": str(mixed),
         "train.max_steps": str(STEPS),
