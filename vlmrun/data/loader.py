@@ -163,8 +163,8 @@ class LoaderShard:
         return batch
 
     def counts(self) -> SampleCounts:
-        """Samples skipped and conversations cut in the stream so far (the groups handed out, from the
-        first step of the run: a loaded state brings its count)."""
+        """Samples skipped and conversations cut in the micro-batches handed out so far, since the run
+        began (a loaded state brings its counts)."""
         return self._counts
 
     def _next(self) -> Batch:
@@ -180,7 +180,8 @@ class LoaderShard:
 
     def _fetch(self, taken: int = 0, packed=None, counts: list | None = None) -> _HeldGroup:
         """The next group from Energon, or `packed` rebuilt from a saved state with the `counts` its
-        remaining micro-batches still add (a rebuilt group's own drop count is not its first's)."""
+        remaining micro-batches still add (a rebuild re-encodes the samples, but cannot know what was
+        dropped while the group was first filled)."""
         packed = self._next_group() if packed is None else packed
         batches = self._pool.unpack(packed)[taken:]
         if counts is None:
