@@ -102,3 +102,30 @@ def without_messages(members: dict) -> dict:
     record = json.loads(members["json"])
     del record["messages"]
     return {**members, "json": json.dumps(record).encode()}
+
+
+def with_long_question(members: dict, words: int = 300) -> dict:
+    """The sample with its question padded to more than 256 tokens: its prompt does not fit."""
+    return _edit_text(members, "user", " and".join([""] * words))
+
+
+def with_long_answer(members: dict, words: int = 300) -> dict:
+    """The sample with its answer followed by more than 256 tokens: a conversation to cut, a prompt that fits."""
+    return _edit_text(members, "assistant", " because" * words)
+
+
+def _edit_text(members: dict, role: str, extra: str) -> dict:
+    record = json.loads(members["json"])
+    message = next(m for m in record["messages"] if m["role"] == role)
+    text = next(part for part in message["content"] if part["type"] == "text")
+    text["text"] += extra
+    return {**members, "json": json.dumps(record).encode()}
+
+
+def text_only(members: dict) -> dict:
+    """The sample as a text-only conversation: its image part and its image member removed."""
+    record = json.loads(members["json"])
+    for message in record["messages"]:
+        message["content"] = [part for part in message["content"] if part["type"] == "text"]
+    record["media"] = []
+    return {k: v for k, v in members.items() if k != "jpg"} | {"json": json.dumps(record).encode()}

@@ -1,5 +1,7 @@
-"""Cooking and encoding: the processor's own tokenization, labels on assistant tokens only, over-length
-rows kept as zero-weight text-only rows, prompts for generation, malformed samples named by key."""
+"""Cooking and encoding: the processor's own tokenization, labels on assistant tokens only, the
+data.max_seq_len rule (a conversation is cut only where its image and an answer token stay; a prompt
+is never cut; otherwise SampleTooLong names the sample, its tokens and the limit), prompts for
+generation, malformed samples named by key."""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ from data_samples import FAMILIES, read_raw_samples
 
 from vlmrun.config.families import family_spec
 from vlmrun.data.batch import IGNORE_INDEX
-from vlmrun.data.chat_encoding import ConversationEncoder
+from vlmrun.data.chat_encoding import ConversationEncoder, SampleTooLong
 from vlmrun.data.cookers import MalformedSample, cook_conversation, decode_media, media_pixels
 from vlmrun.data.loader import load_processor
 
@@ -53,20 +55,71 @@ def test_labels_cover_the_answer_and_its_end_of_turn_token_only(encoder, raw):
     assert encoder.tokenizer.decode(encoded.input_ids[positions[-1] + 1 :]).strip() == ""
 
 
-def test_over_length_sample_becomes_a_zero_weight_text_only_row(encoder, raw):
-    full = encoder.encode(cook_conversation(raw["train-0000004"]))
-    short = ConversationEncoder(encoder.processor, encoder.family, max_seq_len=full.input_ids.numel() - 1)
+def limited(encoder: ConversationEncoder, max_seq_len: int) -> ConversationEncoder:
+    return ConversationEncoder(encoder.processor, encoder.family, max_seq_len=max_seq_len)
+
+
+def first_label(encoded) -> int:
+    return int((encoded.labels != IGNORE_INDEX).nonzero()[0])
+
+
+def test_an_over_long_answer_is_cut_keeping_the_image_and_one_answer_token(encoder, raw):
     conv = cook_conversation(raw["train-0000004"])
-    row = short.encode(conv)
-    assert row.over_length and row.media == {}
-    assert (row.labels == IGNORE_INDEX).all() and row.input_ids.numel() <= short.max_seq_len
-    assert short.image_token not in short.tokenizer.decode(row.input_ids)
-    assert "How many" in short.tokenizer.decode(row.input_ids) or "Is there" in short.tokenizer.decode(row.input_ids)
-    # a batch of a normal and an over-length row keeps two rows; the media are the normal row's
-    batch = encoder.collate([full, row])
-    assert len(batch) == 2 and (batch.labels[1] == IGNORE_INDEX).all()
+    full = encoder.encode(conv)
+    keep = first_label(full) + 1  # the prompt with its image, and the first answer token
+    cut = limited(encoder, keep).encode(conv)
+    assert cut.truncated and not full.truncated and cut.media_end == full.media_end <= keep
+    assert cut.input_ids.numel() == keep and int((cut.labels != IGNORE_INDEX).sum()) == 1
+    assert torch.equal(cut.input_ids, full.input_ids[:keep]) and torch.equal(cut.labels, full.labels[:keep])
     for k in encoder.family.media_keys:
-        assert torch.equal(batch.media[k], full.media[k])
+        assert torch.equal(cut.media[k], full.media[k])
+    batch = encoder.collate([full, cut])  # the batch holds both images, in sample order
+    for k in encoder.family.media_keys:
+        assert torch.equal(batch.media[k], torch.cat([full.media[k], cut.media[k]]))
+
+
+@pytest.mark.parametrize("short_by", [0, 1, 5])
+def test_a_cut_that_loses_the_answer_or_the_image_is_refused_naming_tokens_and_limit(encoder, raw, short_by):
+    conv = cook_conversation(raw["train-0000004"])
+    full = encoder.encode(conv)
+    limit = first_label(full) - short_by  # 0: the whole prompt fits, but no answer token
+    with pytest.raises(SampleTooLong) as err:
+        limited(encoder, limit).encode(conv)
+    message = str(err.value)
+    assert message.startswith(f"train-0000004: {full.input_ids.numel()} tokens, more than data.max_seq_len={limit}")
+    assert ("no answer token" if short_by == 0 else "its image would be cut") in message
+
+
+def test_a_text_only_conversation_is_cut_after_its_first_answer_token(encoder, raw):
+    conv = cook_conversation(raw["train-0000004"])
+    conv.messages = [{**m, "content": [part for part in m["content"] if part["type"] == "text"]} for m in conv.messages]
+    conv.media = []
+    full = encoder.encode(conv)
+    assert full.media == {} and full.media_end == 0
+    cut = limited(encoder, first_label(full) + 1).encode(conv)
+    assert cut.truncated and int((cut.labels != IGNORE_INDEX).sum()) == 1
+
+
+def test_a_grpo_answer_has_the_new_tokens_of_room_beyond_the_prompt(encoder, raw):
+    conv = cook_conversation(raw["train-0000004"])
+    full = encoder.encode(conv)
+    prompt, answer = first_label(full), full.input_ids.numel() - first_label(full)
+    roomy = ConversationEncoder(encoder.processor, encoder.family, max_seq_len=prompt, answer_room=answer)
+    assert not roomy.encode(conv).truncated and roomy.encode_prompt(conv).input_ids.numel() == prompt
+    tight = ConversationEncoder(encoder.processor, encoder.family, max_seq_len=prompt - 2, answer_room=1)
+    with pytest.raises(SampleTooLong, match=f"more than data.max_seq_len={prompt - 2} \\+ grpo.max_new_tokens=1;"):
+        tight.encode(conv)
+
+
+def test_a_prompt_is_never_cut(encoder, raw):
+    conv = cook_conversation(raw["train-0000004"])
+    n = encoder.encode_prompt(conv).input_ids.numel()
+    assert limited(encoder, n).encode_prompt(conv).input_ids.numel() == n
+    with pytest.raises(SampleTooLong) as err:
+        limited(encoder, n - 1).encode_prompt(conv)
+    assert str(err.value) == (
+        f"train-0000004: its prompt has {n} tokens (its image included), more than data.max_seq_len={n - 1}"
+    )
 
 
 def test_batch_is_right_padded_and_the_model_accepts_it(encoder, raw, tiny_dirs):

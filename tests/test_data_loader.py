@@ -55,7 +55,8 @@ def run_fresh_process(jobs: list[dict], tmp_path) -> None:
     script = tmp_path / "restore.py"
     script.write_text(RESTORE_SCRIPT)
     tests_dir = str(__import__("pathlib").Path(__file__).parent)
-    env = {**__import__("os").environ, "PYTHONPATH": tests_dir}
+    os = __import__("os")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [tests_dir, os.environ.get("PYTHONPATH")]))}
     subprocess.run([sys.executable, str(script), str(spec)], check=True, timeout=240, env=env)
 
 
@@ -156,11 +157,11 @@ def test_changed_settings_are_refused_naming_each_field(clevr_set, tiny_dirs):
 
 def test_val_batches_are_the_first_samples_in_order(clevr_set, tiny_dirs):
     recipe = make_recipe(clevr_set)
-    loss, prompts = val_batches(recipe, processor_dir=tiny_dirs["qwen2_5_vl"], samples=5, batch_size=2)
+    loss, prompts, dropped = val_batches(recipe, processor_dir=tiny_dirs["qwen2_5_vl"], samples=5, batch_size=2)
     keys = [k for b in loss for k in b.sample_ids]
     assert keys == [f"val-{i:07d}" for i in range(5)] == [k for b in prompts for k in b.sample_ids]
-    assert [len(b) for b in loss] == [2, 2, 1]
-    again, _ = val_batches(recipe, processor_dir=tiny_dirs["qwen2_5_vl"], samples=5, batch_size=2)
+    assert [len(b) for b in loss] == [2, 2, 1] and dropped == 0
+    again, _, _ = val_batches(recipe, processor_dir=tiny_dirs["qwen2_5_vl"], samples=5, batch_size=2)
     assert same_batches([flat(b) for b in again], [flat(b) for b in loss])
     assert all(p.attention_mask[:, -1].all() for p in prompts)  # left-padded: every prompt ends at the edge
     assert all(len(p.answers) == len(p) for p in prompts)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 from dataclasses import replace
@@ -176,6 +177,61 @@ def test_a_bad_reference_config_names_the_field(tmp_path, name, words):
     with pytest.raises(InputError, match=words) as e:
         check_memory_fit(recipe)
     assert e.value.field == "model.reference_config"
+
+
+REMEDY = re.compile(r"([\w.]+=[\w.]+(?: with [\w.]+=[\w.]+)?) \(-> ([\d.]+) GiB\)")
+
+
+@pytest.mark.parametrize(
+    "name, sets",
+    [
+        ("omni-clevr-1n8g.yaml", ONE_GPU),
+        ("qwen2.5-vl-3b-clevr-grpo-1n2g.yaml", ["cluster.gpu_memory_gb=20"]),
+        (
+            "qwen2.5-vl-3b-clevr-1n2g.yaml",
+            ["cluster.gpu_memory_gb=40", "parallel.fsdp=false", "parallel.mixed_precision=none"],
+        ),
+    ],
+)
+def test_a_refusal_names_only_changes_that_lower_the_estimate(name, sets):
+    with pytest.raises(InputError) as e:
+        check_memory_fit(load_recipe(RECIPES / name, sets))
+    message = str(e.value)
+    before = float(re.search(r"needs ~([\d.]+) GiB", message)[1])
+    remedies = REMEDY.findall(message)
+    assert remedies and message.endswith("or bigger GPUs (cluster.gpu_memory_gb)")
+    for change, claimed in remedies:  # each one, applied, gives the estimate it claims, lower than before
+        overrides = [part.strip() for part in change.split(" with ")]
+        after = check_memory_fit(load_recipe(RECIPES / name, [*sets, *overrides, "cluster.gpu_memory_gb=4096"]))
+        assert round(after.estimate.device_total / GIB, 1) == float(claimed) < before, change
+    assert [float(c) for _, c in remedies] == sorted(float(c) for _, c in remedies)
+
+
+def test_a_refusal_leaves_out_what_does_not_move_the_peak():
+    # the 30B on one GPU peaks at the end of the backward: activations and sequence length do not set it
+    with pytest.raises(InputError) as e:
+        check_memory_fit(load_recipe(OMNI, ONE_GPU))
+    for field in ("parallel.activation_checkpointing", "data.max_seq_len", "train.micro_batch_size", "parallel.fsdp="):
+        assert field not in str(e.value)
+
+
+def test_tiny_on_a_gpu_recipe_estimates_the_tiny_model_and_says_the_reference_is_unused():
+    recipe = load_recipe(RECIPES / "qwen2.5-vl-3b-clevr-1n2g.yaml", ["model.path=null", "model.tiny=true"])
+    fit = check_memory_fit(recipe)
+    assert fit.source == "vlmrun/models/reference/tiny_qwen2_5_vl.json" and fit.estimate.params < 1e6
+    assert (
+        "model.reference_config=qwen2_5_vl_3b is not used: model.tiny trains the tiny qwen2_5_vl model" in fit.warning
+    )
+    assert f"warning: {fit.warning}" in fit.report_lines()
+
+
+def test_the_memory_check_refuses_a_model_of_another_family(tmp_path):
+    d = tmp_path / "qwen"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(reference("qwen2_5_vl_3b")))
+    with pytest.raises(InputError, match="describes a 'qwen2_5_vl' model") as e:
+        check_memory_fit(load_recipe(OMNI, [f"model.path={d}"]))
+    assert e.value.field == "model.family"
 
 
 # ---------------------------------------------------------------- the estimate's terms

@@ -81,7 +81,7 @@ def setup(clevr_set, tiny_dirs, request):
 
     family = request.param
     recipe = make_recipe(clevr_set, family=family, train={"lr": 1e-2, "grad_clip": 0.5})
-    loss_batches, _ = val_batches(recipe, processor_dir=tiny_dirs[family], samples=8, batch_size=2)
+    loss_batches, _, _ = val_batches(recipe, processor_dir=tiny_dirs[family], samples=8, batch_size=2)
     return recipe, tiny_dirs[family], loss_batches
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from data_samples import text_only, write_corrupt_copy
 from test_sft import TINY, last_step, start, vlmrun
 
 from vlmrun.run.metrics import history
@@ -23,11 +24,14 @@ STEPS = 8
 
 @pytest.fixture(scope="module")
 def sets(tmp_path_factory) -> list[str]:
-    data = tmp_path_factory.mktemp("data") / "clevr"
+    from vlmrun.datasets.clevr import generate_clevr
+
+    work = tmp_path_factory.mktemp("data")
+    generate_clevr(work / "clevr", train=128, val=16, image_size=112, seed=0)
+    # every other sample without its image: a quarter of the micro-batches are text-only, a quarter all images
+    mixed = write_corrupt_copy(work / "clevr", work / "mixed", {f"train-{i:07d}": text_only for i in range(0, 128, 2)})
     pairs = {
-        "data.path": str(data),
-        "data.synthetic": "{train: 128, val: 16, image_size: 112, seed: 0}",
-        "data.max_seq_len": "35",  # some samples exceed it: text-only micro-batches in the mix
+        "data.path": str(mixed),
         "train.max_steps": str(STEPS),
         "checkpoint.save_period": "2",
         "train.val_samples": "4",

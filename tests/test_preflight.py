@@ -55,16 +55,88 @@ def energon_folder(path: Path, splits: dict[str, list[str]]) -> Path:
     return path
 
 
-@DRY
-def test_missing_model_is_refused_before_any_data_or_run_dir(tmp_path, dry):
+def test_missing_model_is_refused_before_any_data_or_run_dir(tmp_path):
     started = time.monotonic()
-    out = vlmrun("submit", OMNI, "--cluster", "local", *dry, cwd=tmp_path)
+    out = vlmrun("submit", OMNI, "--cluster", "local", cwd=tmp_path)
     elapsed = time.monotonic() - started
     err = refused(out, "model.path")
-    assert "never downloads" in err and "/models/Nemotron-3-Nano-Omni-30B-A3B" in err
+    assert "never downloads" in err and "/models/Nemotron-3-Nano-Omni-30B-A3B does not exist on this machine" in err
+    assert "the job loads them from model.path on the machine it runs on" in err
+    assert "model.reference_config=nemotron_omni_30b_a3b lets `--dry-run` estimate" in err
     assert elapsed < 10, f"refused after {elapsed:.1f} s"
     assert not (tmp_path / "data").exists(), "the synthetic data set was generated"
     assert not (tmp_path / "runs").exists(), "a run dir was created"
+
+
+def test_a_dry_run_estimates_from_the_reference_config_without_the_weights(tmp_path):
+    out = vlmrun("submit", OMNI, "--cluster", "slurm", "--dry-run", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert (
+        "# memory estimate per GPU: 33.02B parameters, config vlmrun/models/reference/nemotron_omni_30b_a3b.json"
+        in (out.stdout)
+    )
+    assert "Nemotron-3-Nano-Omni-30B-A3B/config.json does not exist on this machine (a submit needs" in out.stdout
+    assert not (tmp_path / "data").exists() and not (tmp_path / "runs").exists()
+    # without a reference config there is nothing to estimate from: refused as a submit is
+    out = vlmrun(
+        "submit", OMNI, "--cluster", "slurm", "--dry-run", "--set", "model.reference_config=null", cwd=tmp_path
+    )
+    assert "does not exist on this machine" in refused(out, "model.path")
+
+
+def family_dir(tmp_path: Path, model_type: str, architecture: str) -> Path:
+    d = tmp_path / model_type
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({"model_type": model_type, "architectures": [architecture]}))
+    return d
+
+
+@DRY
+def test_a_model_of_another_family_is_refused_naming_both(tmp_path, dry):
+    d = family_dir(tmp_path, "nemotron_h_omni", "NemotronH_Omni_Reasoning_V3")
+    out = vlmrun(
+        "submit",
+        TINY,
+        "--cluster",
+        "local",
+        *dry,
+        "--set",
+        "model.tiny=false",
+        "--set",
+        f"model.path={d}",
+        cwd=tmp_path,
+    )
+    err = refused(out, "model.family")
+    assert f"model.family: 'qwen2_5_vl', but {d}/config.json describes a 'nemotron_h_omni' model" in err
+    assert "(NemotronH_Omni_Reasoning_V3)" in err and "set model.family=nemotron_omni" in err
+    assert not (tmp_path / "data").exists() and not (tmp_path / "runs").exists()
+
+
+@DRY
+def test_a_model_no_family_reads_is_refused(tmp_path, dry):
+    d = family_dir(tmp_path, "llava", "LlavaForConditionalGeneration")
+    sets = ["--set", "model.tiny=false", "--set", f"model.path={d}", "--set", "model.family=nemotron_omni"]
+    err = refused(vlmrun("submit", TINY, "--cluster", "local", *dry, *sets, cwd=tmp_path), "model.family")
+    assert "describes a 'llava' model" in err and "no vlmrun family reads it" in err
+
+
+def test_a_config_json_that_is_not_json_is_refused(tmp_path):
+    d = tmp_path / "model"
+    d.mkdir()
+    (d / "config.json").write_text("{not json")
+    out = vlmrun(
+        "submit",
+        TINY,
+        "--cluster",
+        "local",
+        "--dry-run",
+        "--set",
+        "model.tiny=false",
+        "--set",
+        f"model.path={d}",
+        cwd=tmp_path,
+    )
+    assert "config.json cannot be read" in refused(out, "model.path")
 
 
 @DRY
@@ -168,6 +240,18 @@ def test_synthetic_data_path_that_cannot_be_made_is_refused(tmp_path, dry):
     )
     assert "not a directory" in refused(out, "data.path")
     assert not (tmp_path / "run").exists()
+
+
+@DRY
+def test_a_synthetic_set_made_with_other_settings_is_refused_at_submit(tmp_path, dry):
+    from vlmrun.datasets.clevr import generate_clevr
+
+    generate_clevr(tmp_path / "clevr", train=16, val=4, image_size=64, seed=0)
+    sets = ["--set", f"data.path={tmp_path / 'clevr'}", "--set", "data.synthetic={train: 16, val: 4, image_size: 64}"]
+    out = vlmrun("submit", TINY, "--cluster", "local", *dry, *sets, "--set", "data.synthetic.seed=3", cwd=tmp_path)
+    err = refused(out, "data.synthetic.seed")
+    assert "holds a CLEVR set made with seed=0; set data.synthetic.seed=0" in err
+    assert not (tmp_path / "runs").exists()
 
 
 def test_resume_is_refused_before_it_starts(tmp_path):

@@ -22,7 +22,7 @@ from vlmrun.run.rows import NUMBER_KEYS, GrpoStats, StepRow, Validation
 
 TINY = Path(__file__).resolve().parents[1] / "recipes" / "tiny-clevr-cpu.yaml"
 #: The keys of every SFT row, in the order users see them (docs/architecture.md, "The metrics log").
-SFT_KEYS = """step attempt epoch loss grad_norm lr valid_tokens consumed_samples sample_ids step_time_s
+SFT_KEYS = """step attempt epoch loss grad_norm lr valid_tokens consumed_samples dropped_samples truncated_samples sample_ids step_time_s
 loader_latency_max_s tokens_per_s samples_per_s peak_rss_mb time""".split()
 
 
@@ -144,7 +144,7 @@ def test_a_step_row_writes_the_contracts_keys_and_grpo_and_validation_keys_inlin
     assert (
         row["plane_bytes"] == 1024
         and row["val_loss"] == 0.7
-        and list(row)[-5:] == [f.name for f in dataclasses.fields(Validation)]
+        and list(row)[-6:] == [f.name for f in dataclasses.fields(Validation)]
     )
     log = MetricsLog(tmp_path / "metrics.jsonl")
     log.append(step_row())

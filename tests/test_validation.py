@@ -171,7 +171,7 @@ def test_fsdp_ranks_make_the_same_collective_calls_and_score_what_one_replica_sc
 
     model_dir = tiny_dirs["qwen2_5_vl"]
     recipe = make_recipe(clevr_set)
-    loss_b, prompt_b = val_batches(recipe, processor_dir=model_dir, samples=6, batch_size=2)
+    loss_b, prompt_b, _ = val_batches(recipe, processor_dir=model_dir, samples=6, batch_size=2)
     shares = validation_shares(loss_b, prompt_b[:1], ranks=2)  # rank 0: 2 batches and the prompts, rank 1: 1 + 1
     assert len(shares[1].padding) == 1 and not shares[1].prompt_batches
     port = _free_port()

@@ -23,14 +23,16 @@ _DEV = Path("/dev")
 _DEV_GPU = re.compile(r"^nvidia\d+$")
 
 
-def preflight_run(recipe, *, runs_here: bool) -> None:
+def preflight_run(recipe, *, runs_here: bool, dry_run: bool = False) -> None:
     """Raise InputError naming the field when `recipe` cannot start.
 
     `runs_here`: the run executes on this machine (`--cluster local`), so this machine must have the
     GPUs it asks for; a SLURM run's GPUs are checked against the partition (launch/slurm/preflight.py).
-    Paths must already be absolute (config.load.load_recipe resolves them).
+    `dry_run`: nothing will run, so a model.path missing here passes when model.reference_config can
+    stand in for its config.json (the estimate); a model.path that holds another family's model is
+    refused either way. Paths must already be absolute (config.load.load_recipe resolves them).
     """
-    check_model_source(recipe.model)
+    check_model_source(recipe.model, weights_here=not dry_run)
     check_components(recipe)
     check_data(recipe.data, val=recipe.train.val_samples > 0)
     check_data_size(recipe)
@@ -125,7 +127,9 @@ def _check_synthetic(data, *, val: bool) -> None:
             str(path),
             message=f"data.path: {path} is a file; a synthetic set needs a directory there, or nothing yet",
         )
-    if read_complete(path) is not None:
+    found = read_complete(path)
+    if found is not None:
+        _check_synthetic_made_so(data, found.params)
         return
     # The set is generated in a hidden sibling of data.path, created with its parents, then renamed.
     parent = nearest_existing(path.parent)
@@ -137,6 +141,20 @@ def _check_synthetic(data, *, val: bool) -> None:
             message=f"data.path: {path} is generated on first use "
             f"(data.synthetic), but {parent} {why}; choose a data.path under a writable directory",
         )
+
+
+def _check_synthetic_made_so(data, made) -> None:
+    """A synthetic set already at data.path must be the one `data.synthetic` asks for (the job would
+    refuse it, after the queue and Ray's start-up)."""
+    for field in ("train", "val", "image_size", "seed"):
+        wanted, there = getattr(data.synthetic, field), getattr(made, field)
+        if wanted != there:
+            raise InputError(
+                f"data.synthetic.{field}",
+                wanted,
+                message=f"data.synthetic.{field}: {wanted}, but {data.path} holds a CLEVR set made with "
+                f"{field}={there}; set data.synthetic.{field}={there}, or choose another data.path",
+            )
 
 
 def nearest_existing(path: Path) -> Path:

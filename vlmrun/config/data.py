@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field
 
 from vlmrun.config.families import Family
@@ -37,6 +39,16 @@ class DataConfig(Section):
         ),
     )
     virtual_epoch_length: int = Field(0, ge=0, description="samples per epoch per shard; 0 = the split's size")
-    max_seq_len: int = Field(1024, ge=16)
-    error_tolerance: int = Field(16, ge=0, description="corrupt samples skipped per shard before failing")
+    max_seq_len: int = Field(
+        1024,
+        ge=16,
+        description="tokens per sample, media included: a GRPO or validation prompt must fit whole; a longer "
+        "SFT conversation is cut at this length when its media and a labelled token stay in (else: on_bad_sample)",
+    )
+    on_bad_sample: Literal["refuse", "drop"] = Field(
+        "refuse",
+        description="a sample that does not fit data.max_seq_len: refuse fails the run naming it, its token "
+        "count and data.max_seq_len; drop skips it, counted (the `dropped_samples` metric) within error_tolerance",
+    )
+    error_tolerance: int = Field(16, ge=0, description="corrupt (or dropped) samples skipped per shard before failing")
     synthetic: SyntheticClevr | None = None

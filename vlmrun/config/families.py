@@ -1,10 +1,11 @@
 """The model families vlmrun supports: one registry, read by the recipe, the data path and the tiny builders.
 
 Light on purpose (no torch, no transformers): the recipe validates `model.family` against it on a
-login node. A `FamilySpec` names the processor class a model directory must carry and sorts the
-processor's outputs: per-token inputs (padded with the batch, e.g. Qwen's `mm_token_type_ids`,
-without which Qwen2.5-VL silently falls back to 1-D positions) and packed media (rows of all images
-concatenated, plus their grid sizes). `Family` is the recipe's type; tests check it lists the same names.
+login node. A `FamilySpec` names the processor class a model directory must carry and the
+`model_type` its config.json says (checked at submit: models/source.py), and sorts the processor's
+outputs: per-token inputs (padded with the batch, e.g. Qwen's `mm_token_type_ids`, without which
+Qwen2.5-VL silently falls back to 1-D positions) and packed media (rows of all images concatenated,
+plus their grid sizes). `Family` is the recipe's type; tests check it lists the same names.
 """
 
 from __future__ import annotations
@@ -20,8 +21,11 @@ Family = Literal["qwen2_5_vl", "nemotron_omni"]
 
 @dataclass(frozen=True, kw_only=True)
 class FamilySpec:
+    """`model_types`: the `model_type` values of the config.json of a model directory of this family."""
+
     name: str
     processor_class: str
+    model_types: tuple[str, ...]
     token_keys: tuple[str, ...]
     media_keys: tuple[str, ...]
 
@@ -31,12 +35,14 @@ FAMILIES = MappingProxyType(
         "qwen2_5_vl": FamilySpec(
             name="qwen2_5_vl",
             processor_class="Qwen2_5_VLProcessor",
+            model_types=("qwen2_5_vl",),
             token_keys=("mm_token_type_ids",),
             media_keys=("pixel_values", "image_grid_thw"),
         ),
         "nemotron_omni": FamilySpec(
             name="nemotron_omni",
             processor_class="NemotronH_Omni_Reasoning_V3Processor",
+            model_types=("nemotron_h_omni",),
             token_keys=(),
             media_keys=("pixel_values", "image_grid_hw"),
         ),
@@ -50,3 +56,8 @@ def family_spec(family: str) -> FamilySpec:
         return FAMILIES[family]
     except KeyError:
         raise InputError("model.family", family, f"allowed: {', '.join(FAMILIES)}") from None
+
+
+def family_of_model_type(model_type: str) -> str | None:
+    """The family whose model directories have this config.json `model_type`; None when no family's do."""
+    return next((name for name, spec in FAMILIES.items() if model_type in spec.model_types), None)

@@ -25,7 +25,8 @@ class ModelConfig(Section):
         None,
         pattern=r"^[a-z0-9_]+$",
         description="architecture config shipped in vlmrun/models/reference/ (name without .json) for the "
-        "memory estimate when model.path has no usable config.json (e.g. the weights are not on this machine)",
+        "memory estimate when model.path has no config.json here: `--dry-run` then needs no weights on this "
+        "machine (a submit does); unused with model.tiny, which estimates the tiny model it trains",
     )
 
     @model_validator(mode="after")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -14,7 +15,7 @@ IGNORE_INDEX = -100
 class Batch:
     """A micro-batch of encoded conversations, right-padded.
 
-    `labels` are -100 outside assistant tokens (and everywhere in a zero-weight row); `media` holds
+    `labels` are -100 outside assistant tokens (prompt, padding); `media` holds
     the processor's packed media tensors (e.g. `pixel_values` rows of all images and
     `image_grid_thw`), concatenated in sample order, or is empty for a text-only batch.
     `token_inputs` holds the processor's other per-token inputs, padded like `input_ids` (e.g.
@@ -56,3 +57,27 @@ class PromptBatch:
 
     def __len__(self) -> int:
         return len(self.sample_ids)
+
+
+@dataclass(frozen=True)
+class SampleCounts:
+    """What a loader left out of, or cut in, the samples it handed out (see `LoaderShard.counts`).
+
+    `dropped`: samples skipped (over-long under `data.on_bad_sample: drop`, or corrupt); `truncated`:
+    SFT conversations cut to `data.max_seq_len` with their media and a labelled token kept.
+    """
+
+    dropped: int = 0
+    truncated: int = 0
+
+    def __add__(self, other: SampleCounts) -> SampleCounts:
+        return SampleCounts(self.dropped + other.dropped, self.truncated + other.truncated)
+
+    @staticmethod
+    def total(counts: Iterable[SampleCounts | None]) -> SampleCounts:
+        """The sum over loader shards (None: a rank that holds no shard)."""
+        return sum((c for c in counts if c is not None), SampleCounts())
+
+    def metrics(self) -> dict[str, int]:
+        """The metrics row's keys: `dropped_samples`, `truncated_samples` (since the run began)."""
+        return {"dropped_samples": self.dropped, "truncated_samples": self.truncated}

@@ -12,8 +12,13 @@ Shared by the Energon task encoder and the reference loader, so both produce ide
    tokenizer. Borders sit next to special tokens or a newline, where tokenization does not merge, so
    the concatenation is the tokenization of the whole text (tests/test_data_encoding.py checks it);
    a validation prompt is exactly the first piece.
-3. Longer than `max_seq_len`: the sample becomes a zero-weight text-only row (media parts dropped,
-   labels all -100, cut to `max_seq_len`), so every micro-batch keeps its sample count.
+3. Longer than `max_seq_len`: a conversation is cut at `max_seq_len` when the cut keeps every
+   media token (the piece that holds the last image ends before it) and at least one labelled
+   token (`Encoded.truncated`); a prompt is never cut. Otherwise the sample raises `SampleTooLong`,
+   and the recipe's `data.on_bad_sample` decides (vlmrun.data.error_budget): refuse the run, or drop
+   the sample, counted. Nothing is trained on without its image or without an answer token. A GRPO
+   run's answers are responses, so its validation conversations have `grpo.max_new_tokens` more room
+   (`answer_room`) than its prompts.
 4. Media stay in the processor's packed form: per sample the rows of all its images and their grid
    sizes; a batch concatenates them in sample order.
 """
@@ -31,14 +36,19 @@ from vlmrun.data.cookers import Conversation, MalformedSample, media_pixels
 
 @dataclass
 class Encoded:
-    """One encoded sample: 1-D `input_ids`/`labels`, per-token extras, packed media (may be empty)."""
+    """One encoded sample: 1-D `input_ids`/`labels`, per-token extras, packed media (may be empty).
+
+    `truncated`: the conversation was cut at `max_seq_len` (its media and a labelled token kept);
+    `media_end`: the tokens up to the end of the piece that holds its last image (0 without media).
+    """
 
     key: str
     input_ids: torch.Tensor
     labels: torch.Tensor
     token_inputs: dict[str, torch.Tensor]
     media: dict[str, torch.Tensor]
-    over_length: bool = False
+    truncated: bool = False
+    media_end: int = 0
 
 
 @dataclass
@@ -53,6 +63,11 @@ class EncodedPrompt:
     template: str = ""  # the sample's question template, where its record names one (CLEVR)
 
 
+class SampleTooLong(MalformedSample):
+    """A sample that does not fit `data.max_seq_len` (module doc, 3); the message starts with its key and
+    gives its token count and the limit."""
+
+
 class ConversationEncoder:
     """Turns conversations into token ids, assistant-only labels and processed media.
 
@@ -60,41 +75,55 @@ class ConversationEncoder:
     conversation the chat template cannot render consistently.
     """
 
-    def __init__(self, processor, family: FamilySpec, max_seq_len: int):
+    def __init__(self, processor, family: FamilySpec, max_seq_len: int, *, answer_room: int = 0):
         self.processor = processor
         self.tokenizer = processor.tokenizer
         self.family = family
         self.max_seq_len = max_seq_len
+        self.answer_room = answer_room  # a conversation may be this much longer than a prompt
         self.image_token = getattr(processor, "image_token", None)
         self.pad_token_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
 
     # ---- encoding -----------------------------------------------------------------------------
     def encode(self, conv: Conversation) -> Encoded:
-        """The full conversation with labels on assistant spans; over-length -> text-only, zero weight."""
-        encoded = self._encode_messages(conv, conv.messages, train=True)
-        if encoded.input_ids.numel() <= self.max_seq_len:
+        """The full conversation with labels on assistant spans, cut to `max_seq_len` where that keeps
+        its media and a labelled token; raises `SampleTooLong` where it does not."""
+        encoded = self._encode_messages(conv, conv.messages)
+        n, limit = encoded.input_ids.numel(), self.max_seq_len + self.answer_room
+        if n <= limit:
             return encoded
-        text_only = self._encode_messages(conv, _without_media(conv.messages), train=False)
-        n = self.max_seq_len
+        room = f" + grpo.max_new_tokens={self.answer_room}" if self.answer_room else ""
+        too_long = f"{conv.__key__}: {n} tokens, more than data.max_seq_len={self.max_seq_len}{room}"
+        if encoded.media_end > limit:
+            raise SampleTooLong(
+                f"{too_long}; its image would be cut (its prompt with the image takes {encoded.media_end})"
+            )
+        labelled = (encoded.labels != IGNORE_INDEX).nonzero()
+        first_label = int(labelled[0]) if labelled.numel() else n
+        if first_label >= limit:
+            raise SampleTooLong(f"{too_long}; no answer token would be left (the prompt takes {first_label})")
         return Encoded(
-            key=conv.__key__,
-            input_ids=text_only.input_ids[:n],
-            labels=torch.full((min(n, text_only.input_ids.numel()),), IGNORE_INDEX, dtype=torch.long),
-            token_inputs={k: v[:n] for k, v in text_only.token_inputs.items()},
-            media={},
-            over_length=True,
+            key=encoded.key,
+            input_ids=encoded.input_ids[:limit],
+            labels=encoded.labels[:limit],
+            token_inputs={k: v[:limit] for k, v in encoded.token_inputs.items()},
+            media=encoded.media,
+            truncated=True,
+            media_end=encoded.media_end,
         )
 
     def encode_prompt(self, conv: Conversation) -> EncodedPrompt:
-        """Prompt for generation (with the template's generation prompt) and the reference answer."""
+        """Prompt for generation (with the template's generation prompt) and the reference answer; a
+        prompt longer than `max_seq_len` raises `SampleTooLong` (it is never cut)."""
         prompt = conv.messages[:-1] if conv.messages[-1]["role"] == "assistant" else conv.messages
         text = self._render(prompt, generation_prompt=True)
         ids, tokens, media = self._process(text, self._images_of(conv, prompt), first=True)
         if ids.numel() > self.max_seq_len:
-            prompt = _without_media(prompt)
-            text = self._render(prompt, generation_prompt=True)
-            ids, tokens, media = self._process(text, [], first=True)
-            ids, tokens = ids[-self.max_seq_len :], {k: v[-self.max_seq_len :] for k, v in tokens.items()}
+            with_media = " (its image included)" if media else ""
+            raise SampleTooLong(
+                f"{conv.__key__}: its prompt has {ids.numel()} tokens{with_media}, more than "
+                f"data.max_seq_len={self.max_seq_len}"
+            )
         return EncodedPrompt(
             key=conv.__key__,
             input_ids=ids,
@@ -104,10 +133,10 @@ class ConversationEncoder:
             template=conv.annotations.get("template", ""),
         )
 
-    def _encode_messages(self, conv: Conversation, messages: list[dict], *, train: bool) -> Encoded:
+    def _encode_messages(self, conv: Conversation, messages: list[dict]) -> Encoded:
         text, spans = self._render_with_spans(conv.__key__, messages)
         images = self._images_of(conv, messages)
-        ids, labels, media_parts = [], [], []
+        ids, labels, media_parts, media_end, length = [], [], [], 0, 0
         tokens: dict[str, list[torch.Tensor]] = {k: [] for k in self.family.token_keys}
         for start, end, trainable in _pieces(len(text), spans):
             piece = text[start:end]
@@ -115,11 +144,13 @@ class ConversationEncoder:
             piece_ids, piece_tokens, piece_media = self._process(piece, images[:n_images], first=(start == 0))
             images = images[n_images:]
             ids.append(piece_ids)
-            labels.append(piece_ids.clone() if (trainable and train) else torch.full_like(piece_ids, IGNORE_INDEX))
+            labels.append(piece_ids.clone() if trainable else torch.full_like(piece_ids, IGNORE_INDEX))
+            length += piece_ids.numel()
             for k in tokens:
                 tokens[k].append(piece_tokens[k])
             if piece_media:
                 media_parts.append(piece_media)
+                media_end = length
         if images:
             raise MalformedSample(f"{conv.__key__}: {len(images)} image(s) without a placeholder in the chat template")
         return Encoded(
@@ -128,6 +159,7 @@ class ConversationEncoder:
             labels=torch.cat(labels),
             token_inputs={k: torch.cat(v) for k, v in tokens.items()},
             media=_cat_media(media_parts),
+            media_end=media_end,
         )
 
     def _process(self, text: str, images: list[torch.Tensor], *, first: bool):
@@ -253,10 +285,6 @@ def _pieces(length: int, spans: list[tuple[int, int]]) -> list[tuple[int, int, b
     if length > cursor:
         pieces.append((cursor, length, False))
     return pieces
-
-
-def _without_media(messages: list[dict]) -> list[dict]:
-    return [{**m, "content": [p for p in m["content"] if p["type"] == "text"]} for m in messages]
 
 
 def _cat_media(parts: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:

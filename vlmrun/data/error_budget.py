@@ -1,4 +1,4 @@
-"""Corrupt-sample budget of one loader shard: count and skip, then fail naming shard and key.
+"""Bad-sample budget of one loader shard: count and skip, then fail naming shard and key.
 
 Energon calls `WorkerConfig.global_error_handler(exception, sample, sources)` for every sample that
 a cooker, the task encoder or the batcher rejects, and then skips that sample. `ErrorBudget` is that
@@ -8,6 +8,14 @@ one), logs each new one with its tar file, and raises `CorruptDataError` once th
 shard's worker processes through the fork Energon's loader always uses, so the budget is per shard,
 not per worker. The error travels from the worker to the main process like any loader error, so
 the run fails instead of hanging.
+
+A sample that does not fit `data.max_seq_len` (`SampleTooLong`) follows `data.on_bad_sample`:
+`refuse` raises `SampleRefused` (exit 2) naming it, its token count and the limit; `drop` skips it
+like a corrupt one, within the same budget.
+
+Every skip is also counted in the process that made it (`take_skipped`): the task encoder's batcher
+takes the count into the group it closes, so the shard counts what it dropped in stream order,
+exactly as often after a restore (Energon replays the same samples to reach a saved position).
 
 Energon's own per-stage limit of consecutive failures is switched off by the task encoder
 (`__default_failure_tolerance__ = 0`), so this budget is the only one. A tar file damaged after it
@@ -21,7 +29,8 @@ import logging
 import multiprocessing
 from typing import Any
 
-from vlmrun.errors import CheckFailed
+from vlmrun.data.chat_encoding import SampleTooLong
+from vlmrun.errors import EXIT_BAD_INPUT, CheckFailed, VlmrunError
 
 logger = logging.getLogger(__name__)
 
@@ -36,19 +45,33 @@ class CorruptDataError(CheckFailed):
     """
 
 
-class ErrorBudget:
-    """The error handler of one loader shard; its keys are shared with the shard's worker processes."""
+class SampleRefused(VlmrunError):
+    """A sample that does not fit `data.max_seq_len` under `data.on_bad_sample: refuse` (exit 2).
 
-    def __init__(self, *, shard: int, num_shards: int, split: str, tolerance: int):
+    Constructed from one message string, so torch's DataLoader can re-raise it in the main process.
+    """
+
+    exit_code = EXIT_BAD_INPUT
+
+
+class ErrorBudget:
+    """The error handler of one loader shard; its keys are shared with the shard's worker processes.
+
+    `on_bad_sample` is the recipe's `data.on_bad_sample` ("refuse" or "drop").
+    """
+
+    def __init__(self, *, shard: int, num_shards: int, split: str, tolerance: int, on_bad_sample: str = "refuse"):
         self.shard, self.num_shards, self.split, self.tolerance = shard, num_shards, split, tolerance
+        self.on_bad_sample = on_bad_sample
         self._keys = multiprocessing.get_context("fork").Array("c", (tolerance + 1) * _KEY_BYTES)
+        self._skipped = 0  # in this process (a worker, or the shard's own) since `take_skipped`
 
     @property
     def label(self) -> str:
         return f"loader shard {self.shard}/{self.num_shards} ({self.split})"
 
     def keys(self) -> list[str]:
-        """Keys of the corrupt samples skipped so far (may include samples prefetched, not yet consumed)."""
+        """Keys of the samples skipped so far (may include samples prefetched, not yet consumed)."""
         with self._keys.get_lock():
             return _decode(self._keys.raw)
 
@@ -57,8 +80,24 @@ class ErrorBudget:
         with self._keys.get_lock():
             self._keys.raw = _encode(keys[: self.tolerance + 1], len(self._keys))
 
+    def take_skipped(self) -> int:
+        """Samples this process skipped since the last call (every skip, a known key's too)."""
+        skipped, self._skipped = self._skipped, 0
+        return skipped
+
     def __call__(self, error: Exception, sample: Any, sources: list | None = None) -> None:
         key, where = _where(sample, sources)
+        too_long = isinstance(error, SampleTooLong)
+        if too_long and self.on_bad_sample == "refuse":
+            tars = _in_tars(sources).removeprefix(" in ")
+            detail = str(error).removeprefix(f"{key}: ")
+            raise SampleRefused(
+                f"{self.label}: sample {key}{f' ({tars})' if tars else ''}: {detail}; data.on_bad_sample=refuse: "
+                "raise data.max_seq_len, or set data.on_bad_sample=drop to skip such samples (counted, within "
+                "data.error_tolerance)"
+            )
+        self._skipped += 1
+        what = "dropped over-long sample" if too_long else "skipped corrupt sample"
         with self._keys.get_lock():
             keys = _decode(self._keys.raw)
             if key is not None and key[:_KEY_CHARS] in keys:
@@ -67,20 +106,28 @@ class ErrorBudget:
             if len(keys) <= self.tolerance + 1:
                 self._keys.raw = _encode(keys, len(self._keys))
         if len(keys) > self.tolerance:
+            kind = (
+                "bad samples (corrupt, or over-long under data.on_bad_sample=drop)" if too_long else "corrupt samples"
+            )
             raise CorruptDataError(
-                f"{self.label}: {len(keys)} corrupt samples, more than data.error_tolerance={self.tolerance}; "
+                f"{self.label}: {len(keys)} {kind}, more than data.error_tolerance={self.tolerance}; "
                 f"last: {where}: {type(error).__name__}: {error}"
             )
-        logger.warning("%s: skipped corrupt sample %d/%d: %s: %s", self.label, len(keys), self.tolerance, where, error)
+        logger.warning("%s: %s %d/%d: %s: %s", self.label, what, len(keys), self.tolerance, where, error)
 
 
 def _where(sample: Any, sources: list | None) -> tuple[str | None, str]:
     """(key, 'key <key> in <tar file>') of a sample, or of the first sample of a failed batch."""
     first = sample[0] if isinstance(sample, list) and sample else sample
     key = first.get("__key__") if isinstance(first, dict) else getattr(first, "__key__", None)
-    shards = sorted({s.shard_name for s in sources or () if getattr(s, "shard_name", None)})
     text = f"key {key}" if key else "a sample without key"
-    return key, (f"{text} in {', '.join(shards)}" if shards else text)
+    return key, text + _in_tars(sources)
+
+
+def _in_tars(sources: list | None) -> str:
+    """' in <tar file>, ...' of a sample's sources ('' when Energon gave none)."""
+    shards = sorted({s.shard_name for s in sources or () if getattr(s, "shard_name", None)})
+    return f" in {', '.join(shards)}" if shards else ""
 
 
 def _encode(keys: list[str], size: int) -> bytes:

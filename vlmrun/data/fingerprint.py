@@ -3,6 +3,10 @@
 A saved loader state carries the fingerprint of the shard that wrote it; restoring it into a shard
 with another fingerprint is refused before anything is read, with every changed field listed as
 `path: old -> new`. Field names are recipe paths where the value comes from the recipe.
+
+`data.on_bad_sample` is not in it: it decides whether a sample that does not fit fails the run or is
+skipped, and under `refuse` every sample before a checkpoint fitted, so a refused run resumed with
+`drop` continues into exactly the stream a `drop` run would have had.
 """
 
 from __future__ import annotations

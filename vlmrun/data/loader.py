@@ -14,7 +14,12 @@
 4. The process that opens a shard keeps its freed heap memory (`vlmrun.data.malloc`), and so do
    the workers it forks: returned memory page-faulted back in cost ~20-50% of the loader's CPU.
 5. Corrupt samples are skipped and counted per shard up to `data.error_tolerance`
-   (`vlmrun.data.error_budget`); one more fails the shard with its key and tar file.
+   (`vlmrun.data.error_budget`); one more fails the shard with its key and tar file. A sample that
+   does not fit `data.max_seq_len` is refused (`SampleRefused`) or, with `data.on_bad_sample: drop`,
+   skipped within the same budget. `counts()` says how many samples the stream skipped and how many
+   SFT conversations it cut in the micro-batches handed out so far; the counts are part of the
+   state (with those of a group it is in the middle of), so a resumed shard counts exactly as an
+   uninterrupted one, batch by batch.
 """
 
 from __future__ import annotations
@@ -25,9 +30,10 @@ import logging
 import os
 import warnings
 from dataclasses import dataclass
+from typing import NamedTuple
 
-from vlmrun.data.batch import Batch, PromptBatch
-from vlmrun.data.error_budget import CorruptDataError, ErrorBudget
+from vlmrun.data.batch import Batch, PromptBatch, SampleCounts
+from vlmrun.data.error_budget import CorruptDataError, ErrorBudget, SampleRefused
 from vlmrun.data.fingerprint import LOADER_FORMAT, LoaderStateRefused, check_same_identity, loader_fingerprint
 from vlmrun.data.malloc import retain_freed_memory
 from vlmrun.data.splits import split_size
@@ -57,11 +63,13 @@ def load_processor(processor_dir: str, family: str):
 
 @dataclass
 class _HeldGroup:
-    """A group of micro-batches taken from Energon and not yet all handed out."""
+    """A group of micro-batches taken from Energon and not yet all handed out, with the counts each
+    adds to the shard's when it is (`SampleCounts`: the first carries the group's drops)."""
 
     key: tuple
     size: int
     batches: collections.deque
+    counts: collections.deque
 
 
 class LoaderShard:
@@ -96,7 +104,9 @@ class LoaderShard:
             placement_hash=placement_hash,
             split=split,
         )
-        self._budget = ErrorBudget(shard=shard, num_shards=num_shards, split=split, tolerance=d.error_tolerance)
+        self._budget = ErrorBudget(
+            shard=shard, num_shards=num_shards, split=split, tolerance=d.error_tolerance, on_bad_sample=d.on_bad_sample
+        )
         worker_config = WorkerConfig(
             rank=shard,
             world_size=num_shards,
@@ -113,6 +123,7 @@ class LoaderShard:
             micro_batch_size=t.micro_batch_size,
         )
         self._pool = task_encoder.slot_pool = SlotPool(num_workers=d.num_workers)
+        task_encoder.budget = self._budget
         retain_freed_memory()  # in this process and the workers it forks (see vlmrun.data.malloc)
         group_samples = t.micro_batch_size * transfer_group(t.micro_batch_size, d.transfer_samples)
         epoch_groups = max(1, d.virtual_epoch_length // group_samples) if d.virtual_epoch_length else 0
@@ -133,21 +144,28 @@ class LoaderShard:
         self._held: collections.deque[_HeldGroup] = collections.deque()
         self._to_rebuild: list[dict] = []
         self._batches = 0
+        self._counts = SampleCounts()
         self._closed = False
 
     def next_batch(self) -> Batch:
         """The next micro-batch (`train.micro_batch_size` samples); epochs follow each other forever.
 
-        Raises `CorruptDataError` once the shard skipped more than `data.error_tolerance` samples.
+        Raises `CorruptDataError` once the shard skipped more than `data.error_tolerance` samples, and
+        `SampleRefused` for a sample that does not fit `data.max_seq_len` under `on_bad_sample: refuse`.
         """
         if self._closed:
             raise RuntimeError(f"loader shard {self.shard} is closed")
         try:
             batch = self._next()
-        except CorruptDataError as e:
-            raise CorruptDataError(_last_line(str(e))) from None
+        except (CorruptDataError, SampleRefused) as e:
+            raise type(e)(_last_line(str(e), type(e))) from None
         self._batches += 1
         return batch
+
+    def counts(self) -> SampleCounts:
+        """Samples skipped and conversations cut in the micro-batches handed out so far, since the run
+        began (a loaded state brings its counts)."""
+        return self._counts
 
     def _next(self) -> Batch:
         if self._to_rebuild:
@@ -156,12 +174,23 @@ class LoaderShard:
             self._held.popleft()
         if not self._held:
             self._held.append(self._fetch())
-        return self._held[0].batches.popleft()
+        group = self._held[0]
+        self._counts += group.counts.popleft()
+        return group.batches.popleft()
 
-    def _fetch(self, taken: int = 0, packed=None) -> _HeldGroup:
+    def _fetch(self, taken: int = 0, packed=None, counts: list | None = None) -> _HeldGroup:
+        """The next group from Energon, or `packed` rebuilt from a saved state with the `counts` its
+        remaining micro-batches still add (a rebuild re-encodes the samples, but cannot know what was
+        dropped while the group was first filled)."""
         packed = self._next_group() if packed is None else packed
+        batches = self._pool.unpack(packed)[taken:]
+        if counts is None:
+            counts = list(packed.counts)[taken:] or [SampleCounts()] * len(batches)
         return _HeldGroup(
-            key=packed.__restore_key__, size=len(packed), batches=collections.deque(self._pool.unpack(packed)[taken:])
+            key=packed.__restore_key__,
+            size=len(packed),
+            batches=collections.deque(batches),
+            counts=collections.deque(counts),
         )
 
     def _rebuild_held_groups(self) -> None:
@@ -174,7 +203,8 @@ class LoaderShard:
         following = self._fetch()
         for entry in self._to_rebuild:
             packed = self._loader.restore_sample(entry["group_key"])
-            self._held.append(self._fetch(int(entry["taken"]), packed))
+            counts = [SampleCounts(*c) for c in entry.get("counts") or [(0, 0)] * (len(packed) - int(entry["taken"]))]
+            self._held.append(self._fetch(int(entry["taken"]), packed, counts))
         self._held.append(following)
         self._to_rebuild = []
 
@@ -193,12 +223,22 @@ class LoaderShard:
         """Where this shard stands, with its fingerprint; plain data for `torch.save`/`torch.load`."""
         from vlmrun.data.loader_state import to_plain
 
-        pending = [{"group_key": g.key, "taken": g.size - len(g.batches)} for g in self._held if g.batches]
+        pending = [
+            {
+                "group_key": g.key,
+                "taken": g.size - len(g.batches),
+                "counts": [[c.dropped, c.truncated] for c in g.counts],
+            }
+            for g in self._held
+            if g.batches
+        ]
         return {
             "format": LOADER_FORMAT,
             "fingerprint": dict(self.fingerprint),
             "batches": self._batches,
             "corrupt_keys": self._budget.keys(),
+            "dropped_samples": self._counts.dropped,
+            "truncated_samples": self._counts.truncated,
             "energon": to_plain(self._loader.save_state_rank()),
             "pending_groups": self._to_rebuild + pending,
         }
@@ -225,6 +265,7 @@ class LoaderShard:
         check_same_identity(state["fingerprint"], self.fingerprint, shard=self.shard)
         self._loader.restore_state_rank(from_plain(state["energon"]))
         self._batches = int(state.get("batches", 0))
+        self._counts = SampleCounts(int(state.get("dropped_samples", 0)), int(state.get("truncated_samples", 0)))
         self._budget.reset(list(state.get("corrupt_keys") or ()))
         # Energon's state sits after the groups the saved shard was in the middle of; they are
         # rebuilt from their restore keys (every stage is stateless) when iteration starts.
@@ -256,11 +297,22 @@ def open_loader_shard(
     )
 
 
-def val_batches(recipe, *, processor_dir: str, samples: int, batch_size: int) -> tuple[list[Batch], list[PromptBatch]]:
-    """The first `samples` of `recipe.data.val_split` in a fixed order, as loss and prompt batches.
+class ValidationSet(NamedTuple):
+    """The validation batches, and how many samples of the split were skipped to fill them."""
+
+    loss_batches: list[Batch]
+    prompt_batches: list[PromptBatch]
+    dropped: int = 0
+
+
+def val_batches(recipe, *, processor_dir: str, samples: int, batch_size: int) -> ValidationSet:
+    """The first `samples` usable samples of `recipe.data.val_split` in a fixed order, as loss and prompt batches.
 
     Loss batches hold full conversations with labels; prompt batches the same samples' prompts,
-    left-padded, with the reference answers. Corrupt samples are skipped (up to the tolerance).
+    left-padded, with the reference answers. Corrupt samples are skipped (up to the tolerance), and
+    samples that do not fit `data.max_seq_len` follow `data.on_bad_sample` (`SampleRefused`, or
+    skipped); `dropped` counts the samples skipped before the last one used. A GRPO run's
+    conversations may be `grpo.max_new_tokens` longer than its prompts (its answers are responses).
     """
     from megatron.energon import WorkerConfig, get_loader, get_val_dataset
 
@@ -269,11 +321,13 @@ def val_batches(recipe, *, processor_dir: str, samples: int, batch_size: int) ->
 
     d = recipe.data
     if samples <= 0:
-        return [], []
+        return ValidationSet([], [])
     check_components(recipe)
     split_size(d.path, d.val_split)
     processor = load_processor(processor_dir, recipe.family)
-    budget = ErrorBudget(shard=0, num_shards=1, split=d.val_split, tolerance=d.error_tolerance)
+    budget = ErrorBudget(
+        shard=0, num_shards=1, split=d.val_split, tolerance=d.error_tolerance, on_bad_sample=d.on_bad_sample
+    )
     worker_config = WorkerConfig(rank=0, world_size=1, num_workers=0, global_error_handler=budget)
     task_encoder = make_task_encoder(
         d.task_encoder,
@@ -282,12 +336,14 @@ def val_batches(recipe, *, processor_dir: str, samples: int, batch_size: int) ->
         cookers=d.cookers,
         max_seq_len=d.max_seq_len,
         val=True,
+        answer_room=recipe.grpo.max_new_tokens if recipe.train.algorithm == "grpo" else 0,
     )
+    task_encoder.budget = budget
     dataset = get_val_dataset(
         d.path, split_part=d.val_split, worker_config=worker_config, batch_size=batch_size, task_encoder=task_encoder
     )
     pairs = []
-    with _quiet_pin_memory():
+    with _quiet_pin_memory():  # no worker processes: a refusal arrives as raised, one line
         for group in get_loader(dataset):
             pairs.extend(group)
             if len(pairs) >= samples:
@@ -295,9 +351,10 @@ def val_batches(recipe, *, processor_dir: str, samples: int, batch_size: int) ->
     pairs = pairs[:samples]
     encoder = task_encoder.encoder
     chunks = [pairs[i : i + batch_size] for i in range(0, len(pairs), batch_size)]
-    return (
+    return ValidationSet(
         [encoder.collate([s.encoded for s in c]) for c in chunks],
         [encoder.collate_prompts([s.prompt for s in c]) for c in chunks],
+        sum(s.dropped_before for s in pairs),
     )
 
 
@@ -309,9 +366,9 @@ def _quiet_pin_memory():
         yield
 
 
-def _last_line(text: str) -> str:
+def _last_line(text: str, kind: type[Exception]) -> str:
     """The error message itself, without the worker traceback torch puts in front of it."""
     lines = [line for line in text.strip().splitlines() if line.strip()]
     last = lines[-1] if lines else text
-    prefix = f"{CorruptDataError.__module__}.{CorruptDataError.__name__}: "
-    return last.split(prefix, 1)[-1].removeprefix(f"{CorruptDataError.__name__}: ")
+    prefix = f"{kind.__module__}.{kind.__name__}: "
+    return last.split(prefix, 1)[-1].removeprefix(f"{kind.__name__}: ")

@@ -8,7 +8,10 @@ samples (full conversation and prompt) for `vlmrun.data.loader.val_batches` to c
 left-padded into `PromptBatch`es with the reference answer (for the reward) and the question
 template; GRPO validates like SFT (the same validation twin). Every hook
 is `@stateless` (a pure function of its input), which is what lets Energon restore a shuffle buffer
-or a group by re-reading samples. `decoder = None`: samples reach the cooker as raw bytes, and the
+or a group by re-reading samples. The one thing a batcher adds is counts (`SampleCounts`, per
+micro-batch): its conversations cut to max_seq_len, and, on the first, the samples the shard's
+`ErrorBudget` skipped in this process since the group before, so a group carries the drops that
+happened while it was filled (the loader keeps a rebuilt group's counts from its saved state). `decoder = None`: samples reach the cooker as raw bytes, and the
 cooker decodes images straight to uint8 (Energon's default decoder would make float tensors the
 processor then rescales again: ~45% of the loader's time, docs/measurements.md).
 """
@@ -18,8 +21,10 @@ from __future__ import annotations
 from megatron.energon import DefaultTaskEncoder, Sample, edataclass, stateless
 
 from vlmrun.config.families import family_spec
+from vlmrun.data.batch import SampleCounts
 from vlmrun.data.chat_encoding import ConversationEncoder, Encoded, EncodedPrompt
 from vlmrun.data.cookers import Conversation, decode_media, energon_cookers
+from vlmrun.data.error_budget import ErrorBudget
 from vlmrun.data.transport import PackedBatches, PromptGroup, SlotPool, collate_packed
 
 
@@ -34,6 +39,8 @@ class EncodedSample(Sample):
 class EncodedValSample(Sample):
     encoded: Encoded
     prompt: EncodedPrompt
+    #: Samples skipped just before this one (the validation set counts those before its last sample).
+    dropped_before: int = 0
 
 
 class ChatSftTaskEncoder(DefaultTaskEncoder):
@@ -43,13 +50,24 @@ class ChatSftTaskEncoder(DefaultTaskEncoder):
     __default_failure_tolerance__ = 0
     decoder = None
 
-    def __init__(self, *, processor, family: str, cookers: list[str], max_seq_len: int, micro_batch_size: int = 1):
+    def __init__(
+        self,
+        *,
+        processor,
+        family: str,
+        cookers: list[str],
+        max_seq_len: int,
+        micro_batch_size: int = 1,
+        answer_room: int = 0,
+    ):
         super().__init__()
         self.micro_batch_size = micro_batch_size
         #: Set by the loader before its workers fork (see `vlmrun.data.transport.SlotPool`).
         self.slot_pool: SlotPool | None = None
+        #: The shard's error handler, set by the loader: the batcher takes its count of skipped samples.
+        self.budget: ErrorBudget | None = None
         self.cookers = energon_cookers(cookers)
-        self.encoder = ConversationEncoder(processor, family_spec(family), max_seq_len)
+        self.encoder = ConversationEncoder(processor, family_spec(family), max_seq_len, answer_room=answer_room)
 
     @stateless
     def encode_sample(self, sample: Conversation) -> EncodedSample:
@@ -60,7 +78,18 @@ class ChatSftTaskEncoder(DefaultTaskEncoder):
         """The samples of one transfer group as micro-batches of `micro_batch_size`, packed (see transport)."""
         size = self.micro_batch_size
         groups = [[s.encoded for s in samples[i : i + size]] for i in range(0, len(samples), size)]
-        return collate_packed(self.encoder, groups, self.slot_pool)
+        packed = collate_packed(self.encoder, groups, self.slot_pool)
+        packed.counts = self._counts([sum(e.truncated for e in g) for g in groups])
+        return packed
+
+    def _counts(self, truncated: list[int]) -> list[SampleCounts]:
+        """Per micro-batch: its samples cut to max_seq_len; the first also the samples skipped since the
+        group before."""
+        dropped = self._take_skipped()
+        return [SampleCounts(dropped=dropped if i == 0 else 0, truncated=n) for i, n in enumerate(truncated)]
+
+    def _take_skipped(self) -> int:
+        return self.budget.take_skipped() if self.budget is not None else 0
 
 
 class ChatSftValTaskEncoder(ChatSftTaskEncoder):
@@ -70,9 +99,8 @@ class ChatSftValTaskEncoder(ChatSftTaskEncoder):
     @stateless
     def encode_sample(self, sample: Conversation) -> EncodedValSample:
         decode_media(sample)  # the full conversation and the prompt use the same pixels: decode them once
-        return EncodedValSample.derive_from(
-            sample, encoded=self.encoder.encode(sample), prompt=self.encoder.encode_prompt(sample)
-        )
+        encoded, prompt = self.encoder.encode(sample), self.encoder.encode_prompt(sample)
+        return EncodedValSample.derive_from(sample, encoded=encoded, prompt=prompt, dropped_before=self._take_skipped())
 
     @stateless
     def batch(self, samples: list[EncodedValSample]) -> list[EncodedValSample]:
@@ -96,9 +124,8 @@ class ChatGrpoTaskEncoder(ChatSftTaskEncoder):
         """The samples of one transfer group as prompt micro-batches of `micro_batch_size`."""
         size = self.micro_batch_size
         prompts = [s.prompt for s in samples]
-        return PromptGroup(
-            batches=[self.encoder.collate_prompts(prompts[i : i + size]) for i in range(0, len(prompts), size)]
-        )
+        batches = [self.encoder.collate_prompts(prompts[i : i + size]) for i in range(0, len(prompts), size)]
+        return PromptGroup(batches=batches, counts=self._counts([0] * len(batches)))
 
 
 # Names as declared in `vlmrun.data.components.TASK_ENCODERS` (tests/test_data_families.py checks).
@@ -117,9 +144,16 @@ def make_task_encoder(
     max_seq_len: int,
     micro_batch_size: int = 1,
     val: bool = False,
+    answer_room: int = 0,
 ):
-    """The task encoder registered as `name` (train or validation variant)."""
+    """The task encoder registered as `name` (train or validation variant); `answer_room`: how much
+    longer than `max_seq_len` a conversation may be than a prompt (see vlmrun.data.chat_encoding)."""
     cls = _ENCODERS[name][1 if val else 0]
     return cls(
-        processor=processor, family=family, cookers=cookers, max_seq_len=max_seq_len, micro_batch_size=micro_batch_size
+        processor=processor,
+        family=family,
+        cookers=cookers,
+        max_seq_len=max_seq_len,
+        micro_batch_size=micro_batch_size,
+        answer_room=answer_room,
     )

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from vlmrun.data.batch import Batch, PromptBatch
+from vlmrun.data.batch import Batch, PromptBatch, SampleCounts
 
 _ALIGN = 64
 _KEEP_AS_VIEW_BYTES = 64 * 1024
@@ -73,6 +73,8 @@ class PackedBatches:
     slot: int | None = None
     #: Set by Energon's batcher: how to rebuild this group with `SavableDataLoader.restore_sample`.
     __restore_key__: tuple = ()
+    #: Per micro-batch, what it adds to its shard's `SampleCounts` (set by the task encoder's batcher).
+    counts: list[SampleCounts] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.parts)
@@ -85,6 +87,7 @@ class PromptGroup:
 
     batches: list[PromptBatch]
     __restore_key__: tuple = ()
+    counts: list[SampleCounts] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.batches)

@@ -42,7 +42,9 @@ def prompt_batch(family: str, model_dir: Path, work: Path, prompts: int):
             "parallel": {"dp": 1},
         }
     )
-    _, prompt_batches = val_batches(recipe, processor_dir=str(model_dir), samples=prompts, batch_size=prompts)
+    prompt_batches = val_batches(
+        recipe, processor_dir=str(model_dir), samples=prompts, batch_size=prompts
+    ).prompt_batches
     return prompt_batches[0]
 
 

@@ -59,7 +59,7 @@ def submit_run(
             f"continue it with `vlmrun resume {rd.path}` or choose another --run-dir",
         )
     memory = check_memory_fit(recipe)  # before preflight: a layout that cannot fit, wherever the weights are
-    preflight_run(recipe, runs_here=executor.runs_here)  # a dry run reports the same errors as a submit
+    preflight_run(recipe, runs_here=executor.runs_here, dry_run=dry_run)  # a submit's errors (weights aside)
     checkpoints = run_checkpoints(rd, recipe)  # with the id this submit gives the run
     checkpoints.check_owner()
     if dry_run:

@@ -2,12 +2,14 @@
 
 Only GPU recipes (cluster.gpus_per_node > 0) are checked against `cluster.gpu_memory_gb`, and, with
 parallel.cpu_offload, the node's host memory against `cluster.mem_gb` when it is set. A CPU recipe's
-estimate (host memory per rank) is reported and never refused.
+estimate (host memory per rank) is reported and never refused. A refusal names only the changes that
+lower this estimate: each candidate is applied to the recipe and estimated again (`_remedies`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Any
 
 from vlmrun.errors import InputError
 from vlmrun.models.architecture import ArchitectureSource, load_architecture
@@ -78,7 +80,8 @@ def check_memory_fit(recipe) -> MemoryFit:
         return MemoryFit(None, "", limit, warning=f"memory fit not checked: {e}")
     fit = _fit(recipe, found, limit)
     if on_gpu and fit.estimate.device_total > limit:
-        raise InputError("cluster.gpu_memory_gb", recipe.cluster.gpu_memory_gb, message=_refusal(recipe, fit))
+        message = _refusal(recipe, fit, found)
+        raise InputError("cluster.gpu_memory_gb", recipe.cluster.gpu_memory_gb, message=message)
     if fit.host_limit and fit.host_per_node > fit.host_limit:
         raise InputError("cluster.mem_gb", recipe.cluster.mem_gb, message=_host_refusal(recipe, fit))
     return _with_warning(fit)
@@ -91,7 +94,9 @@ def training_shape(recipe) -> tuple[TrainingShape, str]:
     per_prompt = recipe.grpo.num_generations if grpo else 1
     steps_per_batch = recipe.grpo.inner_steps if grpo else 1
     micro_batches = max(1, t.global_batch_size // (p.dp * t.micro_batch_size) // steps_per_batch)
-    seq_len = d.max_seq_len + (recipe.grpo.max_new_tokens if grpo else 0)  # a GRPO prompt is cut to max_seq_len
+    seq_len = d.max_seq_len + (
+        recipe.grpo.max_new_tokens if grpo else 0
+    )  # a GRPO prompt fits max_seq_len, its responses add
     image = d.synthetic.image_size if d.synthetic is not None else DEFAULT_IMAGE_SIZE
     shape = TrainingShape(
         master_dtype=recipe.model.dtype,
@@ -126,27 +131,31 @@ def _fit(recipe, found: ArchitectureSource, limit: int | None) -> MemoryFit:
     host_limit = c.mem_gb * GIB if (c.mem_gb and shape.cpu_offload and shape.on_gpu) else None
     estimate = estimate_memory(found.architecture, shape)
     ranks = max(1, c.gpus_per_node)
-    return MemoryFit(estimate, found.source, limit, found.note, host_limit, ranks, assumption=said)
+    return MemoryFit(
+        estimate, found.source, limit, found.note, host_limit, ranks, warning=found.warning, assumption=said
+    )
 
 
 def _with_warning(fit: MemoryFit) -> MemoryFit:
-    e = fit.estimate
+    e, near = fit.estimate, None
     if fit.limit and e.device_total > WARN_FRACTION * fit.limit:
         why = f"the estimate {_gib(e.device_total)} is within 10% of cluster.gpu_memory_gb ({_gib(fit.limit)})"
-        return replace(fit, warning=f"{why}: the run may run out of GPU memory")
-    if fit.host_limit and fit.host_per_node > WARN_FRACTION * fit.host_limit:
+        near = f"{why}: the run may run out of GPU memory"
+    elif fit.host_limit and fit.host_per_node > WARN_FRACTION * fit.host_limit:
         why = f"offloaded state {_gib(fit.host_per_node)} per node is within 10% of cluster.mem_gb"
-        return replace(fit, warning=f"{why} ({_gib(fit.host_limit)})")
-    return fit
+        near = f"{why} ({_gib(fit.host_limit)})"
+    return replace(fit, warning="; ".join(w for w in (fit.warning, near) if w) or None)
 
 
-def _refusal(recipe, fit: MemoryFit) -> str:
+def _refusal(recipe, fit: MemoryFit, found: ArchitectureSource) -> str:
     e = fit.estimate
     parts = " + ".join(f"{name} {v / GIB:.1f}" for name, v in e.peak_terms().items())
+    remedies = _remedies(recipe, found, e.device_total)
+    lower = f"each of these lowers the estimate: {', '.join(remedies)}; or " if remedies else ""
     return (
         f"cluster.gpu_memory_gb: this run needs ~{_gib(e.device_total)} per GPU (end of the {e.peak_phase}), more than the "
         f"{_gib(fit.limit)} of cluster.gpu_memory_gb={recipe.cluster.gpu_memory_gb} ({_count(e.params)} "
-        f"parameters, {fit.source}: {parts} GiB); change {', '.join(_remedies(recipe, e))}"
+        f"parameters, {fit.source}: {parts} GiB); {lower}bigger GPUs (cluster.gpu_memory_gb)"
     )
 
 
@@ -159,28 +168,53 @@ def _host_refusal(recipe, fit: MemoryFit) -> str:
     )
 
 
-def _remedies(recipe, e: MemoryEstimate) -> list[str]:
-    """The fields whose change lowers this estimate, most effective first."""
-    p, t = recipe.parallel, recipe.train
-    out = []
-    if not p.sharded:
-        out.append("parallel.fsdp=true")
-    if e.accumulated_gradients:
-        out.append("parallel.reduce_every_micro_batch=true (gradients stay sharded between micro-batches)")
-    if not p.cpu_offload and e.weights + e.optimizer > e.device_total / 3:
-        out.append("parallel.cpu_offload=true")
-    out.append("parallel.dp (more GPUs: FSDP shards weights, gradients and optimizer state)")
-    if not p.activation_checkpointing:
-        out.append("parallel.activation_checkpointing=true")
-    if p.sharded and p.mixed_precision == "none" and recipe.model.dtype == "float32":
-        out.append("parallel.mixed_precision=bf16")
-    if e.reference:
-        out.append("grpo.kl_coef=0 (no reference copy)")
-    if e.peak_phase == "generation":
-        out.append("grpo.num_generations")
-    if t.micro_batch_size > 1:
-        out.append("train.micro_batch_size")
-    return [*out, "data.max_seq_len", "cluster.gpu_memory_gb (bigger GPUs)"]
+def _remedies(recipe, found: ArchitectureSource, total: int) -> list[str]:
+    """The candidate changes that lower this estimate, each with the estimate it gives, lowest first.
+
+    Each is applied to the recipe and estimated again; one the recipe refuses (e.g. a dp the global
+    batch does not divide) or that does not lower the estimate is left out.
+    """
+    from vlmrun.config.load import set_dotted, validate
+
+    lowered = []
+    for changes, words in _candidates(recipe):
+        raw = recipe.model_dump()
+        for key, value in changes.items():
+            set_dotted(raw, key, value)
+        try:
+            changed = validate(raw)
+        except InputError:
+            continue
+        after = estimate_memory(found.architecture, training_shape(changed)[0]).device_total
+        if after < total:
+            lowered.append((after, f"{words} (-> {_gib(after)})"))
+    return [words for _, words in sorted(lowered, key=lambda item: item[0])]
+
+
+def _candidates(recipe) -> list[tuple[dict[str, Any], str]]:
+    """(recipe changes, how the refusal names them) that may lower a GPU recipe's estimate."""
+    p, t, c, d, g = recipe.parallel, recipe.train, recipe.cluster, recipe.data, recipe.grpo
+    grpo = t.algorithm == "grpo"
+    out: list[tuple[dict[str, Any], str]] = [
+        ({"parallel.fsdp": True}, "parallel.fsdp=true"),
+        ({"parallel.reduce_every_micro_batch": True}, "parallel.reduce_every_micro_batch=true"),
+        ({"parallel.cpu_offload": True}, "parallel.cpu_offload=true"),
+        (
+            {"parallel.dp": 2 * p.dp, "cluster.nodes": 2 * c.nodes},
+            f"parallel.dp={2 * p.dp} with cluster.nodes={2 * c.nodes}",
+        ),
+        ({"parallel.activation_checkpointing": True}, "parallel.activation_checkpointing=true"),
+        ({"parallel.mixed_precision": "bf16"}, "parallel.mixed_precision=bf16"),
+        ({"train.micro_batch_size": t.micro_batch_size // 2}, f"train.micro_batch_size={t.micro_batch_size // 2}"),
+        ({"data.max_seq_len": d.max_seq_len // 2}, f"data.max_seq_len={d.max_seq_len // 2}"),
+    ]
+    if grpo:
+        out += [
+            ({"grpo.kl_coef": 0.0}, "grpo.kl_coef=0"),
+            ({"grpo.num_generations": g.num_generations // 2}, f"grpo.num_generations={g.num_generations // 2}"),
+            ({"grpo.max_new_tokens": g.max_new_tokens // 2}, f"grpo.max_new_tokens={g.max_new_tokens // 2}"),
+        ]
+    return out
 
 
 def _gib(n: int | None) -> str:

@@ -24,6 +24,7 @@ class Validation:
     val_samples: int  # answered prompts
     val_tokens: int  # label tokens the NLL summed over (0: no token was scored, e.g. every label cut away)
     val_majority_baseline: float  # accuracy of always giving the most common answer
+    val_dropped_samples: int = 0  # val samples left out (over-long under data.on_bad_sample: drop)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -85,6 +86,8 @@ class StepRow:
     lr: float
     valid_tokens: int
     consumed_samples: int
+    dropped_samples: int = 0  # samples the loaders left out since the run began (data.on_bad_sample: drop)
+    truncated_samples: int = 0  # SFT conversations cut to data.max_seq_len, media and a label kept
     sample_ids: list[str]
     step_time_s: float
     loader_latency_max_s: float

@@ -307,10 +307,11 @@ class StepLoop:
                 samples=r.train.val_samples,
                 batch_size=max(1, r.train.micro_batch_size),
             )
-        loss_b, prompt_b = self._val
+        loss_b, prompt_b, dropped = self._val
         shares = validation_shares(loss_b, prompt_b, self.group.world_size)
         scores = self.group.per_rank("validate", lambda rank: {"share": shares[rank]})
-        validation = validation_row(sum(scores, ValidationScore()), [a for b in prompt_b for a in b.answers])
+        answers = [a for b in prompt_b for a in b.answers]
+        validation = validation_row(sum(scores, ValidationScore()), answers, dropped=dropped)
         if validation.val_loss is None:
             log.warning(
                 "validation at step %d scored no token of %d val samples (every label cut away? data.max_seq_len "

@@ -94,14 +94,16 @@ def evaluate(
     return ValidationScore(nll, tokens, correct, answered)
 
 
-def validation_row(score: ValidationScore, answers: list[str]) -> Validation:
-    """The metrics row's validation keys of a whole pass; `answers` are every prompt's reference answer."""
+def validation_row(score: ValidationScore, answers: list[str], *, dropped: int = 0) -> Validation:
+    """The metrics row's validation keys of a whole pass; `answers` are every prompt's reference answer,
+    `dropped` the val samples the loader left out."""
     return Validation(
         val_loss=score.nll / score.tokens if score.tokens else None,
         val_accuracy=score.correct / score.answered if score.answered else None,
         val_samples=score.answered,
         val_tokens=score.tokens,
         val_majority_baseline=majority_share(answers),
+        val_dropped_samples=dropped,
     )
 
 

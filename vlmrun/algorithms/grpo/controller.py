@@ -23,6 +23,7 @@ from vlmrun.algorithms.grpo.metrics import step_row
 from vlmrun.algorithms.grpo.partition import ReplicaPlanes, StagePlane
 from vlmrun.algorithms.grpo.stages import DriverStages, PlaneStages
 from vlmrun.algorithms.grpo.worker import GrpoWorker
+from vlmrun.data.batch import SampleCounts
 from vlmrun.run.rows import StepRow
 
 log = logging.getLogger(__name__)
@@ -67,8 +68,16 @@ class GrpoController(StepLoop):
         record = self.stages.run(step)
         dt = time.perf_counter() - t0
         counters["consumed_samples"] += self.steps.global_batch_size
+        owned = [loader.counts() for loader in self.loaders.values()]
+        counts = SampleCounts.total([r.loader_counts for r in record.rollouts] + owned)
         row = step_row(
-            record, step=step, attempt=self.attempt, epoch=self.steps.epoch_of(step), step_s=dt, counters=counters
+            record,
+            step=step,
+            attempt=self.attempt,
+            epoch=self.steps.epoch_of(step),
+            step_s=dt,
+            counters=counters,
+            counts=counts,
         )
         counters["total_valid_tokens"] += row.valid_tokens
         return row

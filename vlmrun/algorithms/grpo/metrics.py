@@ -29,12 +29,15 @@ from collections import defaultdict
 
 from vlmrun.algorithms.grpo.loss import SUMMED
 from vlmrun.algorithms.grpo.stages import StepRecord
+from vlmrun.data.batch import SampleCounts
 from vlmrun.policy.interface import StepResult
 from vlmrun.run.rows import GrpoStats, StepRow
 
 
-def step_row(record: StepRecord, *, step: int, attempt: int, epoch: int, step_s: float, counters: dict) -> StepRow:
-    """The row of `step`; `counters` already count this step."""
+def step_row(
+    record: StepRecord, *, step: int, attempt: int, epoch: int, step_s: float, counters: dict, counts: SampleCounts
+) -> StepRow:
+    """The row of `step`; `counters` already count this step, `counts` are the loaders' totals."""
     results = record.trains[0].results  # identical on every rank
     tokens = sum(r.valid_tokens for r in results)
     prompts = [p for r in record.rollouts for p in r.prompts]
@@ -47,6 +50,8 @@ def step_row(record: StepRecord, *, step: int, attempt: int, epoch: int, step_s:
         lr=results[0].lr,
         valid_tokens=tokens,
         consumed_samples=counters["consumed_samples"],
+        dropped_samples=counts.dropped,
+        truncated_samples=counts.truncated,
         sample_ids=prompts,
         step_time_s=round(step_s, 4),
         loader_latency_max_s=round(record.loader_s, 4),

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from vlmrun.algorithms.grpo.rollout_rows import RolloutRows
+from vlmrun.data.batch import SampleCounts
 from vlmrun.policy.interface import StepResult
 
 
@@ -26,6 +27,7 @@ class RolloutReport:
     lengths: list[int]  # response tokens, end-of-turn included
     generated_tokens: int  # tokens the generation batch ran (padding included)
     times: dict[str, float]  # loader, refit, generation, reward
+    loader_counts: SampleCounts | None = None  # the owned loader shard's totals (None: the driver's)
     plane: dict[str, float] = field(default_factory=dict)
     rows: RolloutRows | None = None  # the driver path: the rollout itself
 

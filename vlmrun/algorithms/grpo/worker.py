@@ -109,6 +109,7 @@ class GrpoWorker(RankWorker):
             lengths=response_lengths(rollouts),
             generated_tokens=rollouts.response_ids.numel(),
             times=times,
+            loader_counts=self.loader.counts() if self.loader is not None else None,
         )
         if self.plane is None:
             report.rows = RolloutRows(prompts=prompt_rows, responses=responses)

@@ -20,6 +20,7 @@ import time
 from vlmrun.algorithms.common.checkpoint import Checkpoint
 from vlmrun.algorithms.common.loop import StepLoop
 from vlmrun.algorithms.sft.worker import SftWorker
+from vlmrun.data.batch import SampleCounts
 from vlmrun.distributed.worker_group import gather
 from vlmrun.run.rows import StepRow
 
@@ -56,6 +57,8 @@ class SftController(StepLoop):
         samples = self.steps.global_batch_size
         counters["consumed_samples"] += samples
         counters["total_valid_tokens"] += head.valid_tokens
+        owned = [loader.counts() for loader in self.loaders.values()]
+        counts = SampleCounts.total([r.loader_counts for r in reports] + owned)
         return StepRow(
             step=step,
             attempt=self.attempt,
@@ -65,6 +68,8 @@ class SftController(StepLoop):
             lr=head.lr,
             valid_tokens=head.valid_tokens,
             consumed_samples=counters["consumed_samples"],
+            dropped_samples=counts.dropped,
+            truncated_samples=counts.truncated,
             sample_ids=[i for r in reports for i in r.sample_ids],
             step_time_s=round(dt, 4),
             loader_latency_max_s=round(loader_s, 4),

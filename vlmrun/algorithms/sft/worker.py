@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from vlmrun.algorithms.common.checkpoint import Checkpoint, PendingCheckpoint
 from vlmrun.algorithms.common.worker import RankWorker
+from vlmrun.data.batch import SampleCounts
 from vlmrun.plane.interface import DataPlane
 from vlmrun.plane.local import LocalDataPlane
 from vlmrun.plane.micro_batches import get_micro_batches, put_micro_batches
@@ -27,6 +28,7 @@ class SftStepReport:
     result: StepResult
     sample_ids: list[str]
     loader_s: float = 0.0
+    loader_counts: SampleCounts | None = None  # the owned loader shard's totals (v2)
 
 
 class SftWorker(RankWorker):
@@ -42,7 +44,8 @@ class SftWorker(RankWorker):
             micro_batches = self._batches_through_plane(f"step-{step}", n_micro)
             loader_s = time.perf_counter() - t0
         result = self.policy.train_step(micro_batches)
-        return SftStepReport(result, [i for b in micro_batches for i in b.sample_ids], loader_s)
+        counts = self.loader.counts() if self.loader is not None else None
+        return SftStepReport(result, [i for b in micro_batches for i in b.sample_ids], loader_s, counts)
 
     def _batches_through_plane(self, partition: str, n_micro: int) -> list:
         family = self.recipe.model.family

@@ -1,0 +1,142 @@
+"""Samples that do not fit data.max_seq_len, through real Energon loader shards: with
+`data.on_bad_sample: refuse` the shard fails on the first one with one line naming it, its token count
+and the limit; with `drop` it skips them, counts them (within data.error_tolerance), and a restored
+shard goes on with the same batches and the same count. No prompt ever loses its image; an SFT
+conversation whose answer runs over is cut, with its image, and counted.
+"""
+
+from __future__ import annotations
+
+import pytest
+from data_samples import make_recipe, with_long_answer, with_long_question, write_corrupt_copy
+
+from vlmrun.data.error_budget import CorruptDataError, SampleRefused
+from vlmrun.data.loader import open_loader_shard, val_batches
+
+LONG_QUESTIONS = ("train-0000005", "train-0000040", "train-0000070")
+LONG_ANSWER = "train-0000017"
+VAL_LONG = ("val-0000001", "val-0000003")
+TAR_OF = {"train-0000005": "train-000000.tar", "train-0000040": "train-000001.tar", "train-0000070": "train-000002.tar"}
+EPOCH = 96  # samples in the session set's train split
+HANG_S = 120
+
+
+@pytest.fixture(scope="module")
+def long_set(clevr_set, tmp_path_factory):
+    plant = {key: with_long_question for key in LONG_QUESTIONS + VAL_LONG} | {LONG_ANSWER: with_long_answer}
+    return write_corrupt_copy(clevr_set, tmp_path_factory.mktemp("long") / "set", plant)
+
+
+def open_shard(path, tiny_dirs, *, grpo: bool = False, **data):
+    extra = dict(task_encoder="chat_grpo", train={"algorithm": "grpo"}) if grpo else {}
+    recipe = make_recipe(path, **extra, **data)
+    return open_loader_shard(
+        recipe, processor_dir=tiny_dirs["qwen2_5_vl"], shard=0, num_shards=1, placement_hash="p", split="train"
+    )
+
+
+def take(shard, n: int) -> list:
+    return [shard.next_batch() for _ in range(n)]
+
+
+@pytest.mark.timeout(HANG_S)
+@pytest.mark.parametrize("grpo", [False, True], ids=["sft", "grpo"])
+@pytest.mark.parametrize("workers", [0, 2])
+def test_refuse_fails_on_the_first_over_long_sample_in_one_line(long_set, tiny_dirs, workers, grpo):
+    shard = open_shard(long_set, tiny_dirs, grpo=grpo, num_workers=workers)
+    with pytest.raises(SampleRefused) as err:
+        take(shard, EPOCH)
+    shard.close()
+    message = str(err.value)
+    key = next(k for k in LONG_QUESTIONS if f"sample {k} " in message)
+    assert message.startswith(f"loader shard 0/1 (train): sample {key} ({TAR_OF[key]}): ")
+    assert "tokens" in message and "more than data.max_seq_len=256" in message and "data.on_bad_sample" in message
+    assert "\n" not in message and err.value.exit_code == 2
+
+
+@pytest.mark.timeout(HANG_S)
+@pytest.mark.parametrize("workers", [0, 2])
+def test_drop_skips_and_counts_every_over_long_sample_and_cuts_the_long_answer(long_set, tiny_dirs, workers):
+    shard = open_shard(long_set, tiny_dirs, num_workers=workers, on_bad_sample="drop")
+    batches = take(shard, EPOCH)  # two epochs of 93 usable samples (96 - 3 dropped): 2 x 96 samples
+    counts = shard.counts()
+    shard.close()
+    ids = [k for b in batches for k in b.sample_ids]
+    assert not set(ids) & set(LONG_QUESTIONS) and len(set(ids)) == EPOCH - len(LONG_QUESTIONS)
+    assert counts.dropped >= len(LONG_QUESTIONS) and counts.truncated == ids.count(LONG_ANSWER) >= 1
+    for b in batches:  # every sample kept its image: one grid row per sample
+        assert b.media["image_grid_thw"].shape[0] == len(b) and b.input_ids.shape[1] <= 256
+
+
+@pytest.mark.timeout(HANG_S)
+@pytest.mark.parametrize("workers", [0, 2])
+def test_grpo_prompts_keep_their_image_and_the_drops_are_counted(long_set, tiny_dirs, workers):
+    shard = open_shard(long_set, tiny_dirs, grpo=True, num_workers=workers, on_bad_sample="drop")
+    batches = take(shard, EPOCH)
+    counts = shard.counts()
+    shard.close()
+    ids = [k for b in batches for k in b.sample_ids]
+    assert not set(ids) & set(LONG_QUESTIONS) and LONG_ANSWER in ids  # its prompt fits
+    assert counts.dropped >= 1 and counts.truncated == 0
+    for b in batches:
+        assert b.media["image_grid_thw"].shape[0] == len(b) and b.input_ids.shape[1] <= 256
+
+
+def take_counting(shard, n: int) -> tuple[list, list]:
+    """n batches as plain data, and the shard's counts after each."""
+    from data_samples import flat
+
+    batches, counts = [], []
+    for _ in range(n):
+        batches.append(flat(shard.next_batch()))
+        counts.append(shard.counts())
+    return batches, counts
+
+
+@pytest.mark.timeout(HANG_S)
+@pytest.mark.parametrize("saves", [[7], [30], [6, 1]], ids=["mid-group", "later", "again-right-after-a-restore"])
+def test_a_restored_shard_gives_the_same_batches_and_counts_at_every_batch(long_set, tiny_dirs, saves):
+    from data_samples import same_batches
+
+    def shard():
+        return open_shard(long_set, tiny_dirs, num_workers=2, on_bad_sample="drop")
+
+    total = sum(saves) + 24
+    straight = shard()
+    want, want_counts = take_counting(straight, total)
+    straight.close()
+    got, got_counts, current = [], [], shard()
+    for n in saves:  # take n, save, and go on in a fresh shard from that state
+        batches, counts = take_counting(current, n)
+        got, got_counts = got + batches, got_counts + counts
+        state = current.state_dict()
+        current.close()
+        current = shard()
+        current.load_state_dict(state)
+        assert current.counts() == got_counts[-1]
+    batches, counts = take_counting(current, total - sum(saves))
+    current.close()
+    assert same_batches(got + batches, want) and got_counts + counts == want_counts
+    assert want_counts[-1].dropped >= 1 and want_counts[-1].truncated >= 1
+
+
+@pytest.mark.timeout(HANG_S)
+def test_drops_beyond_the_tolerance_fail_naming_the_budget(long_set, tiny_dirs):
+    shard = open_shard(long_set, tiny_dirs, on_bad_sample="drop", error_tolerance=len(LONG_QUESTIONS) - 1)
+    with pytest.raises(CorruptDataError, match="more than data.error_tolerance=2") as err:
+        take(shard, EPOCH)
+    shard.close()
+    assert "over-long" in str(err.value) and "more than data.max_seq_len=256" in str(err.value)
+
+
+def test_validation_drops_and_counts_or_refuses(long_set, tiny_dirs):
+    recipe = make_recipe(long_set, on_bad_sample="drop")
+    loss, prompts, dropped = val_batches(recipe, processor_dir=tiny_dirs["qwen2_5_vl"], samples=6, batch_size=2)
+    keys = [k for b in loss for k in b.sample_ids]
+    assert keys == ["val-0000000", "val-0000002", *(f"val-{i:07d}" for i in range(4, 8))] and dropped == 2
+    assert [k for b in prompts for k in b.sample_ids] == keys
+    assert val_batches(recipe, processor_dir=tiny_dirs["qwen2_5_vl"], samples=1, batch_size=2).dropped == 0
+    with pytest.raises(
+        SampleRefused, match=r"sample val-0000001 \(val-000000.tar\): \d+ tokens, more than data.max_seq_len=256"
+    ):
+        val_batches(make_recipe(long_set), processor_dir=tiny_dirs["qwen2_5_vl"], samples=6, batch_size=2)
