@@ -4,7 +4,7 @@
 1. Ports come from the job's port block (cluster/ray/nodes.py): the block's fixed part has 16 ports
    and Ray uses the first 8, so the master takes offsets 8 (RPC), 9 (HTTP metadata) and 10 (metrics
    and /health). Two jobs on one machine have different blocks, so their masters never collide. The
-   HTTP metadata server binds 0.0.0.0 whatever host it is given (FACTS.md).
+   HTTP metadata server binds 0.0.0.0 whatever host it is given (docs/measurements.md).
 2. The master runs as our child in its own process group, blocking SIGUSR2 and SIGTERM (a job-wide
    stop signal is for the node's stop flag: the step in flight still needs the store), with eviction
    off (a full store fails a put; it never drops data). It dies with the thread that started it

@@ -114,6 +114,8 @@ class HfGenerator(GenerationBackend):
 
     def shutdown(self) -> None:
         self.model = None
+        if str(self.device).startswith("cuda"):
+            torch.cuda.empty_cache()  # the weights' blocks go back to the training that shares the GPU
 
     def _stream(self, seed: int) -> torch.Generator:
         """The replica's generator for `seed`: continued when the seed is the last one, else started afresh."""

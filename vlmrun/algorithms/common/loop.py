@@ -192,9 +192,7 @@ class StepLoop:
             if self._stop.is_set():
                 step -= 1
                 self._save(step, counters)
-                return self._outcome(
-                    State.STOPPED, step, f"stop requested ({self.stop_reason}); checkpointed at step {step}", notes
-                )
+                return self._outcome(State.STOPPED, step, self._stopped_at(step), notes)
             row = self._train_step(step, counters)
             if first_step_at is None:
                 first_step_at = time.time()
@@ -208,7 +206,7 @@ class StepLoop:
             if self._due(step, r.checkpoint.save_period) or self._stop.is_set():
                 self._save(step, counters)
         if self._stop.is_set() and step < self.steps.max_steps:
-            return self._outcome(State.STOPPED, step, f"stop requested ({self.stop_reason})", notes)
+            return self._outcome(State.STOPPED, step, self._stopped_at(step), notes)
         planned = self.steps.max_steps
         where = f"of {planned}" if step <= planned else f"(its checkpoint was past the {planned} steps planned)"
         trained = f"{step - start_step} step(s) in this attempt" + (
@@ -321,6 +319,13 @@ class StepLoop:
                 r.data.max_seq_len,
             )
         return validation
+
+    def _stopped_at(self, step: int) -> str:
+        """The reason of a stop at the boundary after `step`: the checkpoint it holds (saved, or verified
+        when the attempt resumed from it), or that nothing was trained yet."""
+        if self.store.holds(step):
+            return f"stop requested ({self.stop_reason}); checkpointed at step {step}"
+        return f"stop requested ({self.stop_reason}) before the first step; nothing trained, no checkpoint"
 
     def _save(self, step: int, counters: dict) -> None:
         if step <= 0 or self.store.holds(step):  # already saved, valid: the one resumed from, or just sealed

@@ -1,12 +1,14 @@
 """The rank worker every algorithm's per-rank actor extends: what SFT and GRPO ranks hold and do alike.
 
 1. Construction: the rank's policy from `vlmrun.policy.open_policy` (the recipe's `model.backend`) and,
-   when the algorithm or validation needs one, its generation engine from
-   `vlmrun.generation.open_generator` (`generation.backend`), on the rank's GPU when it has one, in the
-   compute dtype, refit from the policy in memory.
+   when the algorithm generates (GRPO), its generation engine from `vlmrun.generation.open_generator`
+   (`generation.backend`), on the rank's GPU when it has one, in the compute dtype, refit from the
+   policy in memory.
 2. `setup`: the process group and the policy, then the engine and the tokenizer.
 3. `attach_loader`: the loader shard this rank owns (`open_train_shard`, the one way a loop opens one).
-4. `validate`: this rank's share of a validation pass (validation.py).
+4. `validate`: this rank's share of a validation pass (validation.py), with the algorithm's engine, or,
+   for an algorithm that has none (SFT), an engine opened for the pass and released after it: a second
+   copy of the weights must not sit beside the training state for the whole run.
 5. Checkpoints: `save` writes the policy's state (`PendingCheckpoint.write_policy`), this rank's RNG,
    the owned loader shard's position and what the algorithm adds (`_save_own`); `load` reads them back.
 
@@ -14,6 +16,9 @@ Subclasses add their stages; `needs_generator` and `_save_own` / `_load_own` are
 """
 
 from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
 
 from vlmrun.algorithms.common.checkpoint import Checkpoint, PendingCheckpoint
 from vlmrun.algorithms.common.shards import open_train_shard
@@ -52,10 +57,9 @@ class RankWorker(RankActor):
         from vlmrun.config.recipe import Recipe
 
         torch.set_num_threads(threads)
-        self.rank, self.replica, self.owner = rank, replica, owner
+        self.rank, self.replica, self.owner, self.threads = rank, replica, owner, threads
         self.recipe = r = Recipe.model_validate_json(recipe_json)
         self.model_dir = model_dir
-        gpus = r.cluster.gpus_per_node > 0
         self.policy: PolicyBackend = open_policy(
             r.model.backend,
             model=ModelSpec(directory=model_dir, dtype=r.model.dtype),
@@ -63,18 +67,21 @@ class RankWorker(RankActor):
             world_size=world_size,
             train=r.train,
             parallel=r.parallel,
-            gpus=gpus,
+            gpus=r.cluster.gpus_per_node > 0,
         )
-        self.generator: GenerationBackend | None = None
-        if self.needs_generator or r.train.val_samples > 0:  # on the rank's GPU (Ray made it cuda:0)
-            self.generator = open_generator(
-                r.generation.backend,
-                model=ModelSpec(directory=model_dir, dtype=compute_dtype(r.model.dtype, r.parallel.mixed_precision)),
-                replica=replica,
-                device="cuda" if gpus else "cpu",
-                threads=threads,
-            )
+        self.generator: GenerationBackend | None = self._open_engine() if self.needs_generator else None
         self.loader = None
+
+    def _open_engine(self) -> GenerationBackend:
+        """A generation engine of this rank's replica, on the rank's GPU (Ray made it cuda:0) when it has one."""
+        r = self.recipe
+        return open_generator(
+            r.generation.backend,
+            model=ModelSpec(directory=self.model_dir, dtype=compute_dtype(r.model.dtype, r.parallel.mixed_precision)),
+            replica=self.replica,
+            device="cuda" if r.cluster.gpus_per_node else "cpu",
+            threads=self.threads,
+        )
 
     def setup(self, master_addr: str, master_port: int, max_steps: int) -> dict:
         from transformers import AutoTokenizer
@@ -93,7 +100,21 @@ class RankWorker(RankActor):
 
     def validate(self, share: ValidationShare) -> ValidationScore:
         """This rank's score of its share of the val batches (collective: every rank calls it)."""
-        return evaluate(share, policy=self.policy, generator=self.generator, decode=self._decode)
+        with self._validation_engine() as engine:
+            return evaluate(share, policy=self.policy, generator=engine, decode=self._decode)
+
+    @contextlib.contextmanager
+    def _validation_engine(self) -> Iterator[GenerationBackend]:
+        """The algorithm's own engine, or one that lives only for this pass (module doc, 4)."""
+        if self.generator is not None:
+            yield self.generator
+            return
+        engine = self._open_engine()
+        engine.setup()
+        try:
+            yield engine
+        finally:
+            engine.shutdown()
 
     def _decode(self, rollouts) -> list[str]:
         """The texts of the rollouts' responses, special tokens dropped."""

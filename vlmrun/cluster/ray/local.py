@@ -15,7 +15,7 @@ from vlmrun.cluster.reaper import TEMP_ENV
 
 # Read by Ray and gloo when they are imported / start: set before either happens.
 LOCAL_ENV = {
-    "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",  # FACTS: the node then registers as 127.0.0.1
+    "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",  # the node then registers as 127.0.0.1 (docs/measurements.md)
     "RAY_USAGE_STATS_ENABLED": "0",
     "GLOO_SOCKET_IFNAME": "lo",  # keep gloo's collectives on loopback, not the machine's outward address
     "HF_HUB_DISABLE_PROGRESS_BARS": "1",

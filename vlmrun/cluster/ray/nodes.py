@@ -182,7 +182,7 @@ def _is_ray_process(p) -> bool:
 
 def ray_env(ip: str) -> dict[str, str]:
     """Environment for our Ray processes and the driver: private cluster, no telemetry, gloo on `ip`'s interface."""
-    # "0" keeps a one-node Ray on loopback (FACTS: else Ray rewrites 127.0.0.1 to the outward address);
+    # "0" keeps a one-node Ray on loopback (docs/measurements.md: else Ray rewrites 127.0.0.1 to the outward address);
     # "1" (Linux's default) is required to join nodes, even where the local default said "0"
     env = {
         "RAY_AUTH_MODE": "disabled",

@@ -1,6 +1,6 @@
 """Rows <-> the one torch.nested jagged tensor per field that crosses a backend.
 
-Backends hand back what they stored in more than one form (FACTS.md): TransferQueue's simple storage
+Backends hand back what they stored in more than one form (docs/measurements.md): TransferQueue's simple storage
 returns a jagged tensor, its Mooncake storage rebuilds one from per-sample values (strided when
 jagged fails), and a dense per-sample field may come back stacked, as (N,) or as (N, L). `rows_of`
 turns any of them into one 1-D row per sample, so adapters decode a single form.
