@@ -1,7 +1,7 @@
 """The memory-fit estimate against the measured peak of one training step, as JSON.
 
     .venv/bin/python tools/measure_memory.py [--recipe recipes/tiny-clevr-cpu.yaml] [--family F ...] [--set k=v ...]
-    python3 tools/measure_memory.py --gpu [--reference qwen2_5_vl_3b]        # on a machine with one GPU
+    PYTHONPATH=. python3 tools/measure_memory.py --gpu [--reference qwen2_5_vl_3b]   # one GPU, vlmrun not installed
 
 CPU (the default), for each family: the tiny model (`create(seed=0)`) in the recipe's model.dtype,
 one micro-batch of `train.micro_batch_size` sequences padded with text to `data.max_seq_len` tokens,
@@ -26,13 +26,11 @@ import argparse
 import gc
 import json
 import os
-import sys
 import tempfile
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
