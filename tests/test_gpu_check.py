@@ -21,7 +21,7 @@ pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 REPO = Path(__file__).resolve().parents[1]
-SECTIONS = {"cuda", "matmul_ceiling", "fsdp_train", "dcp_resume", "logprob_error"}
+SECTIONS = {"cuda", "matmul_ceiling", "fsdp_train", "dcp_resume", "logprob_error", "memory_fit"}
 #: vlmrun's dependencies that the lent GPU machine does not have (FACTS.md: Python 3.12, torch 2.11,
 #: transformers 5.17, no Ray, no package registry).
 ABSENT_ON_GPU_MACHINE = (
@@ -94,6 +94,10 @@ def test_train_and_logprob_numbers_are_sane(smoke):
     assert sections["cuda"]["all_reduce_ok"] and sections["cuda"]["device_name"] is None
     for key in ("token_mult_prob_error", "token_mult_prob_error_median"):
         assert math.isfinite(logprob[key]) and 1.0 <= logprob[key] < 1.1
+    (memory,) = sections["memory_fit"]["rows"]  # one tiny case on CPU: estimated, stepped, no CUDA peak
+    assert (
+        memory["estimate_without_overhead"] > 0 and math.isfinite(memory["loss"]) and memory["allocated_peak"] is None
+    )
 
 
 def test_a_bad_section_name_is_a_usage_error():

@@ -12,6 +12,7 @@ Sections, in order; each is {"ok": true, "seconds": ..., ...} or {"ok": false, "
   dcp_resume      a checkpoint of a cut-down model (2 layers) through the checkpoint store; a fresh policy
                   that loads it takes the next step bitwise equal
   logprob_error   bf16 against fp32 token_mult_prob_error of the policy's logprobs of the 3B-sized model
+  memory_fit      the memory-fit estimate against the peak of the policy's step, for the GPU recipes' shapes
 
 Every section past the first two runs vlmrun's own code: the `hf` policy from `vlmrun.policy.open_policy`
 (a `ModelSpec` of the config: random init on the meta device, FSDP2 on one rank), its `train_step`,
@@ -46,13 +47,14 @@ os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 
 import dcp_check
 import logprob_check
+import memory_check
 import probes
 import torch
 import train_check
 import workload
 
 log = logging.getLogger("gpu_check")
-SECTIONS = ("cuda", "matmul_ceiling", "fsdp_train", "dcp_resume", "logprob_error")
+SECTIONS = ("cuda", "matmul_ceiling", "fsdp_train", "dcp_resume", "logprob_error", "memory_fit")
 GPU_DEFAULTS = {"steps": 4, "warmup": 1, "seq_len": 4096}
 CPU_SMOKE_DEFAULTS = {"steps": 2, "warmup": 1, "seq_len": 64}
 
@@ -139,6 +141,7 @@ def section_plan(scale: workload.Scale, sections: dict, folder: Path) -> dict:
         "fsdp_train": fsdp_train,
         "dcp_resume": lambda: dcp_check.dcp_resume(scale, folder / "dcp"),
         "logprob_error": lambda: logprob_check.logprob_error(scale),
+        "memory_fit": lambda: memory_check.memory_fit(scale),
     }
 
 

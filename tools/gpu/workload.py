@@ -182,11 +182,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def synthetic_batch(config: dict, *, seq_len: int, image_side: int, seed: int) -> Batch:
-    """One sequence of `seq_len` tokens in the Qwen2.5-VL format, as the task encoder makes it (on the
-    CPU; the policy moves it): 8 text tokens, one square image of `image_side` px (a multiple of 28)
-    between its vision start/end tokens, then text; random pixels and token ids from `seed`. Labels are
-    the input ids with the image tokens masked."""
+def synthetic_batch(config: dict, *, seq_len: int, image_side: int, seed: int, sequences: int = 1) -> Batch:
+    """`sequences` sequences of `seq_len` tokens in the Qwen2.5-VL format, as the task encoder makes them
+    (on the CPU; the policy moves them): 8 text tokens, one square image of `image_side` px (a multiple
+    of 28) between its vision start/end tokens, then text; random pixels and token ids from `seed`.
+    Labels are the input ids with the image tokens masked."""
     vision = config["vision_config"]
     grid = image_side // vision["patch_size"]
     image_tokens = grid * grid // vision["spatial_merge_size"] ** 2
@@ -195,21 +195,21 @@ def synthetic_batch(config: dict, *, seq_len: int, image_side: int, seed: int) -
     image, start, end = config["image_token_id"], config["vision_start_token_id"], config["vision_end_token_id"]
     text_ids = min(config["text_config"]["vocab_size"], image, config["video_token_id"], start, end)
     g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, text_ids, (seq_len,), generator=g)
-    ids[8] = start
-    ids[9 : 9 + image_tokens] = image
-    ids[9 + image_tokens] = end
+    ids = torch.randint(0, text_ids, (sequences, seq_len), generator=g)
+    ids[:, 8] = start
+    ids[:, 9 : 9 + image_tokens] = image
+    ids[:, 9 + image_tokens] = end
     is_image = ids == image
     return Batch(
-        sample_ids=[f"synthetic-{seed}"],
-        input_ids=ids[None],
-        attention_mask=torch.ones(1, seq_len, dtype=torch.long),
-        labels=ids.masked_fill(is_image, IGNORE_INDEX)[None],
+        sample_ids=[f"synthetic-{seed}-{k}" for k in range(sequences)],
+        input_ids=ids,
+        attention_mask=torch.ones_like(ids),
+        labels=ids.masked_fill(is_image, IGNORE_INDEX),
         media={
-            "pixel_values": torch.randn(grid * grid, PATCH_ROW, generator=g),
-            "image_grid_thw": torch.tensor([[1, grid, grid]]),
+            "pixel_values": torch.randn(sequences * grid * grid, PATCH_ROW, generator=g),
+            "image_grid_thw": torch.tensor([[1, grid, grid]] * sequences),
         },
-        token_inputs={"mm_token_type_ids": is_image.long()[None]},
+        token_inputs={"mm_token_type_ids": is_image.long()},
     )
 
 
