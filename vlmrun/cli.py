@@ -206,9 +206,7 @@ def compare(
         None, "--out", help="folder for the runs and the plot (default runs/compare-<time>)"
     ),
     rtol: float = typer.Option(0.0, "--rtol", min=0.0, help="relative tolerance per metric; 0 = bitwise identical"),
-    rounds: int = typer.Option(
-        2, "--rounds", min=1, help="v1 v2: ratios of throughput measured (runs advance in rounds + 1 alternating parts)"
-    ),
+    rounds: int = typer.Option(2, "--rounds", min=1, help="v1 v2: throughput ratios to take (rounds + 1 parts)"),
     json_out: bool = JsonOpt,
 ):
     """Compare loss and grad_norm of two runs step by step, with a plot and a verdict.
@@ -223,16 +221,9 @@ def compare(
     """
     from vlmrun.launch.compare import compare_targets
 
+    echo = None if json_out else typer.echo
     result = compare_targets(
-        a,
-        b,
-        recipe=recipe,
-        steps=steps,
-        overrides=set_ or [],
-        out=out,
-        rtol=rtol,
-        rounds=rounds,
-        echo=None if json_out else typer.echo,
+        a, b, recipe=recipe, steps=steps, overrides=set_ or [], out=out, rtol=rtol, rounds=rounds, echo=echo
     )
     _print_result(result, json_out, "print_comparison")
     raise typer.Exit(0 if result["verdict"] == "match" else 1)
@@ -265,10 +256,7 @@ def bench_loader(
     recipe: Path = typer.Argument(Path("recipes/tiny-clevr-cpu.yaml"), help="recipe whose data path to measure"),
     workers: str = typer.Option("0,1,2", "--workers", help="comma-separated loader worker counts to try"),
     batches: int = typer.Option(
-        600,
-        "--batches",
-        min=1,
-        help="measured micro-batches per row (in chunks of 60, interleaved with the other rows)",
+        600, "--batches", min=1, help="measured micro-batches per row (chunks of 60, in rounds)"
     ),
     image_size: int | None = typer.Option(
         None, "--image-size", min=32, max=1024, help="image side of the (generated) data set; default 224"
