@@ -56,7 +56,7 @@ def compare_targets(
             if RunDirectory(run_dir).exists():
                 raise InputError("--out", str(out), f"{run_dir} already holds a run; choose another --out")
         _run_alternating(recipe, dirs, steps, overrides, rounds, echo)
-        sides = [load_side(loop, d) for loop, d in dirs.items()]
+        sides = [load_side(loop, d, _metrics_name(d)) for loop, d in dirs.items()]
     else:
         if recipe is not None or steps is not None:
             raise InputError("--recipe", str(recipe), "--recipe and --steps apply only to `compare v1 v2`")
@@ -129,7 +129,8 @@ def _run_part(recipe: Path, sets: list[str], run_dir: Path, *, started: bool, st
         raise CheckFailed(f"the run in {run_dir} failed ({result.state}); see {run_dir}/logs")
     if wait:
         return
-    while _last_step(run_dir) < stop_after and _running(run_dir):
+    metrics = _metrics_name(run_dir)
+    while _last_step(run_dir, metrics) < stop_after and _running(run_dir):
         time.sleep(_POLL_S)
     state = cancel(str(run_dir)).get("state")
     if state not in ("CANCELLED", "COMPLETED", "KILLED"):  # KILLED: the next part resumes from the last checkpoint
@@ -151,11 +152,17 @@ def _completed(run_dir: Path) -> bool:
     return job is not None and job.state is State.COMPLETED
 
 
-def _last_step(run_dir: Path) -> int:
-    """The newest step in the run's metrics.jsonl (0 before the first); a line being written is skipped."""
+def _metrics_name(run_dir: Path) -> str:
+    """The run's metrics file (`logger.metrics_file`), relative to its run directory."""
+    rd = RunDirectory(run_dir)
+    return rd.load_recipe().logger.metrics_file if rd.exists() else "metrics.jsonl"
+
+
+def _last_step(run_dir: Path, metrics: str | None = None) -> int:
+    """The newest step in the run's metrics log (0 before the first); a line being written is skipped."""
     last = 0
     try:
-        lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+        lines = (run_dir / (metrics or _metrics_name(run_dir))).read_text().splitlines()
     except FileNotFoundError:
         return 0
     for line in lines:
