@@ -48,6 +48,20 @@ def test_bench_plane_local_wire_and_adapter():
     assert set(d["adapters"]) == {"local"} and finite(d["adapters"]["local"]["put_mb_s"])
 
 
+def test_bench_plane_table_shows_the_ratio_with_its_spread():
+    proc = subprocess.run(
+        [sys.executable, "-m", "vlmrun.cli", "bench-plane", "--adapters", "local", "--samples", "2", "--rows", "32"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=os.environ | {"COLUMNS": "200"},
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert re.search(r"one-buffer copy time: [\d.]+x \(median of 5 rounds, [\d.]+-[\d.]+\)", proc.stdout), proc.stdout
+    assert "local" in proc.stdout and "put MB/s" in proc.stdout
+
+
 @pytest.mark.slow
 def test_bench_plane_transfer_queue_adapters():
     d = vlmrun_json("bench-plane", "--adapters", "simple,mooncake", "--samples", "2", "--rows", "32", "--repeats", "1")
