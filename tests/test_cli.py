@@ -254,6 +254,7 @@ JSON_ERRORS = {  # for each command that has --json: an error, and the field it 
     "compare": (["compare", "a", "b"], "A"),
     "export": (["export", "/nonexistent/run", "/nonexistent/out"], "RUN_DIR"),
     "bench-loader": (["bench-loader", TINY, "--workers", "x"], "--workers"),
+    "bench-plane": (["bench-plane", "--adapters", "local,nfs"], "--adapters"),
     "data clevr": (["data", "clevr", "/nonexistent/out", "--train", "0"], "--train"),  # a usage error (click's)
 }
 

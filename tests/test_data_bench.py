@@ -27,6 +27,7 @@ ROW_KEYS = {
     "peak_rss_mb",
     "rss_per_worker_mb",
     "measured_batches",
+    "chunk_samples_per_s",
 }
 
 
@@ -63,8 +64,16 @@ def test_bench_reports_every_loader_kind(clevr_set, tiny_dirs):
         assert row["p50_batch_ms"] <= row["p95_batch_ms"]
         low, high = row["samples_per_s_iqr"]
         assert low <= row["samples_per_s"] <= high  # the median of the chunks, inside their quartiles
+        assert len(row["chunk_samples_per_s"]) == 2  # one chunk per round
     assert len(rows[("energon", 1)]["rss_per_worker_mb"]) == 1 and rows[("energon", 0)]["rss_per_worker_mb"] == []
     assert set(rows[("limit", 0)]["stage_ms_per_sample"]) == {"read", "decode", "processor", "collate"}
     for key in ("ratio_energon_vs_reference", "ratio_energon_vs_limit", "best", "target", "target_met"):
         assert key in result
     assert result["ratio_energon_vs_reference"] > 0 and result["ratio_energon_vs_limit"] > 0
+    for kind in ("reference", "limit"):  # each ratio: the median over rounds of the best rows' chunk ratios
+        spread = result["ratio_spread"][f"energon_vs_{kind}"]
+        assert spread["rounds"] == 2 and spread["min"] <= spread["median"] <= spread["max"]
+        assert result[f"ratio_energon_vs_{kind}"] == spread["median"]
+        best = {k: rows[(k, result["best"][k]["num_workers"])]["chunk_samples_per_s"] for k in ("energon", kind)}
+        per_round = sorted(e / o for e, o in zip(best["energon"], best[kind], strict=True))
+        assert spread["min"] == round(per_round[0], 3) and spread["max"] == round(per_round[-1], 3)

@@ -133,6 +133,8 @@ def test_compare_v1_v2_identical(tmp_path, sets):
     d = json.loads(out.stdout)
     assert d["verdict"] == "match" and d["max_abs_diff"]["loss"] == 0.0 and d["sample_ids_identical"]
     assert d["steps_compared"] == 6 and Path(d["plot"]).is_file()
+    parts = d["throughput_ratio"]["parts"]  # v1, v2, v1: the runs took turns (--rounds 2)
+    assert [p["run"] for p in parts] == ["v1", "v2", "v1"] and d["throughput_ratio"]["rounds"] == 2
 
 
 @pytest.mark.parametrize("kill_at", [4, 7])

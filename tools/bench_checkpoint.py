@@ -23,8 +23,6 @@ from pathlib import Path
 import torch
 import torch.multiprocessing as mp
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 WIDTH = 2048  # one layer: WIDTH x WIDTH fp32 = 16 MB
 
 

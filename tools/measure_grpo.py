@@ -1,6 +1,6 @@
 """GRPO's closing-note numbers on the tiny CPU recipe, printed as JSON, all from one run of this script.
 
-    .venv/bin/python tools/measure_grpo.py [--steps 12] [--repeats 5] [--set section.key=value ...]
+    .venv/bin/python tools/measure_grpo.py [--steps 12] [--repeats 5] [--planes local,driver] [--set section.key=value ...]
 
 1. planes: recipes/tiny-grpo-cpu.yaml for `steps` steps with each data-plane setting (local,
    transfer_queue simple and mooncake, no plane: batches through the driver), one after the other
@@ -125,20 +125,21 @@ def bare_generation(sets: list[str], work: Path, repeats: int) -> dict:
     }
 
 
-def measure(work: Path, steps: int, repeats: int, sets: list[str]) -> dict:
-    planes = {name: plane_row(run(work, name, steps, [*sets, *extra])) for name, extra in SETTINGS.items()}
+def measure(work: Path, steps: int, repeats: int, sets: list[str], settings: list[str]) -> dict:
+    planes = {name: plane_row(run(work, name, steps, [*sets, *SETTINGS[name]])) for name in settings}
     bf16 = plane_row(run(work, "local-bf16", steps, [*sets, *SETTINGS["local"], "model.dtype=bfloat16"]))
     generation = bare_generation(sets, work, repeats)
     from vlmrun.config.load import load_recipe
 
-    in_loop = planes["local"]["generation_tokens_per_s"] / load_recipe(RECIPE, sets).parallel.dp
+    in_loop_row = planes.get("local") or next(iter(planes.values()))
+    in_loop = in_loop_row["generation_tokens_per_s"] / load_recipe(RECIPE, sets).parallel.dp
     return {
         "steps": steps,
         "sets": sets,
         "planes": {k: {kk: vv for kk, vv in v.items() if kk != "losses"} for k, v in planes.items()},
         "identical_losses": len({json.dumps(v["losses"]) for v in planes.values()}) == 1,
         "plane_bytes_per_step": {
-            "float32_pixels": planes["local"]["plane_bytes_per_step"],
+            "float32_pixels": planes["local"]["plane_bytes_per_step"] if "local" in planes else None,
             "bfloat16_pixels": bf16["plane_bytes_per_step"],
         },
         "generation": {
@@ -155,12 +156,16 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--set", action="append", default=[], dest="sets", metavar="KEY=VALUE")
     parser.add_argument("--work", type=Path, default=None, help="folder for the runs (default: temp)")
+    parser.add_argument("--planes", default=",".join(SETTINGS), help=f"comma-separated subset of {','.join(SETTINGS)}")
     args = parser.parse_args()
+    settings = [p for p in args.planes.split(",") if p]
+    if not settings or set(settings) - set(SETTINGS):
+        parser.error(f"--planes: {args.planes!r}; allowed: a comma-separated subset of {','.join(SETTINGS)}")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     with tempfile.TemporaryDirectory(prefix="vlmrun-measure-grpo-") as tmp:
         work = args.work or Path(tmp)
         work.mkdir(parents=True, exist_ok=True)
-        print(json.dumps(measure(work, args.steps, args.repeats, args.sets), indent=2))
+        print(json.dumps(measure(work, args.steps, args.repeats, args.sets, settings), indent=2))
 
 
 if __name__ == "__main__":

@@ -1,54 +1,47 @@
-"""The memory-fit estimate against the measured peak of one training step, as JSON.
+"""The memory-fit estimate against the measured peak of one training step of the policy, as JSON.
 
     .venv/bin/python tools/measure_memory.py [--recipe recipes/tiny-clevr-cpu.yaml] [--family F ...] [--set k=v ...]
-    python3 tools/measure_memory.py --gpu [--reference qwen2_5_vl_3b]        # on a machine with one GPU
 
-CPU (the default), for each family: the tiny model (`create(seed=0)`) in the recipe's model.dtype,
-one micro-batch of `train.micro_batch_size` sequences padded with text to `data.max_seq_len` tokens,
-each with one `data.synthetic.image_size` px image (the bound the estimate assumes), and the recipe's
-optimizer and activation checkpointing. One step warms up (AdamW allocates its state), then a second
-step (zero grad, forward, the policy's NLL, backward, optimizer step) runs under torch.profiler with
-profile_memory=True: its trace's largest "Total Allocated" is the peak of the bytes allocated during
-that step by the CPU allocator, counted exactly per allocation and free (RSS moves in pages and
-keeps freed memory, too coarse at these sizes). Measured peak = that + the bytes alive before the
-step (parameters and optimizer state). Single process, so no FSDP: the CPU recipes run replicas.
+On the GPU the same comparison is a section of the GPU check (`tools/gpu/check.py --sections memory_fit`).
 
---gpu: the reference architecture (random init on the GPU, no weights read) under FSDP2 on one rank
-with fp32 master weights and bf16 mixed precision, as the GPU recipes run it, with and without
-activation checkpointing; torch.cuda.max_memory_allocated over the second step against the estimate
-without its fixed overhead (the CUDA context is not an allocation), and max_memory_reserved beside
-it. Needs torch and transformers only (no pydantic): it reads no recipe.
+CPU, for each family: the recipe's policy (`vlmrun.policy.open_policy` with the recipe's model,
+train and parallel sections: the tiny model in model.dtype, the recipe's optimizer and activation
+checkpointing) on one rank, and the recipe's micro-batches per step, each of `train.micro_batch_size`
+sequences padded with text to `data.max_seq_len` tokens, each with one `data.synthetic.image_size` px
+image (the bound the estimate assumes). One `train_step` warms up (AdamW allocates its state), then a
+second one runs under torch.profiler with profile_memory=True: its trace's largest "Total Allocated" is
+the peak of the bytes allocated during that step by the CPU allocator, counted exactly per allocation
+and free (RSS moves in pages and keeps freed memory, too coarse at these sizes). Measured peak = that +
+the bytes alive before the step (the policy's checkpoint state: weights and optimizer state). Single
+process, so the CPU recipes' replicas, not FSDP.
 """
 
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
-import sys
 import tempfile
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch
+
+from vlmrun.models.memory import estimate_memory
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-import torch  # noqa: E402
-
-from vlmrun.models.memory import TrainingShape, estimate_memory  # noqa: E402
-from vlmrun.models.params import count_architecture  # noqa: E402
-from vlmrun.policy.fsdp import Sharding, checkpoint_layers, decoder_layers, set_gradient_sync, shard_model  # noqa: E402
-from vlmrun.policy.loss import nll_sum  # noqa: E402
-
 RECIPE = ROOT / "recipes" / "tiny-clevr-cpu.yaml"
 FILLER = "The small red cube is left of the large blue sphere and behind the green cylinder. "
 
 
-def padded_batch(processor, sequences: int, seq_len: int, image_size: int) -> dict:
-    """`sequences` one-image conversations, each extended with plain text to exactly `seq_len` tokens."""
+def padded_batch(processor, sequences: int, seq_len: int, image_size: int, dtype: torch.dtype):
+    """`sequences` one-image conversations, each extended with plain text to exactly `seq_len` tokens, as a
+    `Batch` (every token labelled; pixels in the weights' `dtype`)."""
     import numpy as np
     from PIL import Image
+
+    from vlmrun.data.batch import Batch
 
     rng = np.random.default_rng(0)
     image = Image.fromarray(rng.integers(0, 256, (image_size, image_size, 3), dtype=np.uint8))
@@ -65,46 +58,49 @@ def padded_batch(processor, sequences: int, seq_len: int, image_size: int) -> di
         if key != "input_ids" and torch.is_tensor(value) and value.shape == ids.shape:
             pad = torch.full((sequences, len(filler)), 1 if key == "attention_mask" else 0, dtype=value.dtype)
             extended[key] = torch.cat([value, pad], dim=1)
-    return dict(batch) | extended
+    media = {k: v.to(dtype) if v.is_floating_point() else v for k, v in batch.items() if k not in extended}
+    ids, mask = extended.pop("input_ids"), extended.pop("attention_mask")
+    names = [f"padded-{k}" for k in range(sequences)]
+    return Batch(names, ids, mask, ids.clone(), media=media, token_inputs=extended)
 
 
-def measure_family(family: str, recipe) -> dict:
-    """Estimated and measured bytes of one step of `family`'s tiny model under `recipe`."""
+def measure_family(family: str, recipe, cache: Path | None = None) -> dict:
+    """Estimated and measured bytes of one step of `family`'s tiny model under `recipe` (the model is
+    built into `cache`, default a temporary folder)."""
+    if cache is None:
+        with tempfile.TemporaryDirectory(prefix="vlmrun-measure-memory-") as tmp:
+            return measure_family(family, recipe, Path(tmp))
+    from transformers import AutoProcessor
+
     from vlmrun.config.dtype import torch_dtype
     from vlmrun.models.architecture import load_architecture
     from vlmrun.models.fit import training_shape
-    from vlmrun.models.tiny import family_module
+    from vlmrun.models.source import ensure_model
+    from vlmrun.models.spec import ModelSpec
+    from vlmrun.policy import open_policy
 
     shape, assumption = training_shape(recipe)
-    model, processor = family_module(family).create(seed=0)
-    dtype = torch_dtype(recipe.model.dtype)
-    model = model.to(dtype).train()
-    if recipe.parallel.activation_checkpointing:
-        checkpoint_layers(model, decoder_layers(model))
-    batch = padded_batch(processor, shape.sequences, shape.seq_len, shape.image_size)
-    batch = {k: v.to(dtype) if torch.is_floating_point(v) else v for k, v in batch.items()}
-    t = recipe.train
-    optimizer_cls = torch.optim.AdamW if t.optimizer == "adamw" else torch.optim.SGD
-    optimizer = optimizer_cls(model.parameters(), lr=1e-4, foreach=False)
-
-    def step() -> None:  # the recipe's micro-batches per step, gradients accumulated as the replicas do
-        optimizer.zero_grad(set_to_none=True)
-        for _ in range(shape.micro_batches):
-            logits = model(**batch, use_cache=False).logits
-            (nll_sum(logits, batch["input_ids"]) / batch["input_ids"].numel()).backward()
-        optimizer.step()
-
-    step()
-    alive = sum(p.numel() * p.element_size() for p in model.parameters())
-    alive += sum(
-        v.numel() * v.element_size() for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)
+    model_dir = str(ensure_model(recipe.model, cache, seed=0))
+    spec = ModelSpec(directory=model_dir, dtype=recipe.model.dtype)
+    policy = open_policy(
+        recipe.model.backend, model=spec, rank=0, world_size=1, train=recipe.train, parallel=recipe.parallel
     )
-    measured = alive + profiled_peak(step)
+    policy.setup(master_addr="127.0.0.1", master_port=_free_port(), max_steps=recipe.train.max_steps)
+    try:
+        processor = AutoProcessor.from_pretrained(model_dir)
+        micro = [
+            padded_batch(processor, shape.sequences, shape.seq_len, shape.image_size, torch_dtype(recipe.model.dtype))
+        ]
+        policy.train_step(micro * shape.micro_batches)
+        alive = _state_bytes(policy.checkpoint_state().parts)
+        measured = alive + profiled_peak(lambda: policy.train_step(micro * shape.micro_batches))
+    finally:
+        policy.shutdown()
     estimate = estimate_memory(load_architecture(recipe.model).architecture, shape)
     return {
         "family": family,
         "params": estimate.params,
-        "tokens": int(batch["input_ids"].numel()),
+        "tokens": int(micro[0].input_ids.numel()),
         "micro_batches": shape.micro_batches,
         "assumption": assumption,
         "estimate_bytes": estimate.device_total,
@@ -113,6 +109,29 @@ def measure_family(family: str, recipe) -> dict:
         "alive_before_step_bytes": alive,
         "ratio_estimate_to_measured": round(estimate.device_total / measured, 3),
     }
+
+
+def _state_bytes(value, seen: set | None = None) -> int:
+    """Bytes of the distinct tensors in a (nested) state: a tied weight counts once."""
+    seen = set() if seen is None else seen
+    if torch.is_tensor(value):
+        if value.data_ptr() in seen:
+            return 0
+        seen.add(value.data_ptr())
+        return value.numel() * value.element_size()
+    if isinstance(value, dict):
+        return sum(_state_bytes(v, seen) for v in value.values())
+    if isinstance(value, list | tuple):
+        return sum(_state_bytes(v, seen) for v in value)
+    return 0
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def profiled_peak(fn) -> int:
@@ -129,154 +148,12 @@ def profiled_peak(fn) -> int:
     return max(totals, default=0)
 
 
-def qwen_batch(config, sequences: int, seq_len: int, image_size: int, device: str) -> dict:
-    """`sequences` Qwen2.5-VL rows of `seq_len` tokens: random text around one `image_size` px image of
-    random patches; labels are the ids with the image tokens masked."""
-    vision, g = config.vision_config, torch.Generator().manual_seed(0)
-    grid = image_size // vision.patch_size
-    image = grid * grid // vision.spatial_merge_size**2
-    first_special = min(config.image_token_id, config.vision_start_token_id, config.vision_end_token_id)
-    ids = torch.randint(0, first_special, (sequences, seq_len), generator=g)
-    ids[:, 8], ids[:, 9 + image] = config.vision_start_token_id, config.vision_end_token_id
-    ids[:, 9 : 9 + image] = config.image_token_id
-    is_image = ids == config.image_token_id
-    row = vision.in_channels * vision.temporal_patch_size * vision.patch_size**2
-    batch = {
-        "input_ids": ids,
-        "attention_mask": torch.ones_like(ids),
-        "mm_token_type_ids": is_image.long(),
-        "pixel_values": torch.randn(sequences * grid * grid, row, generator=g),
-        "image_grid_thw": torch.tensor([[1, grid, grid]] * sequences),
-        "labels": ids.masked_fill(is_image, -100),
-    }
-    return {k: v.to(device) for k, v in batch.items()}
-
-
-def attention_kernels(fused_only: bool):
-    """SDPA restricted to the fused kernels (flash, memory-efficient: no seq_len^2 scores), or as is."""
-    import contextlib
-
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    if not fused_only:
-        return contextlib.nullcontext()
-    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION])
-
-
-def sharded_reference(reference: str, checkpointing: bool):
-    """(config dict, HF config, model, AdamW) of `reference` built on the GPU and sharded with FSDP2 on
-    the one-rank process group: fp32 master weights, bf16 compute."""
-    from transformers import AutoConfig, AutoModelForImageTextToText
-
-    config = json.loads((ROOT / "vlmrun" / "models" / "reference" / f"{reference}.json").read_text())
-    config.pop("source", None)
-    hf_config = AutoConfig.for_model(**config)
-    with torch.device("cuda"):
-        model = AutoModelForImageTextToText.from_config(hf_config)
-    mesh = torch.distributed.device_mesh.init_device_mesh("cuda", (1,))
-    try:
-        shard_model(model, mesh, Sharding(mixed_precision="bf16", activation_checkpointing=checkpointing))
-    except AttributeError:  # an older torch lacks a comms setter shard_model calls last; on one rank it is moot
-        pass
-    return config, hf_config, model, torch.optim.AdamW(model.parameters(), lr=1e-5, foreach=False)
-
-
-def measure_gpu(
-    reference: str,
-    *,
-    checkpointing: bool,
-    sequences: int,
-    seq_len: int,
-    image_size: int = 448,
-    micro_batches: int = 1,
-    fused_attention_only: bool = False,
-) -> dict:
-    """Peak CUDA allocation of the second training step of `reference` against the estimate of the
-    same shape (`estimate_without_overhead`: the CUDA context is no allocation)."""
-    import inspect
-
-    config, hf_config, model, optimizer = sharded_reference(reference, checkpointing)
-    batch = qwen_batch(hf_config, sequences, seq_len, image_size, "cuda")
-    if "mm_token_type_ids" not in inspect.signature(model.model.forward).parameters:
-        batch.pop("mm_token_type_ids")
-    labels = batch.pop("labels")
-
-    def step() -> None:  # as the policy's train_step: gradients reduce-scattered after the last micro-batch
-        optimizer.zero_grad(set_to_none=True)
-        for k in range(micro_batches):
-            set_gradient_sync(model, k == micro_batches - 1)
-            (nll_sum(model(**batch, use_cache=False).logits, labels) / labels.numel()).backward()
-        optimizer.step()
-
-    shape = TrainingShape(
-        micro_batches=micro_batches,
-        fsdp=True,
-        mixed_precision="bf16",
-        activation_checkpointing=checkpointing,
-        sequences=sequences,
-        seq_len=seq_len,
-        image_size=image_size,
-    )
-    estimate = estimate_memory(count_architecture("qwen2_5_vl", config), shape)
-    row = {"reference": reference, "activation_checkpointing": checkpointing, "micro_batches": micro_batches}
-    row |= {"sequences": sequences, "seq_len": seq_len, "attention": hf_config.text_config._attn_implementation}
-    row |= {
-        "estimate_bytes": estimate.device_total,
-        "estimate_without_overhead": estimate.device_total - estimate.overhead,
-    }
-    row["estimate_terms"] = {k: v for k, v in estimate.to_json().items() if type(v) is int}
-    row["fused_attention_only"] = fused_attention_only
-    try:
-        with attention_kernels(fused_attention_only):
-            step()
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            step()
-            torch.cuda.synchronize()
-    except (torch.cuda.OutOfMemoryError, RuntimeError) as e:
-        return row | {"failed": str(e).splitlines()[0][:300]}
-    row |= {"allocated_peak": torch.cuda.max_memory_allocated(), "reserved_peak": torch.cuda.max_memory_reserved()}
-    row["ratio_estimate_to_allocated"] = round(row["estimate_without_overhead"] / row["allocated_peak"], 3)
-    return row
-
-
-# the 1n2g Qwen recipe's micro-batch (4 x 2048 tokens, 448 px) with and without activation checkpointing and
-# gradient accumulation, and the same tokens as 8 shorter sequences (attention's seq_len^2 term, if any)
-GPU_CASES = [
-    {"checkpointing": True, "sequences": 4, "seq_len": 2048},
-    {"checkpointing": True, "sequences": 4, "seq_len": 2048, "micro_batches": 2},
-    {"checkpointing": False, "sequences": 4, "seq_len": 2048},
-    {"checkpointing": False, "sequences": 4, "seq_len": 2048, "fused_attention_only": True},
-    {"checkpointing": False, "sequences": 8, "seq_len": 1024},
-]
-
-
-def gpu_rows(reference: str) -> list[dict]:
-    """Every case of GPU_CASES, in one process group."""
-    torch.distributed.init_process_group("nccl", init_method="tcp://127.0.0.1:29531", rank=0, world_size=1)
-    try:
-        rows = []
-        for case in GPU_CASES:
-            gc.collect()  # FSDP's hooks hold the last case's model in reference cycles
-            torch.cuda.empty_cache()
-            before = torch.cuda.memory_allocated()
-            rows.append(measure_gpu(reference, **case) | {"allocated_before_case": before})
-        return rows
-    finally:
-        torch.distributed.destroy_process_group()
-
-
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--recipe", type=Path, default=RECIPE)
     parser.add_argument("--family", action="append", help="qwen2_5_vl or nemotron_omni; default: both")
     parser.add_argument("--set", action="append", default=[], help="recipe override, e.g. data.max_seq_len=512")
-    parser.add_argument("--gpu", action="store_true", help="the reference architecture on this machine's GPU")
-    parser.add_argument("--reference", default="qwen2_5_vl_3b", help="with --gpu: a Qwen2.5-VL reference config")
     args = parser.parse_args()
-    if args.gpu:
-        print(json.dumps({"device": torch.cuda.get_device_name(), "rows": gpu_rows(args.reference)}, indent=2))
-        return
     from vlmrun.config.families import FAMILIES
     from vlmrun.config.load import load_recipe
 

@@ -5,7 +5,6 @@ Imports of heavy libraries happen inside the commands, so `vlmrun --help` stays 
 
 from __future__ import annotations
 
-import contextlib
 import json
 import sys
 import traceback
@@ -40,6 +39,16 @@ JsonOpt = typer.Option(False, "--json", help="print one JSON object for scripts 
 
 def _print_json(obj) -> None:
     typer.echo(json.dumps(obj, indent=2, sort_keys=False, default=str))
+
+
+def _print_result(result: dict, json_out: bool, table: str) -> None:
+    """`result` as one JSON object with --json, else as the table `vlmrun.observe.tables.<table>` prints."""
+    if json_out:
+        _print_json(result)
+    else:
+        from vlmrun.observe import tables
+
+        getattr(tables, table)(result)
 
 
 @app.command(no_args_is_help=True)
@@ -197,11 +206,14 @@ def compare(
         None, "--out", help="folder for the runs and the plot (default runs/compare-<time>)"
     ),
     rtol: float = typer.Option(0.0, "--rtol", min=0.0, help="relative tolerance per metric; 0 = bitwise identical"),
+    rounds: int = typer.Option(2, "--rounds", min=1, help="v1 v2: throughput ratios to take (rounds + 1 parts)"),
     json_out: bool = JsonOpt,
 ):
     """Compare loss and grad_norm of two runs step by step, with a plot and a verdict.
 
-    Exit 0 when every compared metric is within --rtol and the sample ids match, 1 when not.
+    Exit 0 when every compared metric is within --rtol and the sample ids match, 1 when not. With v1 v2
+    the runs take turns (v1, v2, v1, ...: each part ends with the run's own checkpoint and the next
+    resumes it), so the throughput ratio is the median over --rounds neighbouring parts, with its spread.
 
     Examples:
       vlmrun compare v1 v2 --recipe recipes/tiny-clevr-cpu.yaml --steps 30
@@ -209,22 +221,11 @@ def compare(
     """
     from vlmrun.launch.compare import compare_targets
 
+    echo = None if json_out else typer.echo
     result = compare_targets(
-        a,
-        b,
-        recipe=recipe,
-        steps=steps,
-        overrides=set_ or [],
-        out=out,
-        rtol=rtol,
-        echo=None if json_out else typer.echo,
+        a, b, recipe=recipe, steps=steps, overrides=set_ or [], out=out, rtol=rtol, rounds=rounds, echo=echo
     )
-    if json_out:
-        _print_json(result)
-    else:
-        from vlmrun.observe.tables import print_comparison
-
-        print_comparison(result)
+    _print_result(result, json_out, "print_comparison")
     raise typer.Exit(0 if result["verdict"] == "match" else 1)
 
 
@@ -259,10 +260,7 @@ def bench_loader(
     recipe: Path = typer.Argument(Path("recipes/tiny-clevr-cpu.yaml"), help="recipe whose data path to measure"),
     workers: str = typer.Option("0,1,2", "--workers", help="comma-separated loader worker counts to try"),
     batches: int = typer.Option(
-        600,
-        "--batches",
-        min=1,
-        help="measured micro-batches per row (in chunks of 60, interleaved with the other rows)",
+        600, "--batches", min=1, help="measured micro-batches per row (chunks of 60, in rounds)"
     ),
     image_size: int | None = typer.Option(
         None, "--image-size", min=32, max=1024, help="image side of the (generated) data set; default 224"
@@ -271,29 +269,38 @@ def bench_loader(
     json_out: bool = JsonOpt,
 ):
     """Loader throughput: the Energon loader vs a plain WebDataset + DataLoader reference vs the
-    decode-and-encode limit, side by side on the same shards.
+    decode-and-encode limit, side by side on the same shards; each ratio is the median over rounds.
 
     Example: vlmrun bench-loader recipes/tiny-clevr-cpu.yaml --workers 0,1,2 --json
     """
-    from vlmrun.bench.loader import run_bench
-    from vlmrun.config.load import load_recipe
-    from vlmrun.observe.progress import progress_bar
+    from vlmrun.bench.loader import bench_recipe
 
-    try:
-        counts = [int(w) for w in workers.split(",") if w.strip()]
-    except ValueError:
-        raise InputError("--workers", workers, "a comma-separated list of integers, e.g. 0,1,2") from None
-    loaded = load_recipe(recipe, set_ or [])
-    # Energon prints a line to stdout for every sample it skips; during the run (and in the workers
-    # forked during it) stdout goes to stderr, so stdout carries only the table or the JSON.
-    with progress_bar("measuring loaders", enabled=not json_out) as progress, contextlib.redirect_stdout(sys.stderr):
-        result = run_bench(loaded, workers=counts, batches=batches, image_size=image_size, progress=progress)
-    if json_out:
-        _print_json(result)
-    else:
-        from vlmrun.observe.tables import print_bench
+    result = bench_recipe(recipe, set_ or [], workers=workers, batches=batches, image_size=image_size, bar=not json_out)
+    _print_result(result, json_out, "print_bench")
 
-        print_bench(result)
+
+@app.command("bench-plane")
+def bench_plane(
+    samples: int = typer.Option(8, "--samples", min=1, help="samples in the batch (0-2 images each)"),
+    rows: int = typer.Option(1024, "--rows", min=32, help="patch rows per image"),
+    dim: int = typer.Option(1176, "--dim", min=1, help="values per patch row (Qwen2.5-VL: 1176)"),
+    repeats: int = typer.Option(5, "--repeats", min=1, help="rounds; rates and ratios are medians over them"),
+    adapters: str = typer.Option("local,simple,mooncake", "--adapters", help="comma-separated subset"),
+    json_out: bool = JsonOpt,
+):
+    """Data-plane throughput: the wire's encode + decode against a plain copy of the same bytes, and
+    put/get MB/s of each adapter (local; TransferQueue simple and mooncake on a private Ray).
+
+    Example: vlmrun bench-plane --adapters local,simple --repeats 5 --json
+    """
+    from vlmrun.bench.plane import run_bench_plane
+
+    names = [a.strip() for a in adapters.split(",") if a.strip()]
+    _print_result(
+        run_bench_plane(samples=samples, rows=rows, dim=dim, repeats=repeats, adapters=names),
+        json_out,
+        "print_plane_bench",
+    )
 
 
 @data_app.command("clevr", no_args_is_help=True)

@@ -7,16 +7,22 @@ Sections, in order; each is {"ok": true, "seconds": ..., ...} or {"ok": false, "
 ...}, and a failed one does not stop the others:
   cuda            CUDA and NCCL as torch sees them, and a 1-rank all_reduce
   matmul_ceiling  the best bf16 TFLOPS of square matmuls (CUDA events), and the datasheet peak
-  fsdp_train      FSDP2 steps of a random-init Qwen2.5-VL-3B-sized model, one 448 px image plus text:
-                  tokens/s, phase times, peak memory, MFU against the datasheet peak and the ceiling
-  dcp_resume      DCP save and load of a cut-down model (2 layers); the next step bitwise equal
-  logprob_error   bf16 against fp32 token_mult_prob_error of the 3B-sized model's log-probabilities
+  fsdp_train      the policy's train_step on a random-init Qwen2.5-VL-3B-sized model, one 448 px image plus
+                  text: tokens/s, phase times, peak memory, MFU against the datasheet peak and the ceiling
+  dcp_resume      a checkpoint of a cut-down model (2 layers) through the checkpoint store; a fresh policy
+                  that loads it takes the next step bitwise equal
+  logprob_error   bf16 against fp32 token_mult_prob_error of the policy's logprobs of the 3B-sized model
+  memory_fit      the memory-fit estimate against the peak of the policy's step, for the GPU recipes' shapes
 
-Imports only the standard library, torch, transformers and vlmrun/policy/fsdp.py: no Ray, no network, no
-install (the repository root goes on sys.path). No weights are downloaded. The process group has one
-rank (NCCL on CUDA, gloo for --cpu-smoke) over a FileStore, so no port is needed. The JSON goes to
-stdout, and to --out or, when $OUT is set, to $OUT/gpu_check.json. Exit status: 0 when every section is
-ok, 1 otherwise, 2 for a bad argument.
+Every section past the first two runs vlmrun's own code: the `hf` policy from `vlmrun.policy.open_policy`
+(a `ModelSpec` of the config: random init on the meta device, FSDP2 on one rank), its `train_step`,
+`logprobs` and checkpoint state, and `vlmrun.algorithms.common.checkpoint.CheckpointStore`. What that
+imports is the standard library, torch, numpy and transformers: no pydantic, no Ray, no network, no
+install. vlmrun comes from the repository: on a machine where it is not installed run the check from
+the repository root as `PYTHONPATH=. python tools/gpu/check.py`. No weights are downloaded. Each policy
+joins a 1-rank process group (NCCL on CUDA, gloo for --cpu-smoke) on a free loopback port; the cuda
+section's all_reduce uses a FileStore. The JSON goes to stdout, and to --out or, when $OUT is set, to
+$OUT/gpu_check.json. Exit status: 0 when every section is ok, 1 otherwise, 2 for a bad argument.
 """
 
 from __future__ import annotations
@@ -33,23 +39,22 @@ import time
 import traceback
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(1, str(REPO_ROOT))  # after this folder (sys.path[0]), which holds the sibling modules
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers imports huggingface_hub
 # cuBLAS is deterministic only with a fixed workspace (dcp_resume); 8 x 4 MiB is torch's Hopper default size
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 # the 3B step holds ~100 GiB at its peak: growable segments keep fragmentation from turning it into an OOM
 os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 
-import dcp_check  # noqa: E402
-import logprob_check  # noqa: E402
-import probes  # noqa: E402
-import torch  # noqa: E402
-import train_check  # noqa: E402
-import workload  # noqa: E402
+import dcp_check
+import logprob_check
+import memory_check
+import probes
+import torch
+import train_check
+import workload
 
 log = logging.getLogger("gpu_check")
-SECTIONS = ("cuda", "matmul_ceiling", "fsdp_train", "dcp_resume", "logprob_error")
+SECTIONS = ("cuda", "matmul_ceiling", "fsdp_train", "dcp_resume", "logprob_error", "memory_fit")
 GPU_DEFAULTS = {"steps": 4, "warmup": 1, "seq_len": 4096}
 CPU_SMOKE_DEFAULTS = {"steps": 2, "warmup": 1, "seq_len": 64}
 
@@ -117,39 +122,39 @@ def run_section(name: str, fn, device: str) -> dict:
     return {"ok": result.pop("ok", True), "seconds": seconds, **result}
 
 
-def section_plan(scale: workload.Scale, mesh, sections: dict, folder: Path) -> dict:
+def section_plan(scale: workload.Scale, sections: dict, folder: Path) -> dict:
     """name -> the call that produces its report (later sections read earlier ones' results)."""
+
+    def device() -> dict:
+        with probes.process_group(scale.device, scale.backend):
+            return probes.device_report(scale.device)
 
     def fsdp_train() -> dict:
         ceiling = sections.get("matmul_ceiling", {}).get("ceiling_tflops")
         name = torch.cuda.get_device_name(0) if scale.device == "cuda" else None
         spec = probes.spec_peak_tflops(name)
-        return train_check.fsdp_throughput(scale, mesh, ceiling_tflops=ceiling, spec_tflops=spec)
+        return train_check.fsdp_throughput(scale, ceiling_tflops=ceiling, spec_tflops=spec)
 
     return {
-        "cuda": lambda: probes.device_report(scale.device),
+        "cuda": device,
         "matmul_ceiling": lambda: probes.matmul_ceiling(scale.device, scale.matmul_sizes),
         "fsdp_train": fsdp_train,
-        "dcp_resume": lambda: dcp_check.dcp_resume(scale, mesh, folder / "dcp"),
+        "dcp_resume": lambda: dcp_check.dcp_resume(scale, folder / "dcp"),
         "logprob_error": lambda: logprob_check.logprob_error(scale),
+        "memory_fit": lambda: memory_check.memory_fit(scale),
     }
 
 
 def run_all(scale: workload.Scale, wanted: list[str]) -> dict:
-    """Every wanted section in order, inside one 1-rank process group; name -> report."""
-    sections: dict = {}
+    """Every wanted section in order; name -> report."""
     if scale.device == "cuda" and not torch.cuda.is_available():
         failure = {"ok": False, "error": "CUDA is not available (use --cpu-smoke on a machine without a GPU)"}
         return {name: dict(failure) for name in wanted}
-    try:
-        with probes.process_group(scale.device, scale.backend) as mesh, tempfile.TemporaryDirectory() as folder:
-            plan = section_plan(scale, mesh, sections, Path(folder))
-            for name in wanted:
-                sections[name] = run_section(name, plan[name], scale.device)
-    except Exception as exc:  # the process group itself failed: each section not run says so
-        log.exception("process group")
+    sections: dict = {}
+    with tempfile.TemporaryDirectory(prefix="vlmrun-gpu-check-") as folder:
+        plan = section_plan(scale, sections, Path(folder))
         for name in wanted:
-            sections.setdefault(name, {"ok": False, "error": f"process group: {type(exc).__name__}: {exc}"})
+            sections[name] = run_section(name, plan[name], scale.device)
     return sections
 
 

@@ -1,5 +1,11 @@
-"""DCP resume: save a sharded model and its AdamW state after one step, load both into a fresh model built
-from another seed, and take the same next step on each: the losses and parameters must be bitwise equal.
+"""DCP resume through vlmrun's checkpoint store: a policy takes a step, the store saves its sharded state,
+the policy takes the next step; a fresh policy built from another seed loads that checkpoint and takes
+the same next step: the losses and parameters must be bitwise equal.
+
+The save and load are the product's: `CheckpointStore.begin`, `PendingCheckpoint.write_policy` of the
+policy's `checkpoint_state()` (every rank its DCP shard, hashed), `finish` (manifest, fsync, rename);
+`CheckpointStore.at` (verifies every file's size and sha256), `Checkpoint.read_policy` and the policy's
+`load_checkpoint_state`.
 
 1. The section runs under `torch.use_deterministic_algorithms(True)` (flash attention's backward
    otherwise accumulates dQ in any order; cuBLAS needs CUBLAS_WORKSPACE_CONFIG, which check.py sets
@@ -7,7 +13,7 @@ from another seed, and take the same next step on each: the losses and parameter
    `warn_only=True`, says so in `determinism` (with the op), and then accepts parameters within
    WARN_ONLY_TOLERANCE: kernel noise moves a 0.02-sized fp32 weight by a few ulps (~1e-8), an optimizer
    state that did not load moves it by about the learning rate (1e-5).
-2. `loaded_state_equal` (the parameters right after load against those saved) tells a load that went
+2. `loaded_state_equal` (the weights right after load against those saved) tells a load that went
    wrong from a kernel that is not deterministic; the next loss comes from a forward pass alone and must
    be bitwise equal in either mode.
 """
@@ -23,11 +29,12 @@ from pathlib import Path
 
 import torch
 import workload
-from train_check import PhaseClock, sharded_model, train_step
 
-from vlmrun.policy.fsdp import local_tensor
+from vlmrun.algorithms.common.checkpoint_store import CheckpointStore
+from vlmrun.policy.interface import MODEL_PART
 
 WARN_ONLY_TOLERANCE = 1e-7
+STEP = 1
 
 
 @contextlib.contextmanager
@@ -50,9 +57,10 @@ def _is_determinism(record: warnings.WarningMessage) -> bool:
     return "deterministic" in text or "CUBLAS_WORKSPACE_CONFIG" in text
 
 
-def snapshot(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """A copy of this rank's shard of every parameter, by name."""
-    return {name: local_tensor(p).detach().clone() for name, p in model.named_parameters()}
+def snapshot(policy) -> dict[str, torch.Tensor]:
+    """A copy of this rank's shard of every tensor of the policy's model part, by name."""
+    weights = policy.checkpoint_state().parts[MODEL_PART]
+    return {name: (t.to_local() if hasattr(t, "to_local") else t).detach().clone() for name, t in weights.items()}
 
 
 def compare(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> tuple[bool, float]:
@@ -64,42 +72,41 @@ def compare(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> tuple[boo
     return equal, diff
 
 
-def save(model, optimizer, folder: Path) -> float:
-    """DCP-save model and optimizer state into `folder`; returns seconds."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-
+def save(policy, store: CheckpointStore) -> float:
+    """The policy's state as checkpoint STEP of `store`, as a training run saves it; returns seconds."""
     start = time.perf_counter()
-    model_state, optim_state = get_state_dict(model, optimizer)
-    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(folder))
+    pending = store.begin(STEP)
+    files = pending.write_policy(policy.checkpoint_state(), rank=0)
+    files |= pending.write("controller", {"counters": {"step": STEP}})
+    store.finish(pending, files, {"written_by": "tools/gpu/check.py"})
     return time.perf_counter() - start
 
 
-def load(model, optimizer, folder: Path) -> float:
-    """DCP-load `folder` into model and optimizer (in place); returns seconds."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-
+def load(policy, store: CheckpointStore) -> tuple[float, float]:
+    """Checkpoint STEP of `store` into the policy, as a resumed run loads it (the newest that verifies);
+    (verify s, load s)."""
     start = time.perf_counter()
-    model_state, optim_state = get_state_dict(model, optimizer)
-    state = {"model": model_state, "optim": optim_state}
-    dcp.load(state, checkpoint_id=str(folder))
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    return time.perf_counter() - start
+    checkpoint, _ = store.latest()
+    if checkpoint is None or checkpoint.step != STEP:
+        raise RuntimeError(f"checkpoint step {STEP} did not verify")
+    verified = time.perf_counter()
+    policy.load_checkpoint_state(checkpoint.read_policy(policy.checkpoint_state()))
+    return verified - start, time.perf_counter() - verified
 
 
 def release(device: str) -> None:
-    """Return freed memory to the device, so the next model fits."""
+    """Return freed memory to the device, so the next model fits (FSDP's hooks hold a dropped model in
+    reference cycles until a collection)."""
     gc.collect()
     if device == "cuda":
         torch.cuda.empty_cache()
 
 
-def dcp_resume(scale: workload.Scale, mesh, folder: Path) -> dict:
-    """Run A (step, save, step) against run B (fresh model, load, step); see the module docstring."""
+def dcp_resume(scale: workload.Scale, folder: Path) -> dict:
+    """Run A (step, save, step) against run B (fresh policy, load, step); see the module docstring."""
     strict_error = None
     try:
-        report = resume_runs(scale, mesh, folder / "strict", warn_only=False)
+        report = resume_runs(scale, folder / "strict", warn_only=False)
     except RuntimeError as exc:
         if "determinis" not in str(exc):
             raise
@@ -108,7 +115,7 @@ def dcp_resume(scale: workload.Scale, mesh, folder: Path) -> dict:
         report["determinism"] = "strict"
     else:  # outside the except block, so the failed run's tensors are already freed
         release(scale.device)
-        report = resume_runs(scale, mesh, folder / "warn_only", warn_only=True)
+        report = resume_runs(scale, folder / "warn_only", warn_only=True)
         report["determinism"] = f"warn_only (strict mode raised: {strict_error})"
     exact = report["next_params_equal"] or (
         report["determinism"] != "strict" and report["next_params_max_abs_diff"] <= WARN_ONLY_TOLERANCE
@@ -118,40 +125,47 @@ def dcp_resume(scale: workload.Scale, mesh, folder: Path) -> dict:
     return report
 
 
-def resume_runs(scale: workload.Scale, mesh, folder: Path, *, warn_only: bool) -> dict:
+def resume_runs(scale: workload.Scale, folder: Path, *, warn_only: bool) -> dict:
     """Runs A and B under deterministic algorithms; the measurements, not yet judged."""
-    config = workload.build_config(scale.dcp_overrides)
+    config = workload.model_config(scale.dcp_overrides)
     batches = [
-        workload.synthetic_batch(
-            config, seq_len=scale.dcp_seq_len, image_side=scale.image_side, device=scale.device, seed=s
-        )
-        for s in (2, 3)
+        workload.synthetic_batch(config, seq_len=scale.dcp_seq_len, image_side=scale.image_side, seed=s) for s in (2, 3)
     ]
+    store = CheckpointStore(folder, keep=1)
     caught: list[str] = []
-    clock = PhaseClock(scale.device)
     with deterministic(caught, warn_only=warn_only):
-        model, params, optimizer = sharded_model(config, mesh, device=scale.device, seed=0)
-        train_step(model, optimizer, params, batches[0], clock)
-        saved = snapshot(model)
-        save_s = save(model, optimizer, folder)
-        loss_a, _ = train_step(model, optimizer, params, batches[1], clock)
-        after_a = snapshot(model)
-        del model, params, optimizer
+        policy = workload.open_check_policy(config, scale, seed=0)
+        try:
+            policy.train_step([batches[0]])
+            saved = snapshot(policy)
+            save_s = save(policy, store)
+            next_a = policy.train_step([batches[1]])
+            after_a = snapshot(policy)
+        finally:
+            policy.shutdown()
+        del policy
         release(scale.device)
-        model, params, optimizer = sharded_model(config, mesh, device=scale.device, seed=1)
-        load_s = load(model, optimizer, folder)
-        loaded_equal, _ = compare(saved, snapshot(model))
-        del saved
-        loss_b, _ = train_step(model, optimizer, params, batches[1], clock)
-        params_equal, params_diff = compare(after_a, snapshot(model))
+        policy = workload.open_check_policy(config, scale, seed=1)
+        try:
+            verify_s, load_s = load(policy, store)
+            loaded_equal, _ = compare(saved, snapshot(policy))
+            del saved
+            next_b = policy.train_step([batches[1]])
+            params_equal, params_diff = compare(after_a, snapshot(policy))
+        finally:
+            policy.shutdown()
+    files = [f for f in store.complete()[-1][1].rglob("*") if f.is_file()]
     return {
-        "model_params": sum(p.numel() for p in params),
+        "model_state_numel": sum(t.numel() for t in after_a.values()),
         "save_s": round(save_s, 3),
+        "verify_s": round(verify_s, 3),
         "load_s": round(load_s, 3),
-        "checkpoint_bytes": sum(f.stat().st_size for f in folder.rglob("*") if f.is_file()),
+        "checkpoint_files": len(files),
+        "checkpoint_bytes": sum(f.stat().st_size for f in files),
         "loaded_state_equal": loaded_equal,
-        "next_loss": [loss_a, loss_b],
-        "next_loss_equal": loss_a == loss_b,
+        "next_loss": [next_a.loss, next_b.loss],
+        "next_loss_equal": next_a.loss == next_b.loss,
+        "next_grad_norm_equal": next_a.grad_norm == next_b.grad_norm,
         "next_params_equal": params_equal,
         "next_params_max_abs_diff": params_diff,
         "nondeterminism_warnings": caught,

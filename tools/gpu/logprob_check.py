@@ -1,10 +1,12 @@
-"""bf16 against fp32 log-probabilities of the same tokens: NeMo RL's `token_mult_prob_error`.
+"""bf16 against fp32 log-probabilities of the same tokens, from vlmrun's policy: NeMo RL's `token_mult_prob_error`.
 
 token_mult_prob_error = mean over the valid target tokens of exp(|logp_bf16 - logp_fp32|), the factor by
-which two forwards disagree on a token's probability (1.0: identical). The fp32 forward runs with TF32
-off (a true fp32 reference); the bf16 forward runs on the same parameters cast to bf16, as an inference
-engine holding bf16 weights would (buffers such as the rotary `inv_freq` stay fp32, as under FSDP's
-MixedPrecisionPolicy: `model.to(bfloat16)` would round those too and inflate the error). Valid targets are every next token except the image placeholders.
+which two forwards disagree on a token's probability (1.0: identical). Both come from the policy's own
+`logprobs` (the scores GRPO's logprob stage and validation take) of two policies built from the same
+config and seed (workload.open_check_policy, FSDP2 on one rank, the same fp32 weights): one computing
+in fp32 with TF32 off (a true fp32 reference), one under the recipes' bf16 mixed precision (FSDP2 casts
+parameters to bf16 for compute; buffers such as the rotary `inv_freq` stay fp32). Valid targets are the
+positions the policy scores (labels not IGNORE_INDEX: every next token except the image placeholders).
 The model is random-init: its near-uniform logits understate the error of a trained model, so read the
 number as a check that the bf16 path is wired right (finite, close to 1), not as the trained value.
 """
@@ -12,17 +14,14 @@ number as a check that the bf16 path is wired right (finite, close to 1), not as
 from __future__ import annotations
 
 import contextlib
+import gc
 import math
 from collections.abc import Iterator
 
 import torch
 import workload
 
-
-def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
-    """log p(token t+1 | tokens <= t) in fp32, shape (batch, seq - 1)."""
-    logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
-    return logp.gather(-1, input_ids[:, 1:, None]).squeeze(-1)
+from vlmrun.data.batch import IGNORE_INDEX
 
 
 @contextlib.contextmanager
@@ -40,22 +39,27 @@ def no_tf32() -> Iterator[None]:
             knob.fp32_precision = value
 
 
-@torch.no_grad()
+def policy_logprobs(config: dict, scale: workload.Scale, batch, *, mixed_precision: str) -> torch.Tensor:
+    """The policy's `logprobs` of `batch` under `mixed_precision`, [1, T-1] float32 on the CPU."""
+    policy = workload.open_check_policy(config, scale, seed=0, mixed_precision=mixed_precision)
+    try:
+        return policy.logprobs(batch)
+    finally:
+        policy.shutdown()
+        del policy
+        gc.collect()
+        if scale.device == "cuda":
+            torch.cuda.empty_cache()
+
+
 def logprob_error(scale: workload.Scale) -> dict:
     """token_mult_prob_error of the training-sized model on one synthetic sequence."""
-    config = workload.build_config(scale.train_overrides)
-    batch = workload.synthetic_batch(
-        config, seq_len=scale.seq_len, image_side=scale.image_side, device=scale.device, seed=4
-    )
-    labels = batch.pop("labels")
-    model = workload.build_model(config, device=scale.device, seed=0).eval()
+    config = workload.model_config(scale.train_overrides)
+    batch = workload.synthetic_batch(config, seq_len=scale.seq_len, image_side=scale.image_side, seed=4)
     with no_tf32():
-        fp32 = token_logprobs(model(**batch, use_cache=False).logits, batch["input_ids"])
-    for p in model.parameters():
-        p.data = p.data.to(torch.bfloat16)
-    bf16 = token_logprobs(model(**batch, use_cache=False).logits, batch["input_ids"])
-    del model
-    valid = labels[:, 1:] != -100
+        fp32 = policy_logprobs(config, scale, batch, mixed_precision="none")
+    bf16 = policy_logprobs(config, scale, batch, mixed_precision="bf16")
+    valid = batch.labels[:, 1:] != IGNORE_INDEX
     delta = (bf16 - fp32).abs()[valid]
     error = torch.exp(delta)
     report = {
@@ -65,7 +69,8 @@ def logprob_error(scale: workload.Scale) -> dict:
         "token_mult_prob_error_max": float(error.max()),
         "mean_abs_logprob_diff": float(delta.mean()),
         "fp32_mean_logprob": float(fp32[valid].mean()),
-        "definition": "mean over valid tokens of exp(|logp_bf16 - logp_fp32|); bf16 = parameters cast to bf16",
+        "definition": "mean over valid tokens of exp(|logp_bf16 - logp_fp32|); both the policy's logprobs, "
+        "bf16 = parallel.mixed_precision bf16 over the same fp32 weights",
         "note": "random-init weights: near-uniform logits understate a trained model's error",
     }
     values = [report[k] for k in report if k.startswith("token_mult")]

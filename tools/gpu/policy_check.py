@@ -1,6 +1,6 @@
 """The `hf` policy itself on one device, without Ray or a recipe: the code path a GPU rank runs.
 
-    python3 tools/gpu/policy_check.py --model-dir DIR [--out FILE]
+    PYTHONPATH=. python3 tools/gpu/policy_check.py --model-dir DIR [--out FILE]
 
 DIR is a Hugging Face model directory (build the tiny one here with
 `vlmrun.models.tiny.ensure_tiny_model("qwen2_5_vl", CACHE)` and carry it). One rank, FSDP2, bf16
@@ -23,8 +23,6 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from vlmrun.algorithms.common.checkpoint_store import CheckpointStore
 from vlmrun.algorithms.common.validation import ValidationShare, evaluate

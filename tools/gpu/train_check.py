@@ -1,10 +1,11 @@
-"""One FSDP2 training step of the 3B-sized model, timed: tokens/s, peak memory and MFU.
+"""Training steps of the 3B-sized model through vlmrun's policy, timed: tokens/s, phases, peak memory, MFU.
 
-The step is the one vlmrun's FSDP path takes: bf16 mixed precision over fp32 master weights
-(`Sharding(mixed_precision="bf16")`), loss over the labelled tokens, `grad_norm` (on a GPU mesh an
-fp64 sum of squares of the gradient shards, on the device) and `clip_gradients` from
-`vlmrun.policy.fsdp`, then AdamW. Each phase is timed on its own (the device is synchronized at each boundary), so a slow gradient norm shows up as such;
-MFU is reported for the whole step and for forward + backward alone.
+The step is the policy's own `train_step` (workload.open_check_policy: FSDP2 on one rank, bf16 mixed
+precision over fp32 master weights): the NLL summed over labelled tokens and divided by the step's
+global count of them, the gradient sync schedule, norm and clipping, AdamW(foreach=False) and the LR
+schedule, exactly as a training rank takes it. The policy reports the end of each phase
+(`PolicyBackend.on_phase`); the clock synchronizes the device there, so asynchronous CUDA work is
+charged to the phase that queued it. MFU is reported for the whole step and for forward + backward.
 """
 
 from __future__ import annotations
@@ -18,57 +19,35 @@ import torch
 import workload
 from probes import significant
 
-from vlmrun.policy.fsdp import Sharding, clip_gradients, grad_norm, shard_model
+from vlmrun.models.build import build_model
+from vlmrun.models.spec import ModelSpec
 
 log = logging.getLogger("gpu_check.train")
-MAX_GRAD_NORM = 1.0
 MFU_GOAL = 0.40  # of the measured matmul ceiling, for the 3B-sized config (issue 12)
 
 
 class PhaseClock:
-    """Seconds per named phase of one step; `mark(name)` closes the phase that ran since the last mark
-    (after synchronizing `device`, so asynchronous CUDA work is charged to the phase that queued it)."""
+    """Seconds per phase of the step in flight; `mark(name)` closes the phase that ran since the last mark
+    (after synchronizing `device`). `start()` opens a step."""
 
     def __init__(self, device: str):
         self.device = device
         self.phases: dict[str, float] = {}
-        self._last = self._now()
+        self._last = 0.0
 
     def _now(self) -> float:
         if self.device == "cuda":
             torch.cuda.synchronize()
         return time.perf_counter()
 
+    def start(self) -> None:
+        self.phases = {}
+        self._last = self._now()
+
     def mark(self, name: str) -> None:
         now = self._now()
         self.phases[name] = self.phases.get(name, 0.0) + now - self._last
         self._last = now
-
-
-def train_step(model, optimizer, params, batch: dict, clock: PhaseClock) -> tuple[float, float]:
-    """One optimizer step over `batch` (mean loss over its labelled tokens); returns (loss, grad norm)."""
-    optimizer.zero_grad(set_to_none=True)
-    loss = model(**batch, use_cache=False).loss
-    loss.backward()
-    clock.mark("forward_backward")
-    norm = grad_norm(params, sharded=True)
-    clip_gradients(params, norm, MAX_GRAD_NORM)
-    clock.mark("grad_norm_clip")
-    optimizer.step()
-    clock.mark("optimizer")
-    return float(loss.detach()), norm
-
-
-def sharded_model(config, mesh, *, device: str, seed: int, activation_checkpointing: bool = False):
-    """(model, params, optimizer): a random-init fp32 model of `config` sharded with bf16 mixed precision,
-    and AdamW over its parameters (foreach on CUDA, per-parameter on CPU as the hf backend does)."""
-    model = workload.build_model(config, device=device, seed=seed)
-    model.train()
-    sharding = Sharding(mixed_precision="bf16", activation_checkpointing=activation_checkpointing)
-    shard_model(model, mesh, sharding)
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=1e-5, weight_decay=0.0, foreach=device == "cuda")
-    return model, params, optimizer
 
 
 def mfu(flops: float, seconds: float, peak_tflops: float | None) -> float | None:
@@ -78,33 +57,38 @@ def mfu(flops: float, seconds: float, peak_tflops: float | None) -> float | None
     return round(flops / seconds / (peak_tflops * 1e12), 4)
 
 
-def fsdp_throughput(scale: workload.Scale, mesh, *, ceiling_tflops: float | None, spec_tflops: float | None) -> dict:
-    """Warm-up steps, then `scale.steps` timed steps of the training model; medians over the timed steps."""
-    config = workload.build_config(scale.train_overrides)
-    probe = workload.build_model(config, device="meta", seed=0)
-    batch = workload.synthetic_batch(config, seq_len=scale.seq_len, image_side=scale.image_side, device="cpu", seed=1)
-    flops = workload.training_flops(probe, config, batch)
+def fsdp_throughput(scale: workload.Scale, *, ceiling_tflops: float | None, spec_tflops: float | None) -> dict:
+    """Warm-up steps, then `scale.steps` timed steps of the policy; medians over the timed steps."""
+    config = workload.model_config(scale.train_overrides)
+    batch = workload.synthetic_batch(config, seq_len=scale.seq_len, image_side=scale.image_side, seed=1)
+    probe = build_model(ModelSpec(config=config), on_meta=True)  # the architecture, for counting only
+    flops = workload.training_flops(probe, batch)
+    attention = getattr(probe.config, "_attn_implementation", None)
     n_params = sum(p.numel() for p in probe.parameters())
     del probe
-    model, params, optimizer = sharded_model(
-        config, mesh, device=scale.device, seed=0, activation_checkpointing=scale.activation_checkpointing
-    )
-    batch = {k: v.to(scale.device) for k, v in batch.items()}
-    losses, clocks = run_steps(model, optimizer, params, batch, scale)
+    policy = workload.open_check_policy(config, scale, seed=0, activation_checkpointing=scale.activation_checkpointing)
+    try:
+        results, clocks = run_steps(policy, batch, scale)
+    finally:
+        policy.shutdown()
     phases = {name: statistics.median(c[name] for c in clocks) for name in clocks[0]}
     step_s = statistics.median(sum(c.values()) for c in clocks)
-    tokens = batch["input_ids"].numel()
+    tokens = batch.input_ids.numel()
     report = {
+        "step": "vlmrun.policy.open_policy('hf') train_step: FSDP2, one rank",
+        "loss": "NLL summed over labelled tokens / the step's global valid tokens",
         "model_params": n_params,
         "tokens_per_step": tokens,
-        "image_patches_per_step": batch["pixel_values"].shape[0],
-        "attn_implementation": getattr(model.config, "_attn_implementation", None),
+        "valid_tokens_per_step": results[0].valid_tokens,
+        "image_patches_per_step": batch.media["pixel_values"].shape[0],
+        "attn_implementation": attention,
         "activation_checkpointing": scale.activation_checkpointing,
         "mixed_precision": "bf16 params and compute, fp32 master weights and gradient reduction",
-        "optimizer": f"AdamW(foreach={scale.device == 'cuda'})",
+        "optimizer": f"{workload.TRAIN.optimizer} (the policy's, foreach=False), grad_clip {workload.TRAIN.grad_clip}",
         "warmup_steps": scale.warmup_steps,
         "timed_steps": scale.steps,
-        "losses": [round(x, 4) for x in losses],
+        "losses": [round(r.loss, 4) for r in results],
+        "grad_norms": [significant(r.grad_norm) for r in results],
         "step_s": round(step_s, 4),
         "phases_s": _rounded(phases),
         "tokens_per_s": round(tokens / step_s, 1),
@@ -114,22 +98,24 @@ def fsdp_throughput(scale: workload.Scale, mesh, *, ceiling_tflops: float | None
     return report | _mfu_report(flops["total"], step_s, phases["forward_backward"], ceiling_tflops, spec_tflops)
 
 
-def run_steps(model, optimizer, params, batch: dict, scale: workload.Scale) -> tuple[list[float], list[dict]]:
-    """Warm-up plus timed steps from a reset peak-memory counter; (every loss, the timed steps' phases).
-    Raises RuntimeError on a non-finite loss."""
+def run_steps(policy, batch, scale: workload.Scale) -> tuple[list, list[dict]]:
+    """Warm-up plus timed steps from a reset peak-memory counter; (every StepResult, the timed steps'
+    phases). Raises RuntimeError on a non-finite loss."""
     if scale.device == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    losses, clocks = [], []
+    clock = PhaseClock(scale.device)
+    policy.on_phase = clock.mark
+    results, clocks = [], []
     for step in range(scale.warmup_steps + scale.steps):
-        clock = PhaseClock(scale.device)
-        loss, norm = train_step(model, optimizer, params, batch, clock)
-        log.info("step %d: loss %.4f, grad norm %.3f, %s", step, loss, norm, _rounded(clock.phases))
-        losses.append(loss)
+        clock.start()
+        result = policy.train_step([batch])
+        log.info("step %d: loss %.4f, grad norm %.3f, %s", step, result.loss, result.grad_norm, _rounded(clock.phases))
+        results.append(result)
         if step >= scale.warmup_steps:
-            clocks.append(clock.phases)
-    if not all(math.isfinite(x) for x in losses):
-        raise RuntimeError(f"non-finite loss: {losses}")
-    return losses, clocks
+            clocks.append(dict(clock.phases))
+    if not all(math.isfinite(r.loss) for r in results):
+        raise RuntimeError(f"non-finite loss: {[r.loss for r in results]}")
+    return results, clocks
 
 
 def _mfu_report(flops: float, step_s: float, fwd_bwd_s: float, ceiling: float | None, spec: float | None) -> dict:

@@ -1,9 +1,11 @@
-"""What the GPU check runs: model configs, synthetic Qwen2.5-VL batches and the FLOPs of a training step.
+"""What the GPU check runs: the policy it opens, model configs, synthetic Qwen2.5-VL batches and the FLOPs
+of a training step.
 
-Only torch and transformers are imported. Configs are built from `vlmrun/models/reference/qwen2_5_vl_3b.json`
-with overrides applied to the plain dict before `Qwen2_5_VLConfig(**d)`, so the same code works with the
-transformers that renamed `rope_scaling` to `rope_parameters` and with later ones (no weights are
-downloaded; every model is random-init from a seed).
+The policy is vlmrun's own, from `vlmrun.policy.open_policy("hf", ...)` with a `ModelSpec` of a config
+(random init: built on the meta device, each rank materializing only its shards), so every section
+runs the code a training rank runs. Configs are `vlmrun/models/reference/qwen2_5_vl_3b.json` with
+overrides merged into the plain dict; no weights are read. `TRAIN` and `parallel` stand in for the
+recipe sections the policy reads (the check reads no recipe: the GPU machine has no pydantic).
 
 FLOPs of one training step (forward + backward = 3 x forward), the PaLM appendix-B convention:
 1. matmuls: 6 x (weights with >= 2 dims) x (rows they multiply): the text decoder layers and the LM head
@@ -20,10 +22,16 @@ from __future__ import annotations
 
 import copy
 import json
+import socket
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
+
+from vlmrun.data.batch import IGNORE_INDEX, Batch
+from vlmrun.models.spec import ModelSpec
+from vlmrun.policy import open_policy
 
 REFERENCE_CONFIG = Path(__file__).resolve().parents[2] / "vlmrun" / "models" / "reference" / "qwen2_5_vl_3b.json"
 
@@ -60,6 +68,19 @@ CUT_DOWN_OVERRIDES = {
     "vision_config": {"depth": 2, "fullatt_block_indexes": [1]},
 }
 PATCH_ROW = 3 * 2 * 14 * 14  # channels x temporal patch x patch x patch: one pixel_values row
+#: The recipe's train section as the policy reads it: AdamW without weight decay, a constant LR, the
+#: recipes' gradient clipping.
+TRAIN = SimpleNamespace(
+    seed=0,
+    optimizer="adamw",
+    lr=1e-5,
+    betas=(0.9, 0.999),
+    weight_decay=0.0,
+    warmup_steps=0,
+    lr_schedule="constant",
+    min_lr_ratio=1.0,
+    grad_clip=1.0,
+)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -124,55 +145,72 @@ def merged(base: dict, overrides: dict) -> dict:
     return out
 
 
-def build_config(overrides: dict):
-    """A `Qwen2_5_VLConfig` of the 3B reference with `overrides` (see TINY_OVERRIDES)."""
-    from transformers import Qwen2_5_VLConfig
-
-    d = merged(json.loads(REFERENCE_CONFIG.read_text()), overrides)
-    d.pop("architectures", None)
-    d.pop("model_type", None)
-    return Qwen2_5_VLConfig(**d)
+def model_config(overrides: dict) -> dict:
+    """The 3B reference config.json content with `overrides` (see TINY_OVERRIDES), for a ModelSpec."""
+    return merged(json.loads(REFERENCE_CONFIG.read_text()), overrides)
 
 
-def build_model(config, *, device: str, seed: int, dtype: torch.dtype = torch.float32):
-    """A random-init `Qwen2_5_VLForConditionalGeneration` created directly on `device` (no weights are
-    read); the global RNG is left as it was."""
-    from transformers import Qwen2_5_VLForConditionalGeneration
+def open_check_policy(
+    config: dict, scale: Scale, *, seed: int, mixed_precision: str = "bf16", activation_checkpointing: bool = False
+):
+    """vlmrun's hf policy, set up as the one rank of a sharded (FSDP2) layout on `scale.device`: fp32
+    master weights random-init from `seed`, `mixed_precision` compute. Call `shutdown()` after it."""
+    parallel = SimpleNamespace(
+        fsdp=True,
+        mixed_precision=mixed_precision,
+        activation_checkpointing=activation_checkpointing,
+        cpu_offload=False,
+        reduce_every_micro_batch=False,
+    )
+    policy = open_policy(
+        "hf",
+        model=ModelSpec(config=config, seed=seed),
+        rank=0,
+        world_size=1,
+        train=TRAIN,
+        parallel=parallel,
+        gpus=scale.device == "cuda",
+    )
+    policy.setup(master_addr="127.0.0.1", master_port=free_port(), max_steps=1000)
+    return policy
 
-    devices = [torch.cuda.current_device()] if device == "cuda" else []
-    with torch.random.fork_rng(devices=devices), torch.device(device):
-        torch.manual_seed(seed)
-        model = Qwen2_5_VLForConditionalGeneration(config)
-    return model.to(dtype)
+
+def free_port() -> int:
+    """A TCP port on the loopback that nothing listens on now (for the policy's process group)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
-def synthetic_batch(config, *, seq_len: int, image_side: int, device: str, seed: int) -> dict[str, torch.Tensor]:
-    """One sequence of `seq_len` tokens in the Qwen2.5-VL format: 8 text tokens, one square image of
-    `image_side` px (a multiple of 28) between its vision start/end tokens, then text; random pixels and
-    token ids from `seed`. Labels are the input ids with the image tokens masked (-100)."""
-    vision = config.vision_config
-    grid = image_side // vision.patch_size
-    image_tokens = grid * grid // vision.spatial_merge_size**2
+def synthetic_batch(config: dict, *, seq_len: int, image_side: int, seed: int, sequences: int = 1) -> Batch:
+    """`sequences` sequences of `seq_len` tokens in the Qwen2.5-VL format, as the task encoder makes them
+    (on the CPU; the policy moves them): 8 text tokens, one square image of `image_side` px (a multiple
+    of 28) between its vision start/end tokens, then text; random pixels and token ids from `seed`.
+    Labels are the input ids with the image tokens masked."""
+    vision = config["vision_config"]
+    grid = image_side // vision["patch_size"]
+    image_tokens = grid * grid // vision["spatial_merge_size"] ** 2
     if seq_len < image_tokens + 12:
         raise ValueError(f"seq_len {seq_len} is too short for a {image_side} px image ({image_tokens} tokens)")
-    specials = (config.image_token_id, config.video_token_id, config.vision_start_token_id, config.vision_end_token_id)
-    text_ids = min(config.text_config.vocab_size, *specials)
+    image, start, end = config["image_token_id"], config["vision_start_token_id"], config["vision_end_token_id"]
+    text_ids = min(config["text_config"]["vocab_size"], image, config["video_token_id"], start, end)
     g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, text_ids, (seq_len,), generator=g)
-    ids[8] = config.vision_start_token_id
-    ids[9 : 9 + image_tokens] = config.image_token_id
-    ids[9 + image_tokens] = config.vision_end_token_id
-    is_image = ids == config.image_token_id
-    labels = ids.masked_fill(is_image, -100)
-    batch = {
-        "input_ids": ids[None],
-        "attention_mask": torch.ones(1, seq_len, dtype=torch.long),
-        "mm_token_type_ids": is_image.long()[None],
-        "pixel_values": torch.randn(grid * grid, PATCH_ROW, generator=g),
-        "image_grid_thw": torch.tensor([[1, grid, grid]]),
-        "labels": labels[None],
-    }
-    return {k: v.to(device) for k, v in batch.items()}
+    ids = torch.randint(0, text_ids, (sequences, seq_len), generator=g)
+    ids[:, 8] = start
+    ids[:, 9 : 9 + image_tokens] = image
+    ids[:, 9 + image_tokens] = end
+    is_image = ids == image
+    return Batch(
+        sample_ids=[f"synthetic-{seed}-{k}" for k in range(sequences)],
+        input_ids=ids,
+        attention_mask=torch.ones_like(ids),
+        labels=ids.masked_fill(is_image, IGNORE_INDEX),
+        media={
+            "pixel_values": torch.randn(sequences * grid * grid, PATCH_ROW, generator=g),
+            "image_grid_thw": torch.tensor([[1, grid, grid]] * sequences),
+        },
+        token_inputs={"mm_token_type_ids": is_image.long()},
+    )
 
 
 def matmul_params(module: torch.nn.Module) -> int:
@@ -180,12 +218,13 @@ def matmul_params(module: torch.nn.Module) -> int:
     return sum(p.numel() for p in module.parameters() if p.dim() >= 2)
 
 
-def training_flops(model, config, batch: dict[str, torch.Tensor]) -> dict[str, float]:
-    """FLOPs of one forward + backward over `batch`, by term (see the module docstring); call it before
-    sharding (parameter counts) on a model from `build_model`."""
+def training_flops(model, batch: Batch) -> dict[str, float]:
+    """FLOPs of one forward + backward over `batch`, by term (see the module docstring); `model` is the
+    unsharded architecture (`vlmrun.models.build.build_model(spec, on_meta=True)`: no memory)."""
+    config = model.config
     text, vision = config.text_config, config.vision_config
-    batch_size, seq = batch["input_ids"].shape
-    patches = batch["pixel_values"].shape[0]
+    batch_size, seq = batch.input_ids.shape
+    patches = batch.media["pixel_values"].shape[0]
     lm = model.model.language_model
     visual = model.model.visual
     text_rows = batch_size * seq

@@ -10,11 +10,13 @@ Three kinds of rows, each for every requested worker count:
 
 Measurements interleave: every row runs one chunk per round, in an order that rotates, so a noisy
 neighbour on a shared machine hits all of them alike. A row's rate is the median of its chunks'
-rates (samples over seconds), so a burst of load from elsewhere that lands on one chunk does not
-decide a ratio; `samples_per_s_iqr` gives the quartiles of the chunk rates, the spread the noise
-left. Batch latency percentiles are over all timed micro-batches (a row with workers hands out a
-transfer group at once, so its p50 is ~0). The ratios compare the best worker count of each kind.
-Results are plain JSON (the CLI prints a table or `--json`).
+rates (samples over seconds); `samples_per_s_iqr` gives the quartiles of the chunk rates, the spread
+the noise left. The ratios compare the best worker count of each kind (by that median) round by
+round: each round's ratio divides two chunks measured seconds apart, and `ratio_energon_vs_*` is the
+median of those per-round ratios, with their spread in `ratio_spread` (vlmrun.observe.ratios), so
+load from elsewhere that comes and goes moves the spread, not the median. Batch latency percentiles
+are over all timed micro-batches (a row with workers hands out a transfer group at once, so its p50
+is ~0). Results are plain JSON (the CLI prints a table or `--json`).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import time
 from pathlib import Path
 
 from vlmrun.errors import InputError
+from vlmrun.observe.ratios import ratio_spread, round_ratios
 
 TARGET_VS_REFERENCE = 1.1
 TARGET_VS_LIMIT = 0.8
@@ -34,6 +37,28 @@ _CHUNK_BATCHES = 60
 # After a row with workers, they refill their prefetch queues (bounded work); let that finish
 # before timing the next row, so one row's background work is not charged to another.
 _SETTLE_S = 0.2
+
+
+def bench_recipe(
+    recipe_path: Path, overrides: list[str], *, workers: str, batches: int, image_size: int | None, bar: bool
+) -> dict:
+    """`vlmrun bench-loader`: `run_bench` on the recipe at `recipe_path` with `overrides`, `workers` as
+    the comma-separated text the user gave (InputError naming --workers when it is not), with a
+    progress bar when `bar`. Energon prints a line to stdout for every sample it skips; during the run
+    (and in the workers forked during it) stdout goes to stderr, so stdout carries only the result."""
+    import contextlib
+    import sys
+
+    from vlmrun.config.load import load_recipe
+    from vlmrun.observe.progress import progress_bar
+
+    try:
+        counts = [int(w) for w in workers.split(",") if w.strip()]
+    except ValueError:
+        raise InputError("--workers", workers, "a comma-separated list of integers, e.g. 0,1,2") from None
+    loaded = load_recipe(recipe_path, overrides)
+    with progress_bar("measuring loaders", enabled=bar) as progress, contextlib.redirect_stdout(sys.stderr):
+        return run_bench(loaded, workers=counts, batches=batches, image_size=image_size, progress=progress)
 
 
 def run_bench(
@@ -225,6 +250,7 @@ class _Runner:
             "num_workers": self.num_workers,
             "samples_per_s": round(sps, 1),
             "samples_per_s_iqr": [round(quartiles[0], 1), round(quartiles[2], 1)],
+            "chunk_samples_per_s": [round(x, 1) for x in self.chunk_rates],  # one per round, in round order
             "mb_per_s": round(sps * self.bytes_per_sample / 1e6, 2),
             "p50_batch_ms": round(statistics.median(ms), 3) if ms else None,
             "p95_batch_ms": round(ms[min(len(ms) - 1, int(0.95 * len(ms)))], 3) if ms else None,
@@ -246,12 +272,18 @@ class _Runner:
 
 
 def _summary(recipe, data_path: Path, size, workers, batches, rounds, rows) -> dict:
-    best = {}
+    best, top = {}, {}
     for kind in ("energon", "reference", "limit"):
-        top = max((r for r in rows if r["loader"] == kind), key=lambda r: r["samples_per_s"])
-        best[kind] = {"num_workers": top["num_workers"], "samples_per_s": top["samples_per_s"]}
-    vs_ref = _ratio(best["energon"]["samples_per_s"], best["reference"]["samples_per_s"])
-    vs_limit = _ratio(best["energon"]["samples_per_s"], best["limit"]["samples_per_s"])
+        top[kind] = max((r for r in rows if r["loader"] == kind), key=lambda r: r["samples_per_s"])
+        best[kind] = {"num_workers": top[kind]["num_workers"], "samples_per_s": top[kind]["samples_per_s"]}
+    spread = {
+        f"energon_vs_{kind}": ratio_spread(
+            round_ratios(top["energon"]["chunk_samples_per_s"], top[kind]["chunk_samples_per_s"])
+        )
+        for kind in ("reference", "limit")
+    }
+    vs_ref = spread["energon_vs_reference"]["median"] or 0.0
+    vs_limit = spread["energon_vs_limit"]["median"] or 0.0
     return {
         "recipe": recipe.name,
         "family": recipe.family,
@@ -267,19 +299,17 @@ def _summary(recipe, data_path: Path, size, workers, batches, rounds, rows) -> d
         "best": best,
         "ratio_energon_vs_reference": vs_ref,
         "ratio_energon_vs_limit": vs_limit,
+        "ratio_spread": spread,
         "target": {"energon_vs_reference": TARGET_VS_REFERENCE, "energon_vs_limit": TARGET_VS_LIMIT},
         "definitions": {
             "energon": "vlmrun LoaderShard (Energon savable loader, shard 0 of 1), as in training",
             "reference": "WebDataset + torch DataLoader, same cooker and encoder, one micro-batch per item",
             "limit": "samples in memory, cook+encode+collate, no loader; with k workers k processes "
             "delivering to the caller like the Energon shard",
+            "ratios": "the best rows' chunk rates divided round by round; the median of those, spread in ratio_spread",
         },
         "target_met": bool(vs_ref >= TARGET_VS_REFERENCE and vs_limit >= TARGET_VS_LIMIT),
     }
-
-
-def _ratio(a: float, b: float) -> float:
-    return round(a / b, 3) if b else 0.0
 
 
 def _bytes_per_sample(path: str, split: str) -> float:

@@ -1,4 +1,11 @@
-"""Compare two runs step by step: max abs/rel differences per metric, sample ids, throughput, a plot, a verdict."""
+"""Compare two runs step by step: max abs/rel differences per metric, sample ids, throughput, a plot, a verdict.
+
+The throughput ratio (B over A) is taken part by part: a part is one attempt's steps (a `compare v1 v2`
+run advances its two runs in alternating parts, launch/compare.py), parts are put in the order they
+ran, and every two neighbouring parts of different runs give one ratio of their median rates. The
+median of those ratios, with their spread, is what the table and `throughput_ratio` report: two runs
+taken one after the other give one ratio, and the spread says how far to trust it.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from vlmrun.errors import InputError
+from vlmrun.observe.ratios import ratio_spread
 from vlmrun.run.metrics import history
 
 METRICS = ("loss", "grad_norm")
@@ -62,6 +70,7 @@ def compare_sides(a: Side, b: Side, *, rtol: float = 0.0, out_dir: Path | None =
         "sample_ids_identical": not id_mismatch,
         "first_sample_id_mismatch": id_mismatch[0] if id_mismatch else None,
         "throughput": {s.label: _throughput(s) for s in (a, b)},
+        "throughput_ratio": throughput_ratio(a, b),
         "peak_rss_mb": {s.label: max((r.get("peak_rss_mb") or 0) for r in s.rows.values()) for s in (a, b)},
         "plot": None,
     }
@@ -83,6 +92,35 @@ def _throughput(side: Side) -> dict:
         "tokens_per_s": median("tokens_per_s", 2),
         "step_time_s": median("step_time_s", 4),
     }
+
+
+def throughput_ratio(a: Side, b: Side, key: str = "samples_per_s") -> dict:
+    """B's `key` over A's, per pair of neighbouring parts (module docstring): the spread of the ratios
+    (vlmrun.observe.ratios) and the parts they came from, in the order they ran."""
+    parts = sorted((p for side in (a, b) for p in _parts(side, key)), key=lambda p: p["started"])
+    ratios = [
+        (y["rate"] / x["rate"]) if x["run"] == a.label else (x["rate"] / y["rate"])
+        for x, y in zip(parts, parts[1:], strict=False)
+        if x["run"] != y["run"] and x["rate"] and y["rate"]
+    ]
+    shown = [{"run": p["run"], "steps": p["steps"], key: round(p["rate"], 3)} for p in parts]
+    return {"of": key, "runs": f"{b.label} / {a.label}", **ratio_spread(ratios), "parts": shown}
+
+
+def _parts(side: Side, key: str) -> list[dict]:
+    """One part per attempt of `side`: its steps and the median `key` of them (its first step, which
+    carries the attempt's start-up, left out when there are more)."""
+    by_attempt: dict[int, list[dict]] = {}
+    for step in sorted(side.rows):
+        by_attempt.setdefault(side.rows[step].get("attempt", 0), []).append(side.rows[step])
+    parts = []
+    for rows in by_attempt.values():
+        values = [r[key] for r in (rows[1:] or rows) if r.get(key)]
+        if values:
+            started = rows[0].get("time", 0.0)
+            steps = [rows[0]["step"], rows[-1]["step"]]
+            parts.append({"started": started, "run": side.label, "steps": steps, "rate": statistics.median(values)})
+    return parts
 
 
 def plot(a: Side, b: Side, path: Path) -> Path:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from vlmrun.observe.ratios import describe_spread
+
 
 def _console():
     from rich.console import Console
@@ -61,6 +63,8 @@ def print_comparison(result: dict) -> None:
             str(result["peak_rss_mb"][label]),
         )
     console.print(perf)
+    ratio = result["throughput_ratio"]
+    console.print(f"{ratio['runs']} {ratio['of'].replace('_per_s', '/s')}: {describe_spread(ratio)}")
     if result.get("plot"):
         console.print(f"plot: {result['plot']}")
     verdict = result["verdict"]
@@ -103,11 +107,36 @@ def print_bench(result: dict) -> None:
         )
     console.print(table)
     target = result.get("target", {})
+    for kind in ("reference", "limit"):
+        key = f"energon_vs_{kind}"
+        console.print(
+            f"energon / {kind}: {describe_spread(result['ratio_spread'][key])} (target >= {target.get(key, '-')})"
+        )
+
+
+def print_plane_bench(result: dict) -> None:
+    from rich.table import Table
+
+    console = _console()
+    wire = result["wire"]
     console.print(
-        f"energon / reference: {result['ratio_energon_vs_reference']:.2f}x "
-        f"(target >= {target.get('energon_vs_reference', '-')}), energon / limit: "
-        f"{result['ratio_energon_vs_limit']:.2f}x (target >= {target.get('energon_vs_limit', '-')})"
+        f"bench-plane: {result['payload_mb']} MB, {result['samples']} samples, {result['images']} images, "
+        f"{result['repeats']} rounds"
     )
+    console.print(
+        f"wire encode+decode {wire['encode_decode_mb_s']} MB/s; plain copy into one buffer "
+        f"{wire['plain_copy_one_buffer_mb_s']} MB/s, per tensor {wire['plain_copy_per_tensor_mb_s']} MB/s; "
+        f"wire time / one-buffer copy time: {describe_spread(wire['wire_over_one_buffer_copy'])}"
+    )
+    table = Table()
+    for col in ("adapter", "put MB/s", "get MB/s"):
+        table.add_column(col, justify="left" if col == "adapter" else "right")
+    for name, row in result["adapters"].items():
+        if "skipped" in row:
+            table.add_row(name, "skipped", row["skipped"])
+        else:
+            table.add_row(name, _fmt(row["put_mb_s"]), _fmt(row["get_mb_s"]))
+    console.print(table)
 
 
 def _fmt(value) -> str:

@@ -149,13 +149,16 @@ class HfPolicy(PolicyBackend):
             (total / denom).backward()
             local_loss += float(terms.total.detach())
             stats.add(terms)
+        self._phase_done("forward_backward")
         if not self.sharded:
             all_reduce_gradients(self.params)
         norm = grad_norm(self.params, sharded=self.sharded)
         clip_gradients(self.params, norm, self.train.grad_clip)
+        self._phase_done("grad_norm_clip")
         lr = self.optimizer.param_groups[0]["lr"]
         self.optimizer.step()
         self.scheduler.step()
+        self._phase_done("optimizer")
         (total_loss,) = all_reduce_sum([local_loss])
         return StepResult(
             loss=total_loss / denom,
@@ -166,6 +169,10 @@ class HfPolicy(PolicyBackend):
             peak_rss_mb=peak_rss_mb(),
             stats=stats.reduced(),
         )
+
+    def _phase_done(self, name: str) -> None:
+        if self.on_phase is not None:
+            self.on_phase(name)
 
     def _inputs(self, batch) -> dict[str, torch.Tensor]:
         """The micro-batch's model inputs, floating ones (pixels) in the compute dtype under mixed

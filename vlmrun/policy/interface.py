@@ -32,6 +32,10 @@ from typing import Any
 #: LR schedule. The one place they are named; the checkpoint store gives each its file.
 MODEL_PART, OPTIMIZER_PART = "model", "optimizer"
 POLICY_PARTS = (MODEL_PART, OPTIMIZER_PART)
+#: The phases of `train_step` that `PolicyBackend.on_phase` reports: forward and backward of every
+#: micro-batch (a sharded policy's gradient reduce-scatter included), the gradient sum across replicas
+#: with the norm and the clipping, the optimizer and LR schedule step.
+TRAIN_PHASES = ("forward_backward", "grad_norm_clip", "optimizer")
 
 
 class Storage(enum.Enum):
@@ -97,6 +101,10 @@ class TokenLoss(abc.ABC):
 
 class PolicyBackend(abc.ABC):
     """A model being trained on one rank; see the module docstring for the contract."""
+
+    #: For measurements (tools/gpu/check.py times a step's phases): when set, `train_step` calls it with
+    #: each phase's name as the phase ends (TRAIN_PHASES, in order); None in training.
+    on_phase: Callable[[str], None] | None = None
 
     @abc.abstractmethod
     def setup(self, *, master_addr: str, master_port: int, max_steps: int) -> dict[str, Any]:

@@ -1,39 +1,68 @@
-"""Data-plane throughput, printed as JSON: the wire against a plain copy, and put/get per adapter.
-
-    .venv/bin/python tools/bench_plane.py [--samples 8] [--rows 1024] [--dim 1176] [--repeats 5] [--adapters local,simple,mooncake]
+"""bench-plane: data-plane throughput, the wire against a plain copy, and put/get per adapter.
 
 The batch is a GRPO step's worth of samples: prompts and responses of a few hundred tokens, 0-2
 images per sample of `rows` x `dim` float32 patch rows (Qwen2.5-VL's 1176 = 3*2*14*14), rewards.
-`wire` times encode (values -> pieces -> one jagged tensor per field: one copy) plus decode (jagged ->
-rows -> values: views) against two plain copies of the same bytes: into one new buffer per field (as
-the wire must; a fresh buffer costs page faults) and tensor by tensor (the allocator reuses freed
-buffers of the same size, so no page faults). Each adapter times one put of the whole batch and one get
-of every field of every sample; TransferQueue runs on a private local Ray (its servers and, for
-Mooncake, a mooncake_master in a free port block). Medians over `repeats`; MB is 1e6 bytes.
+
+1. `wire` times encode (values -> pieces -> one jagged tensor per field: one copy) plus decode (jagged
+   -> rows -> values: views) against two plain copies of the same bytes: into one new buffer per field
+   (as the wire must; a fresh buffer costs page faults) and tensor by tensor (the allocator reuses
+   freed buffers of the same size, so no page faults). The three run one after the other in every
+   round, so `wire_over_one_buffer_copy` is the median of per-round ratios, with its spread
+   (vlmrun.observe.ratios): a neighbour's load that lands in one round does not decide it.
+2. Each adapter times one put of the whole batch and one get of every field of every sample per
+   round; TransferQueue runs on a private local Ray (its servers and, for Mooncake, a mooncake_master
+   in a free port block). Rates are medians over the rounds; MB is 1e6 bytes.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-import torch
+from vlmrun.errors import InputError
+from vlmrun.observe.ratios import ratio_spread, round_ratios
 
-from vlmrun.plane.fields import Stage, field_spec
-from vlmrun.plane.interface import PartitionSpec
-from vlmrun.plane.wire import decode_column, encode_column, rows_of, to_jagged
-from vlmrun.plane.wire.codec import empty_row, row_numel
+ADAPTERS = ("local", "simple", "mooncake")
 
-CONSUMERS = (Stage.PREV_LOGPROB, Stage.REF_LOGPROB, Stage.ADVANTAGE, Stage.TRAIN)
+
+def run_bench_plane(*, samples: int, rows: int, dim: int, repeats: int, adapters: list[str]) -> dict:
+    """Measure the wire and every adapter in `adapters` (ADAPTERS); returns the JSON-ready result.
+    Raises InputError naming --adapters for one that is not in ADAPTERS."""
+    unknown = sorted(set(adapters) - set(ADAPTERS))
+    if unknown or not adapters:
+        raise InputError("--adapters", ",".join(adapters), f"a comma-separated subset of {','.join(ADAPTERS)}")
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the plane's work is a copy; one thread keeps rounds comparable
+    try:
+        ids, cols = make_batch(samples, rows, dim)
+        report = {
+            "payload_mb": round(nbytes(cols) / 1e6, 1),
+            "samples": samples,
+            "images": sum(len(v) for v in cols["pixel_values"]),
+            "repeats": repeats,
+            "wire": wire_rounds(cols, repeats),
+            "adapters": {},
+        }
+        if "local" in adapters:
+            from vlmrun.plane.local import LocalDataPlane
+
+            report["adapters"]["local"] = bench_adapter(LocalDataPlane(), ids, cols, repeats)
+        if {"simple", "mooncake"} & set(adapters):
+            with tempfile.TemporaryDirectory(prefix="vlmrun-bench-plane-") as tmp:
+                report["adapters"] |= bench_transfer_queue(adapters, ids, cols, repeats, Path(tmp))
+    finally:
+        torch.set_num_threads(threads)
+    return report | {"torch_threads": 1, "cpus": os.cpu_count()}
 
 
 def make_batch(samples: int, rows: int, dim: int) -> tuple[list[str], dict[str, list]]:
+    import torch
+
     gen = torch.Generator().manual_seed(0)
     cols: dict[str, list] = {k: [] for k in ("prompt_ids", "mm_token_type_ids", "response_ids", "response_mask")}
     cols |= {"generation_logprobs": [], "rewards": [], "pixel_values": [], "image_grid_thw": []}
@@ -58,6 +87,10 @@ def nbytes(cols: dict[str, list]) -> int:
 
 
 def wire_round_trip(cols: dict[str, list]) -> None:
+    from vlmrun.plane.fields import field_spec
+    from vlmrun.plane.wire import decode_column, encode_column, rows_of, to_jagged
+    from vlmrun.plane.wire.codec import empty_row, row_numel
+
     for name, values in cols.items():
         spec = field_spec(name)
         pieces, tags = encode_column(spec, values)
@@ -66,12 +99,14 @@ def wire_round_trip(cols: dict[str, list]) -> None:
         decode_column(spec, [next(back) if row_numel(t) else empty_row(t) for t in tags], tags)
 
 
-def tensors(values: list) -> list[torch.Tensor]:
+def tensors(values: list) -> list:
     return [t for v in values for t in (v if isinstance(v, list) else [v])]
 
 
 def flat_copy(cols: dict[str, list]) -> None:
     """The same bytes copied once into one new buffer per field: the least any packing transport does."""
+    import torch
+
     for values in cols.values():
         flat = [t.reshape(-1) for t in tensors(values)]
         if flat:
@@ -85,28 +120,43 @@ def clone_copy(cols: dict[str, list]) -> None:
             t.clone()
 
 
-def median_s(fn, repeats: int) -> float:
-    times = []
+def seconds(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def wire_rounds(cols: dict[str, list], repeats: int) -> dict:
+    """The wire's round trip and the two plain copies, one after the other in each of `repeats` rounds
+    (after one untimed round: the first allocations of each size fault their pages in)."""
+    mb = nbytes(cols) / 1e6
+    for warm_up in (wire_round_trip, flat_copy, clone_copy):
+        warm_up(cols)
+    wire, flat, clone = [], [], []
     for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+        wire.append(seconds(lambda: wire_round_trip(cols)))
+        flat.append(seconds(lambda: flat_copy(cols)))
+        clone.append(seconds(lambda: clone_copy(cols)))
+    return {
+        "encode_decode_mb_s": round(mb / statistics.median(wire), 1),
+        "plain_copy_one_buffer_mb_s": round(mb / statistics.median(flat), 1),
+        "plain_copy_per_tensor_mb_s": round(mb / statistics.median(clone), 1),
+        "wire_over_one_buffer_copy": ratio_spread(round_ratios(wire, flat), digits=2),
+    }
 
 
 def bench_adapter(plane, ids: list[str], cols: dict[str, list], repeats: int) -> dict[str, float]:
+    from vlmrun.plane.fields import Stage
+    from vlmrun.plane.interface import PartitionSpec
+
+    consumers = (Stage.PREV_LOGPROB, Stage.REF_LOGPROB, Stage.ADVANTAGE, Stage.TRAIN)
     puts, gets = [], []
     for k in range(repeats):
         part = f"bench-{k}"
-        plane.register(part, PartitionSpec.for_stages("qwen2_5_vl", CONSUMERS, len(ids)))
-        t0 = time.perf_counter()
-        plane.put(part, ids, cols)
-        t1 = time.perf_counter()
-        plane.get(part, ids, list(cols))
-        t2 = time.perf_counter()
+        plane.register(part, PartitionSpec.for_stages("qwen2_5_vl", consumers, len(ids)))
+        puts.append(seconds(lambda part=part: plane.put(part, ids, cols)))
+        gets.append(seconds(lambda part=part: plane.get(part, ids, list(cols))))
         plane.clear(part)
-        puts.append(t1 - t0)
-        gets.append(t2 - t1)
     mb = nbytes(cols) / 1e6
     return {"put_mb_s": round(mb / statistics.median(puts), 1), "get_mb_s": round(mb / statistics.median(gets), 1)}
 
@@ -147,46 +197,3 @@ def bench_transfer_queue(adapters: list[str], ids, cols, repeats: int, tmp: Path
     finally:
         ray.shutdown()
     return out
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--samples", type=int, default=8)
-    p.add_argument("--rows", type=int, default=1024)
-    p.add_argument("--dim", type=int, default=1176)
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--adapters", default="local,simple,mooncake")
-    args = p.parse_args(argv)
-    adapters = args.adapters.split(",")
-    torch.set_num_threads(1)
-    ids, cols = make_batch(args.samples, args.rows, args.dim)
-    mb = nbytes(cols) / 1e6
-    wire_s = median_s(lambda: wire_round_trip(cols), args.repeats)
-    flat_s, clone_s = median_s(lambda: flat_copy(cols), args.repeats), median_s(lambda: clone_copy(cols), args.repeats)
-    report = {
-        "payload_mb": round(mb, 1),
-        "samples": args.samples,
-        "images": sum(len(v) for v in cols["pixel_values"]),
-        "wire": {
-            "encode_decode_mb_s": round(mb / wire_s, 1),
-            "plain_copy_one_buffer_mb_s": round(mb / flat_s, 1),
-            "plain_copy_per_tensor_mb_s": round(mb / clone_s, 1),
-            "wire_s_over_one_buffer_copy_s": round(wire_s / flat_s, 2),
-        },
-        "adapters": {},
-    }
-    if "local" in adapters:
-        from vlmrun.plane.local import LocalDataPlane
-
-        report["adapters"]["local"] = bench_adapter(LocalDataPlane(), ids, cols, args.repeats)
-    if {"simple", "mooncake"} & set(adapters):
-        with tempfile.TemporaryDirectory() as tmp:
-            report["adapters"] |= bench_transfer_queue(adapters, ids, cols, args.repeats, Path(tmp))
-    report["torch_threads"] = torch.get_num_threads()
-    report["cpus"] = os.cpu_count()
-    print(json.dumps(report, indent=2))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

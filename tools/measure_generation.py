@@ -1,12 +1,15 @@
-"""Generation throughput of a tiny model: bare `generate` vs `HfGenerator` in process vs in a Ray actor.
+"""Generation throughput of a tiny model: bare `generate` vs the `hf` generator in process vs in a Ray actor.
 
-    python -m vlmrun.generation.measure --family qwen2_5_vl --prompts 8 --n 4 --max-new-tokens 32
+    .venv/bin/python tools/measure_generation.py --family qwen2_5_vl --prompts 8 --n 4 --max-new-tokens 32
 
 Prints one JSON object. Every row generates the same batch (the prompts of a small generated CLEVR
 set, each repeated n times) with the same number of CPU threads; tokens are rows x steps (the batch
 runs until its longest response ends). "bare generate" is transformers' own sampling (no log-probs);
-the actor row gives the time inside the actor and the round trip seen by the caller. Ray is started
-here, private to this process (address="local"), and shut down at the end.
+the generator comes from the product's factory (`vlmrun.generation.open_generator`, and a
+`GenerationGroup` of one actor); the actor row gives the time inside the actor and the round trip seen
+by the caller. The three ways run round-robin, so each `*_over_bare` ratio is the median of per-round
+ratios with its spread (vlmrun.observe.ratios). Ray is started here, private to this process
+(address="local"), and shut down at the end.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from pathlib import Path
 import torch
 
 from vlmrun.generation.interface import SamplingParams
+from vlmrun.observe.ratios import ratio_spread, round_ratios
 
 
 def prompt_batch(family: str, model_dir: Path, work: Path, prompts: int):
@@ -50,19 +54,16 @@ def prompt_batch(family: str, model_dir: Path, work: Path, prompts: int):
 
 def measure(*, family: str, work: Path, prompts: int, n: int, max_new_tokens: int, repeats: int, threads: int) -> dict:
     """Time the three ways round-robin, `repeats` rounds after one warm-up round; medians per way."""
-    import ray
-
+    from vlmrun.cluster.ray.local import start_local_ray
     from vlmrun.models.tiny import ensure_tiny_model
 
     torch.set_num_threads(threads)
     model_dir = ensure_tiny_model(family, work / "models", seed=0)
     batch = prompt_batch(family, model_dir, work, prompts)
     sampling = SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=max_new_tokens, seed=0)
-    os.environ.setdefault(
-        "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0"
-    )  # else Ray rewrites 127.0.0.1 to the outward address
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    ray.init(address="local", num_cpus=threads, include_dashboard=False, _temp_dir=str(work / "ray"))
+    start_local_ray(f"measure-generation-{os.getpid()}", threads)  # loopback only, private to this process
+    import ray
+
     try:
         ways = {
             "bare generate": _bare(model_dir, batch, sampling, n),
@@ -78,7 +79,8 @@ def measure(*, family: str, work: Path, prompts: int, n: int, max_new_tokens: in
     finally:
         ray.shutdown()
     rows = [_row(name, results) for name, results in times.items()]
-    bare, actor = rows[0]["tokens_per_s"], rows[2]
+    bare, in_process, actor = ([r[2] / r[0] for r in times[name]] for name in ways)
+    actor_round_trip = [r[2] / r[1] for r in times["HfGenerator in a Ray actor"]]
     return {
         "family": family,
         "prompts": prompts,
@@ -87,9 +89,9 @@ def measure(*, family: str, work: Path, prompts: int, n: int, max_new_tokens: in
         "threads": threads,
         "repeats": repeats,
         "rows": rows,
-        "in_process_over_bare": round(rows[1]["tokens_per_s"] / bare, 3),
-        "actor_over_bare": round(actor["tokens_per_s"] / bare, 3),
-        "actor_round_trip_over_bare": round(actor["round_trip_tokens_per_s"] / bare, 3),
+        "in_process_over_bare": ratio_spread(round_ratios(in_process, bare)),
+        "actor_over_bare": ratio_spread(round_ratios(actor, bare)),
+        "actor_round_trip_over_bare": ratio_spread(round_ratios(actor_round_trip, bare)),
     }
 
 
@@ -155,7 +157,7 @@ def _in_actor(model_dir: Path, batch, sampling: SamplingParams, n: int, threads:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--family", default="qwen2_5_vl")
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--n", type=int, default=4)

@@ -1,0 +1,151 @@
+"""Every measurement in tools/ (and `vlmrun bench-plane`) runs and prints the JSON it promises.
+
+Smoke runs: the smallest sizes each tool takes, checked for the keys its docstring promises and for
+numbers that are numbers (tools/gpu/check.py: tests/test_gpu_check.py; bench-loader:
+tests/test_data_bench.py). The numbers themselves are what the tools are for, on a machine that can
+measure them.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SPREAD_KEYS = {"median", "min", "max", "q1", "q3", "rounds"}
+
+
+def run_tool(*args: str, timeout: int = 240, cwd: Path = ROOT, env: dict | None = None) -> dict:
+    """The one JSON object a tool printed on stdout (the process must exit 0)."""
+    proc = subprocess.run([sys.executable, *args], cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout)
+
+
+def vlmrun_json(*args: str, timeout: int = 240) -> dict:
+    return run_tool("-m", "vlmrun.cli", *args, "--json", timeout=timeout)
+
+
+def finite(x) -> bool:
+    return isinstance(x, int | float) and math.isfinite(x) and x > 0
+
+
+def test_bench_plane_local_wire_and_adapter():
+    d = vlmrun_json("bench-plane", "--adapters", "local", "--samples", "3", "--rows", "64", "--repeats", "3")
+    assert {"payload_mb", "samples", "images", "repeats", "wire", "adapters", "torch_threads", "cpus"} <= set(d)
+    wire = d["wire"]
+    assert all(finite(wire[k]) for k in ("encode_decode_mb_s", "plain_copy_one_buffer_mb_s"))
+    spread = wire["wire_over_one_buffer_copy"]
+    assert set(spread) == SPREAD_KEYS and spread["rounds"] == 3 and spread["min"] <= spread["median"] <= spread["max"]
+    assert set(d["adapters"]) == {"local"} and finite(d["adapters"]["local"]["put_mb_s"])
+
+
+def test_bench_plane_table_shows_the_ratio_with_its_spread():
+    proc = subprocess.run(
+        [sys.executable, "-m", "vlmrun.cli", "bench-plane", "--adapters", "local", "--samples", "2", "--rows", "32"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=os.environ | {"COLUMNS": "200"},
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert re.search(r"one-buffer copy time: [\d.]+x \(median of 5 rounds, [\d.]+-[\d.]+\)", proc.stdout), proc.stdout
+    assert "local" in proc.stdout and "put MB/s" in proc.stdout
+
+
+@pytest.mark.slow
+def test_bench_plane_transfer_queue_adapters():
+    d = vlmrun_json("bench-plane", "--adapters", "simple,mooncake", "--samples", "2", "--rows", "32", "--repeats", "1")
+    assert set(d["adapters"]) == {"transfer_queue/simple", "transfer_queue/mooncake"}
+    assert finite(d["adapters"]["transfer_queue/simple"]["get_mb_s"])
+    mooncake = d["adapters"]["transfer_queue/mooncake"]
+    assert "skipped" in mooncake or finite(mooncake["put_mb_s"])  # skipped names why (no libibverbs, no binary)
+
+
+def test_bench_checkpoint_sharded_against_plain():
+    d = run_tool("tools/bench_checkpoint.py", "--mb", "16", "--ranks", "2", "--json")
+    assert d["ranks"] == 2 and len(d["sharded_dcp"]["per_rank"]) == 2
+    assert finite(d["plain_torch_save"]["seconds"]) and finite(d["sharded_dcp"]["seconds"])
+    assert finite(d["sharded_over_plain"]) and d["sharded_dcp"]["bytes"] > 16e6  # parameters and AdamW state
+
+
+def test_measure_memory_estimate_against_the_measured_step():
+    d = run_tool("tools/measure_memory.py", "--family", "qwen2_5_vl")
+    (row,) = d["families"]
+    assert row["family"] == "qwen2_5_vl" and row["measured_peak_bytes"] > row["alive_before_step_bytes"] > 0
+    assert 0.5 < row["ratio_estimate_to_measured"] < 2  # the estimate and the measurement describe one step
+
+
+def test_gpu_policy_check_on_the_cpu(tiny_dirs, tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "OUT"} | {"CUDA_VISIBLE_DEVICES": ""}
+    d = run_tool(
+        "tools/gpu/policy_check.py", "--model-dir", tiny_dirs["qwen2_5_vl"], "--out", str(tmp_path / "p.json"), env=env
+    )
+    assert d["ok"] and d["device"] == "cpu" and d["next_step_equal"] and d["loss_falls"]
+    assert json.loads((tmp_path / "p.json").read_text()) == d
+    assert d["validation"]["tokens"] > 0 and d["validation"]["answered"] == 1
+
+
+@pytest.mark.slow
+def test_measure_generation_three_ways_in_rounds(tmp_path):
+    d = run_tool(
+        "tools/measure_generation.py",
+        *("--prompts", "2", "--n", "2", "--max-new-tokens", "4", "--repeats", "2", "--work", str(tmp_path)),
+    )
+    assert [r["where"] for r in d["rows"]] == ["bare generate", "HfGenerator in process", "HfGenerator in a Ray actor"]
+    assert all(finite(r["tokens_per_s"]) for r in d["rows"]) and finite(d["rows"][2]["round_trip_tokens_per_s"])
+    for key in ("in_process_over_bare", "actor_over_bare", "actor_round_trip_over_bare"):
+        assert set(d[key]) == SPREAD_KEYS and d[key]["rounds"] == 2 and finite(d[key]["median"])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_measure_grpo_one_plane(tmp_path):
+    d = run_tool(
+        "tools/measure_grpo.py",
+        *("--steps", "2", "--repeats", "1", "--planes", "local", "--work", str(tmp_path)),
+        timeout=580,
+    )
+    assert set(d["planes"]) == {"local"} and d["identical_losses"]
+    row = d["planes"]["local"]
+    assert finite(row["step_time_s"]) and 0 <= row["data_plane_fraction"] < 1 and row["plane_bytes_per_step"] > 0
+    assert d["plane_bytes_per_step"]["bfloat16_pixels"] < d["plane_bytes_per_step"]["float32_pixels"]
+    assert finite(d["generation"]["bare"]["tokens_per_s"]) and finite(d["generation"]["in_loop_over_bare"])
+
+
+def _two_node_cluster() -> bool:
+    if shutil.which("sinfo") is None:
+        return False
+    out = subprocess.run(["sinfo", "-h", "-N", "-o", "%N"], capture_output=True, text=True, timeout=10)
+    return out.returncode == 0 and len(out.stdout.split()) >= 2
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_ray_ready_bench_on_two_nodes(tmp_path):
+    if not _two_node_cluster():
+        pytest.skip("needs the 2-node SLURM cluster: SLURM_NETNS=1 tools/slurm/up-2node.sh")
+    out = tmp_path / "bench.out"
+    env = os.environ | {"VENV": str(Path(sys.executable).parents[1]), "ROUNDS": "1", "BENCH_DIR": str(tmp_path / "w")}
+    proc = subprocess.run(
+        ["sbatch", "--wait", "-o", str(out), "tools/slurm/ray_ready_bench.sbatch"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=580,
+    )
+    assert proc.returncode == 0, (proc.stderr, out.read_text()[-3000:] if out.exists() else "")
+    rows = [json.loads(line) for line in out.read_text().splitlines() if re.match(r"^\{", line)]
+    assert [r["kind"] for r in rows] == ["bare ray start", "vlmrun"]
+    assert all(finite(r["ready_s"]) for r in rows) and finite(rows[1]["inside_ray_head_s"])
