@@ -123,8 +123,9 @@ def last_step(run: Path) -> int:
 
 
 def checkpoints(run: Path) -> list[str]:
+    """What the run's checkpoint folder holds besides owner.json (the run it belongs to)."""
     d = run / "checkpoints"
-    return sorted(p.name for p in d.iterdir()) if d.is_dir() else []
+    return sorted(p.name for p in d.iterdir() if p.name != "owner.json") if d.is_dir() else []
 
 
 def node_pid(run: Path) -> int:

@@ -228,6 +228,8 @@ def test_a_dead_server_is_named_and_a_call_waiting_on_it_ends_at_its_bound(ray_l
     """What the node's watchdog relies on (cluster/plane_servers.py): Ray reports a SIGKILLed server
     actor dead within seconds, named with its pid, and a client's call gives up at its bound (not
     after TransferQueue's 3 x 200 s for a storage unit, or never for the controller)."""
+    import ray
+
     from vlmrun.plane.transfer_queue.servers import start_transfer_queue, stop_transfer_queue
     from vlmrun.plane.transfer_queue.store import TransferQueuePlane
 
@@ -248,7 +250,8 @@ def test_a_dead_server_is_named_and_a_call_waiting_on_it_ends_at_its_bound(ray_l
         while (lost := servers.lost()) is None and time.monotonic() < deadline:
             time.sleep(0.1)
         assert lost == f"{actor.describe()} died"
-        assert f"TransferQueue {victim}" in lost and f"pid {actor.pid} on 127.0.0.1" in lost, lost
+        node = ray.util.get_node_ip_address()  # the one node of this test's Ray
+        assert f"TransferQueue {victim}" in lost and f"pid {actor.pid} on {node}" in lost, lost
     finally:
         plane.close()
         stop_transfer_queue(servers)

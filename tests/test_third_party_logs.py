@@ -8,6 +8,10 @@ from __future__ import annotations
 
 import inspect
 import logging
+import os
+import subprocess
+import sys
+import textwrap
 
 import pytest
 
@@ -102,3 +106,28 @@ def test_ray_s_seam_is_wrapped_once_and_files_the_chatter(monkeypatch, caplog, c
     assert printed == [[KEPT[0]]]  # a batch of chatter alone prints nothing
     assert [r.getMessage() for r in caplog.records] == [f"(GrpoWorker 12) {CHATTER[1]}", f"(raylet) {CHATTER[-1]}"]
     assert logging.getLogger("ray").propagate and not logging.getLogger("ray").handlers
+
+
+@pytest.mark.slow
+def test_a_ray_started_after_the_routing_prints_no_token_line():
+    """A fresh node process (ray not imported yet, RAY_AUTH_MODE unset: a local run's case): Ray's start-up
+    warning about token authentication reaches the console neither raw nor through our handler."""
+    code = textwrap.dedent(
+        """
+        import logging, os, sys
+        from vlmrun.cluster.ray.local import start_local_ray
+        from vlmrun.cluster.third_party_logs import OursAndErrors, route_ray_logs
+        handler = logging.StreamHandler(sys.stderr)
+        handler.addFilter(OursAndErrors())
+        logging.getLogger().addHandler(handler)
+        logging.getLogger().setLevel(logging.INFO)
+        route_ray_logs()
+        import ray
+        start_local_ray(f"token-line-{os.getpid()}", 1)
+        ray.shutdown()
+        """
+    )
+    env = {k: v for k, v in os.environ.items() if k != "RAY_AUTH_MODE"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=180)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "Token authentication" not in out.stdout + out.stderr, out.stderr[-3000:]

@@ -84,10 +84,11 @@ def route_ray_logs() -> None:
     """In the driver, before `ray.init`: Ray's logger writes into ours (so its records are levelled down
     like every library's), and the chatter among the lines Ray prints for its workers and its raylets
     goes to the third-party log (module doc, 2). Idempotent."""
+    import ray._private.worker as ray_worker  # first: importing ray configures its logger (own handler, no propagation)
+
     ray_logger = logging.getLogger("ray")
     ray_logger.handlers.clear()
     ray_logger.propagate = True
-    import ray._private.worker as ray_worker
 
     if not getattr(ray_worker.print_to_stdstream, "files_chatter", False):
         ray_worker.print_to_stdstream = _filing_chatter(ray_worker.print_to_stdstream)
