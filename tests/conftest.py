@@ -1,8 +1,9 @@
 """Fixtures shared by several test modules; pytest finds them here, no test module imports them.
 
 A small CLEVR set (64 px, 3 train shards of 32) and the tiny models of every family are built once
-per session under pytest's base temp dir. Plain functions the data-path tests share are in
-tests/data_samples.py.
+per session under pytest's base temp dir. The real runs several modules share, and the one local Ray,
+are in tests/shared_runs.py; the CLI as a user's process in tests/vlmrun_cli.py; plain functions the
+data-path tests share in tests/data_samples.py.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before anything imports huggingf
 
 import pytest
 from data_samples import FAMILIES, PER_SHARD, SIZE, TRAIN, VAL
+
+pytest_plugins = ["shared_runs"]
 
 
 @pytest.fixture(scope="session")
