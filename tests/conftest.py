@@ -17,6 +17,30 @@ import pytest
 from data_samples import FAMILIES, PER_SHARD, SIZE, TRAIN, VAL
 
 pytest_plugins = ["shared_runs"]
+SLURM_GROUP = "slurm"
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook reads the groups
+def pytest_collection_modifyitems(config, items):
+    """The order of the tests, and under pytest-xdist (`make test`: -n 2 --dist loadgroup) each worker's share:
+
+    1. A module runs whole on one worker, in its order: the chains of test_chaos_processes.py and
+       test_slurm_sft.py are one run each, and a module fixture may be a real run.
+    2. The SLURM modules run together (one cluster; their jobs expect its nodes free), and first: their
+       waits on the queue and the time limit overlap the other worker's runs.
+    3. Then the modules with slow tests, the fast ones last: small work units that even out the tails.
+    """
+    groups = {item: _group(item) for item in items}
+    slow = {groups[item] for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: 0 if groups[item] == SLURM_GROUP else 1 if groups[item] in slow else 2)
+    if config.pluginmanager.hasplugin("xdist"):
+        for item in items:
+            item.add_marker(pytest.mark.xdist_group(groups[item]))
+
+
+def _group(item) -> str:
+    module = item.nodeid.split("::")[0]
+    return SLURM_GROUP if Path(module).name.startswith("test_slurm_") and item.get_closest_marker("slurm") else module
 
 
 @pytest.fixture(scope="session")
