@@ -40,13 +40,17 @@ lint: setup
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/lint-imports
 
+# Two pytest workers: a real run leaves much of the 2 CPUs idle (start-up waits, SLURM's queue), and each
+# module runs whole on one worker, the SLURM ones together and first (tests/conftest.py says why).
 # pytest exits 5 when it collected no tests: that is a failure here, said in words.
+PYTEST := $(VENV)/bin/python -m pytest -n 2 --dist loadgroup --no-loadscope-reorder
+
 test: lint
-	@$(VENV)/bin/python -m pytest -q -ra --durations=15; rc=$$?; \
+	@$(PYTEST) -q -ra --durations=15; rc=$$?; \
 	if [ $$rc = 5 ]; then echo "make test: pytest collected no tests"; fi; exit $$rc
 
 test-fast: lint
-	$(VENV)/bin/python -m pytest -q -m "not slow and not slurm"
+	$(PYTEST) -q -m "not slow and not slurm"
 
 clean:
 	rm -rf $(VENV) runs data .pytest_cache

@@ -1,8 +1,9 @@
 """Fixtures shared by several test modules; pytest finds them here, no test module imports them.
 
 A small CLEVR set (64 px, 3 train shards of 32) and the tiny models of every family are built once
-per session under pytest's base temp dir. Plain functions the data-path tests share are in
-tests/data_samples.py.
+per session under pytest's base temp dir. The real runs several modules share, and the one local Ray,
+are in tests/shared_runs.py; the CLI as a user's process in tests/vlmrun_cli.py; plain functions the
+data-path tests share in tests/data_samples.py.
 """
 
 from __future__ import annotations
@@ -14,6 +15,32 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before anything imports huggingf
 
 import pytest
 from data_samples import FAMILIES, PER_SHARD, SIZE, TRAIN, VAL
+
+pytest_plugins = ["shared_runs"]
+SLURM_GROUP = "slurm"
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook reads the groups
+def pytest_collection_modifyitems(config, items):
+    """The order of the tests, and under pytest-xdist (`make test`: -n 2 --dist loadgroup) each worker's share:
+
+    1. A module runs whole on one worker, in its order: the chains of test_chaos_processes.py and
+       test_slurm_sft.py are one run each, and a module fixture may be a real run.
+    2. The SLURM modules run together (one cluster; their jobs expect its nodes free), and first: their
+       waits on the queue and the time limit overlap the other worker's runs.
+    3. Then the modules with slow tests, the fast ones last: small work units that even out the tails.
+    """
+    groups = {item: _group(item) for item in items}
+    slow = {groups[item] for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: 0 if groups[item] == SLURM_GROUP else 1 if groups[item] in slow else 2)
+    if config.pluginmanager.hasplugin("xdist"):
+        for item in items:
+            item.add_marker(pytest.mark.xdist_group(groups[item]))
+
+
+def _group(item) -> str:
+    module = item.nodeid.split("::")[0]
+    return SLURM_GROUP if Path(module).name.startswith("test_slurm_") and item.get_closest_marker("slurm") else module
 
 
 @pytest.fixture(scope="session")

@@ -15,42 +15,22 @@ No training runs: run directories are built by hand from tests/fixtures/format1-
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import yaml
+from vlmrun_cli import ROOT, TINY, refused, vlmrun
 
 from vlmrun.run.directory import RUN_NAMES
 
-ROOT = Path(__file__).resolve().parents[1]
-TINY = str(ROOT / "recipes" / "tiny-clevr-cpu.yaml")
 FIXTURE = ROOT / "tests" / "fixtures" / "format1-run"
-ENV = os.environ | {"HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled"}
 # Had a refusal regressed, a submit would start this 1-step run instead of a 200-step one.
 SMALL = ["--set", "train.max_steps=1", "--set", "train.val_samples=0", "--set", "data.synthetic={train: 8, val: 8}"]
 LAUGHS = "a: &a [lol, lol, lol, lol, lol, lol, lol, lol, lol]\n" + "".join(
     f"{c}: &{c} [{', '.join([f'*{p}'] * 9)}]\n" for p, c in zip("abcdefgh", "bcdefghi", strict=True)
 )
-
-
-def vlmrun(*args: str, cwd: Path, timeout: float = 60) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "vlmrun.cli", *args], capture_output=True, text=True, env=ENV, cwd=cwd, timeout=timeout
-    )
-
-
-def assert_refused(out: subprocess.CompletedProcess, *names: str) -> None:
-    """Exit 2, one or two lines on stderr naming every one of `names`, no traceback."""
-    assert out.returncode == 2, out.stderr
-    assert "Traceback" not in out.stderr, out.stderr
-    lines = out.stderr.strip().splitlines()
-    assert 1 <= len(lines) <= 2 and lines[0].startswith("error: "), out.stderr
-    for name in names:
-        assert name in out.stderr, (name, out.stderr)
 
 
 def submit(tmp_path: Path, *args: str, dry_run: bool = True) -> subprocess.CompletedProcess:
@@ -95,12 +75,12 @@ GOOD_ROWS = (FIXTURE / "metrics.jsonl").read_bytes()
     ],
 )
 def test_bad_values_are_refused_at_dry_run(tmp_path, override, field):
-    assert_refused(submit(tmp_path, TINY, "--set", override), field)
+    refused(submit(tmp_path, TINY, "--set", override), field)
 
 
 @pytest.mark.parametrize("name", ["recipe.yaml", "job.json", "REQUEUE_REQUESTED", "Checkpoints", ".."])
 def test_metrics_file_may_not_be_a_name_the_run_dir_uses(tmp_path, name):
-    assert_refused(submit(tmp_path, TINY, "--set", f"logger.metrics_file={name}"), "logger.metrics_file")
+    refused(submit(tmp_path, TINY, "--set", f"logger.metrics_file={name}"), "logger.metrics_file")
 
 
 def test_run_names_cover_every_file_the_run_writes():
@@ -116,17 +96,17 @@ def test_run_names_cover_every_file_the_run_writes():
 
 
 def test_a_refused_submit_leaves_nothing_behind(tmp_path):
-    assert_refused(submit(tmp_path, TINY, "--set", "train.lr=.inf", dry_run=False), "train.lr")
+    refused(submit(tmp_path, TINY, "--set", "train.lr=.inf", dry_run=False), "train.lr")
 
 
 def test_a_metrics_file_collision_leaves_nothing_behind(tmp_path):
-    assert_refused(submit(tmp_path, TINY, "--set", "logger.metrics_file=recipe.yaml", dry_run=False), "metrics_file")
+    refused(submit(tmp_path, TINY, "--set", "logger.metrics_file=recipe.yaml", dry_run=False), "metrics_file")
 
 
 def test_a_bad_value_in_the_recipe_file_is_named(tmp_path):
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text(Path(TINY).read_text().replace("lr: 2.0e-3", "lr: .inf"))
-    assert_refused(submit(tmp_path, str(recipe)), "train.lr", "finite")
+    refused(submit(tmp_path, str(recipe)), "train.lr", "finite")
 
 
 def test_a_section_given_by_set_is_merged_into_the_recipes(tmp_path):
@@ -152,7 +132,7 @@ def test_billion_laughs_recipe_fails_fast(tmp_path):
     t0 = time.monotonic()
     out = submit(tmp_path, str(bomb))
     assert time.monotonic() - t0 < 5
-    assert_refused(out, "bomb.yaml", "expands to more than")
+    refused(out, "bomb.yaml", "expands to more than")
 
 
 def test_billion_laughs_in_a_set_value_fails_fast(tmp_path):
@@ -160,7 +140,7 @@ def test_billion_laughs_in_a_set_value_fails_fast(tmp_path):
     t0 = time.monotonic()
     out = submit(tmp_path, TINY, "--set", f"cluster.env={inline}")
     assert time.monotonic() - t0 < 5
-    assert_refused(out, "cluster.env", "expands to more than")
+    refused(out, "cluster.env", "expands to more than")
 
 
 # --- 3. damaged run files -----------------------------------------------------------------------
@@ -182,19 +162,19 @@ def test_billion_laughs_in_a_set_value_fails_fast(tmp_path):
 def test_compare_names_a_damaged_metrics_file(tmp_path, damage, words):
     good = make_run(tmp_path, "good")
     bad = make_run(tmp_path, "bad", metrics=GOOD_ROWS + damage)
-    assert_refused(vlmrun("compare", str(good), str(bad), cwd=tmp_path), f"{bad}/metrics.jsonl", "line 10", words)
+    refused(vlmrun("compare", str(good), str(bad), cwd=tmp_path), f"{bad}/metrics.jsonl", "line 10", words)
 
 
 def test_status_names_a_damaged_last_row(tmp_path):
     bad = make_run(tmp_path, "bad", metrics=GOOD_ROWS + b'{"step": "ten", "attempt": 0}\n')
-    assert_refused(vlmrun("status", str(bad), cwd=tmp_path), f"{bad}/metrics.jsonl", "its last row", "step is 'ten'")
+    refused(vlmrun("status", str(bad), cwd=tmp_path), f"{bad}/metrics.jsonl", "its last row", "step is 'ten'")
 
 
 def test_damage_in_the_middle_is_named_by_line(tmp_path):
     lines = GOOD_ROWS.splitlines(keepends=True)
     bad = make_run(tmp_path, "bad", metrics=b"".join(lines[:3] + [b"\x00\x00garbage\n"] + lines[3:]))
     good = make_run(tmp_path, "good")
-    assert_refused(vlmrun("compare", str(good), str(bad), cwd=tmp_path), "metrics.jsonl", "line 4", "not JSON")
+    refused(vlmrun("compare", str(good), str(bad), cwd=tmp_path), "metrics.jsonl", "line 4", "not JSON")
 
 
 def test_a_torn_last_line_is_tolerated(tmp_path):
@@ -224,33 +204,33 @@ def test_a_torn_last_line_is_tolerated(tmp_path):
 def test_compare_names_a_damaged_recipe_yaml(tmp_path, recipe, words):
     good = make_run(tmp_path, "good")
     bad = make_run(tmp_path, "bad", recipe=recipe)
-    assert_refused(vlmrun("compare", str(good), str(bad), cwd=tmp_path), f"{bad}/recipe.yaml", words)
+    refused(vlmrun("compare", str(good), str(bad), cwd=tmp_path), f"{bad}/recipe.yaml", words)
 
 
 def test_a_recipe_yaml_that_is_not_utf8_is_named(tmp_path):
     good = make_run(tmp_path, "good")
     bad = make_run(tmp_path, "bad")
     (bad / "recipe.yaml").write_bytes(b"name: \xff\xfe\n")
-    assert_refused(vlmrun("compare", str(good), str(bad), cwd=tmp_path), f"{bad}/recipe.yaml", "UTF-8")
+    refused(vlmrun("compare", str(good), str(bad), cwd=tmp_path), f"{bad}/recipe.yaml", "UTF-8")
 
 
 def test_resume_names_a_recipe_yaml_that_is_not_yaml(tmp_path):
     bad = make_run(tmp_path, "bad", recipe="name: [unclosed\n")
-    assert_refused(vlmrun("resume", str(bad), cwd=tmp_path), f"{bad}/recipe.yaml", "malformed YAML")
+    refused(vlmrun("resume", str(bad), cwd=tmp_path), f"{bad}/recipe.yaml", "malformed YAML")
 
 
 @pytest.mark.parametrize("content", [b"\xff\xfe{}", b"[" * 50000], ids=["bad-utf8", "deep"])
 def test_status_names_a_damaged_job_json(tmp_path, content):
     run = make_run(tmp_path, "run")
     (run / "job.json").write_bytes(content)
-    assert_refused(vlmrun("status", str(run), cwd=tmp_path), f"{run}/job.json")
+    refused(vlmrun("status", str(run), cwd=tmp_path), f"{run}/job.json")
 
 
 def test_data_clevr_onto_a_file(tmp_path):
     target = tmp_path / "taken"
     target.write_text("keep me\n")
-    assert_refused(vlmrun("data", "clevr", str(target), "--train", "2", "--val", "2", cwd=tmp_path), str(target))
-    assert_refused(vlmrun("data", "clevr", str(target / "sub"), "--train", "2", "--val", "2", cwd=tmp_path), "file")
+    refused(vlmrun("data", "clevr", str(target), "--train", "2", "--val", "2", cwd=tmp_path), str(target))
+    refused(vlmrun("data", "clevr", str(target / "sub"), "--train", "2", "--val", "2", cwd=tmp_path), "file")
     assert target.read_text() == "keep me\n" and sorted(p.name for p in tmp_path.iterdir()) == ["taken"]
 
 
@@ -270,4 +250,4 @@ def test_submit_names_a_damaged_energon_meta(tmp_path, split_yaml, words):
     (meta / ".info.json").write_text('{"shard_counts": {"train-0.tar": 4}}')
     (meta / "split.yaml").write_text(split_yaml)
     sets = ["--set", "data.synthetic=null", "--set", f"data.path={tmp_path / 'set'}", "--set", "train.val_samples=0"]
-    assert_refused(submit(tmp_path, TINY, *sets), "split.yaml", words)
+    refused(submit(tmp_path, TINY, *sets), "split.yaml", words)

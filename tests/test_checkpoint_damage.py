@@ -13,14 +13,12 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
+from shared_runs import copy_run
+from vlmrun_cli import Launcher, rows_of, sealed, sets, vlmrun, wait_for
 
 from vlmrun.algorithms.common.checkpoint import verify
 from vlmrun.algorithms.common.checkpoint_store import run_checkpoints
@@ -29,52 +27,9 @@ from vlmrun.run.metrics import history
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
-ROOT = Path(__file__).resolve().parents[1]
-TINY = str(ROOT / "recipes" / "tiny-clevr-cpu.yaml")
-ENV = os.environ | {"HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline"}
-
-
-def vlmrun(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "vlmrun.cli", *args], capture_output=True, text=True, env=ENV, cwd=ROOT, timeout=timeout
-    )
-
-
-def start(*args: str) -> subprocess.Popen:
-    return subprocess.Popen(
-        [sys.executable, "-m", "vlmrun.cli", *args],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        env=ENV,
-        cwd=ROOT,
-        start_new_session=True,
-    )
-
-
-@pytest.fixture(scope="module")
-def finished(tmp_path_factory) -> Path:
-    """A tiny run that completed 4 steps, with checkpoints at steps 2 and 4 (keep 2)."""
-    base = tmp_path_factory.mktemp("damage")
-    run = base / "run"
-    sets = [
-        f"data.path={base / 'clevr'}",
-        "data.synthetic={train: 64, val: 8, image_size: 64, seed: 0}",
-        "train.max_steps=4",
-        "checkpoint.save_period=2",
-        "train.val_samples=0",
-        "logger.wandb_mode=disabled",
-    ]
-    out = vlmrun(
-        "submit", TINY, "--cluster", "local", "--run-dir", str(run), "--wait", *[a for s in sets for a in ("--set", s)]
-    )
-    assert out.returncode == 0, out.stderr[-2000:]
-    return run
-
 
 def copy_of(run: Path, tmp_path: Path) -> Path:
-    dst = tmp_path / "run"
-    shutil.copytree(run, dst, ignore=shutil.ignore_patterns("cache"))
-    return dst
+    return copy_run(run, tmp_path / "run")
 
 
 def damage(checkpoint: Path) -> None:
@@ -84,17 +39,8 @@ def damage(checkpoint: Path) -> None:
     model.write_bytes(bytes(data))
 
 
-def sealed(run: Path) -> list[int]:
-    return sorted(int(p.name[5:]) for p in (run / "checkpoints").glob("step_*") if (p / "manifest.json").is_file())
-
-
 def attempts(run: Path) -> list[dict]:
     return json.loads((run / "job.json").read_text())["attempts"]
-
-
-def rows_of(run: Path, attempt: int) -> dict[int, dict]:
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r for r in rows if r["attempt"] == attempt}
 
 
 def same_numbers(a: dict, b: dict) -> None:
@@ -116,8 +62,8 @@ def export(run: Path, out: Path) -> tuple[dict, str]:
     return json.loads(done.stdout), done.stderr
 
 
-def test_a_damaged_final_checkpoint_of_a_finished_run_is_trained_again(finished, tmp_path):
-    run = copy_of(finished, tmp_path)
+def test_a_damaged_final_checkpoint_of_a_finished_run_is_trained_again(finished_run, tmp_path):
+    run = copy_of(finished_run, tmp_path)
     damage(run / "checkpoints" / "step_4")
     step, skipped = read_for_eval(run)
     assert step == 2 and "step_4" in skipped[0]
@@ -144,16 +90,17 @@ def test_a_damaged_final_checkpoint_of_a_finished_run_is_trained_again(finished,
     assert again.returncode == 0 and "nothing to do" in again.stdout + again.stderr
 
 
-def test_damage_while_running_and_at_the_stop_costs_nothing(finished, tmp_path):
+def test_damage_while_running_and_at_the_stop_costs_nothing(finished_run, tmp_path):
     """Running: the newest checkpoint is damaged under a training run, readers pass it by and say so.
     Stopped: the stop's checkpoint verifies when the stop says it was written; damaged afterwards, the
-    resume trains the lost steps again to the same numbers and ends with a valid final checkpoint."""
-    run = copy_of(finished, tmp_path)
-    proc = start("resume", str(run), "--wait", "--set", "train.max_steps=200", "--set", "train.epochs=25")
+    resume trains the lost steps again to the same numbers and ends with a valid final checkpoint.
+    The run's LR is constant (after the warmup): the last resume ends two steps after the stop instead
+    of running the long run out."""
+    run = copy_of(finished_run, tmp_path)
+    long = sets("train.max_steps=200", "train.epochs=7")
+    launcher = Launcher(tmp_path, "resume", str(run), "--wait", *long, name="running")
     try:
-        deadline = time.monotonic() + 300
-        while 6 not in sealed(run) and time.monotonic() < deadline and proc.poll() is None:
-            time.sleep(0.05)
+        wait_for(lambda: 6 in sealed(run) or launcher.proc.poll() is not None, 300, "a checkpoint at step 6")
         assert 6 in sealed(run), "the run never saved step 6"
         for _ in range(5):  # damage the newest, and read before the run saves a newer one
             newest = sealed(run)[-1]
@@ -164,43 +111,41 @@ def test_damage_while_running_and_at_the_stop_costs_nothing(finished, tmp_path):
         assert step < newest and f"skipped step_{newest}: " in skipped[0], (step, newest, skipped)
         answer, _ = export(run, tmp_path / "export-running")
         assert answer["step"] != newest
-        assert proc.poll() is None, "the run ended before it could be stopped"
-        os.killpg(proc.pid, signal.SIGUSR2)
-        assert proc.wait(timeout=300) == 3  # stopped at a checkpoint
+        assert launcher.proc.poll() is None, "the run ended before it could be stopped"
+        os.killpg(launcher.pid, signal.SIGUSR2)
+        assert launcher.wait(300) == 3  # stopped at a checkpoint
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+        launcher.kill_group()
     stop = attempts(run)[-1]
     stopped_at = int(re.search(r"checkpointed at step (\d+)", stop["reason"]).group(1))
     assert stop["state"] == "STOPPED" and stop["last_step"] == stopped_at
     verify(run / "checkpoints" / f"step_{stopped_at}")  # the checkpoint the stop names exists and verifies
 
     damage(run / "checkpoints" / f"step_{stopped_at}")
-    out = vlmrun("resume", str(run), "--wait")
+    end = stopped_at + 2
+    out = vlmrun("resume", str(run), "--wait", *sets(f"train.max_steps={end}"))
     assert out.returncode == 0, out.stderr[-3000:]
     last = attempts(run)[-1]
     assert last["state"] == "COMPLETED" and last["resumed_from"] < stopped_at
     assert f"moved aside to damaged_step_{stopped_at}-" in last["skipped_checkpoints"][0]
-    verify(run / "checkpoints" / "step_200")
+    verify(run / "checkpoints" / f"step_{end}")
     stopped_rows, resumed_rows = rows_of(run, len(attempts(run)) - 2), rows_of(run, len(attempts(run)) - 1)
     for step in range(last["resumed_from"] + 1, stopped_at + 1):  # trained twice, the same both times
         same_numbers(stopped_rows[step], resumed_rows[step])
 
 
-def test_export_while_the_run_saves_every_step_with_keep_1(finished, tmp_path):
-    run = copy_of(finished, tmp_path)
-    sets = ["train.max_steps=400", "train.epochs=100", "checkpoint.save_period=1", "checkpoint.keep=1"]
-    proc = start("resume", str(run), "--wait", *[a for s in sets for a in ("--set", s)])
+def test_export_while_the_run_saves_every_step_with_keep_1(finished_run, tmp_path):
+    run = copy_of(finished_run, tmp_path)
+    every_step = sets("train.max_steps=400", "train.epochs=20", "checkpoint.save_period=1", "checkpoint.keep=1")
+    launcher = Launcher(tmp_path, "resume", str(run), "--wait", *every_step, name="saving")
     exported = []
     try:
-        deadline = time.monotonic() + 300
-        while max(history(run / "metrics.jsonl")) < 6 and time.monotonic() < deadline and proc.poll() is None:
-            time.sleep(0.1)
+        wait_for(lambda: max(history(run / "metrics.jsonl")) >= 6 or launcher.proc.poll() is not None, 300, "step 6")
         for k in range(4):
             answer, _ = export(run, tmp_path / f"export-{k}")
             exported.append(answer["step"])
-        assert proc.poll() is None, "the run ended before the exports did"
+        assert launcher.proc.poll() is None, "the run ended before the exports did"
     finally:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+        launcher.kill_group()
+        launcher.proc.wait()
     assert exported == sorted(exported) and exported[-1] > exported[0]  # the run saved (and deleted) meanwhile

@@ -3,52 +3,24 @@
 Two submits at once onto one `checkpoint.dir`: one runs, the other is refused (exit 2, naming
 checkpoint.dir and the run that has it); later submits, dry runs and a job started on that folder by
 another run are refused too, and the run keeps every checkpoint. Replacing what `model.path` holds
-(same path, other weights) is refused on resume and by the job (`model.path contents: old -> new`); a
-copy of the same weights is not.
+(same path, other weights) is refused on resume and by the job (`model.path contents: old -> new`,
+with every other changed field); a copy of the same weights is not.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from vlmrun_cli import ENV, ROOT, TINY, node, refused, sets, vlmrun
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
-ROOT = Path(__file__).resolve().parents[1]
-TINY = str(ROOT / "recipes" / "tiny-clevr-cpu.yaml")
 FORMAT1 = ROOT / "tests" / "fixtures" / "format1-run" / "checkpoints" / "step_9"
-ENV = os.environ | {"HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline"}
-
-
-def vlmrun(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "vlmrun.cli", *args], capture_output=True, text=True, env=ENV, cwd=ROOT, timeout=timeout
-    )
-
-
-def node(run: Path) -> subprocess.CompletedProcess:
-    """The job's node process started directly on `run`, as SLURM or the local launcher would."""
-    return subprocess.run(
-        [sys.executable, "-m", "vlmrun.cluster.node", "--run-dir", str(run)],
-        capture_output=True,
-        text=True,
-        env=ENV,
-        cwd=ROOT,
-        timeout=600,
-    )
-
-
-def one_line_refusal(out: subprocess.CompletedProcess, *words: str) -> None:
-    assert out.returncode == 2, out.stdout + out.stderr[-3000:]
-    assert "Traceback" not in out.stderr and 1 <= len(out.stderr.strip().splitlines()) <= 2, out.stderr
-    for w in words:
-        assert w in out.stderr, (w, out.stderr)
 
 
 def snapshot(folder: Path) -> dict[str, bytes]:
@@ -60,33 +32,26 @@ def run_id(run: Path) -> str:
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory) -> dict[str, Path]:
-    """Two tiny models of other seeds, and `path`: the model directory the runs name (seed 0's files)."""
+def models(tmp_path_factory, tiny_dirs) -> dict[str, Path]:
+    """Tiny models of seeds 0 and 1, and `path`: the model directory the runs name (seed 0's files)."""
     from vlmrun.models.tiny import ensure_tiny_model
 
     base = tmp_path_factory.mktemp("models")
-    seeds = {f"seed{k}": ensure_tiny_model("qwen2_5_vl", base / "cache", seed=k) for k in (0, 1)}
+    seeds = {"seed0": Path(tiny_dirs["qwen2_5_vl"]), "seed1": ensure_tiny_model("qwen2_5_vl", base / "cache", seed=1)}
     shutil.copytree(seeds["seed0"], base / "model")
     return seeds | {"path": base / "model"}
 
 
 @pytest.fixture(scope="module")
-def race(tmp_path_factory, models) -> dict:
+def race(tmp_path_factory, run_data, models) -> dict:
     """Two submits started at once onto one checkpoint.dir, each of a tiny run of 4 steps (checkpoints 2, 4)."""
     base = tmp_path_factory.mktemp("race")
     folder = base / "shared-checkpoints"
-    sets = [
-        f"data.path={base / 'clevr'}",
-        "data.synthetic={train: 64, val: 8, image_size: 64, seed: 0}",
-        "train.max_steps=4",
-        "checkpoint.save_period=2",
-        "train.val_samples=0",
-        "logger.wandb_mode=disabled",
-        f"checkpoint.dir={folder}",
-        f"model.path={models['path']}",
-        "model.tiny=false",
+    args = [
+        *run_data,
+        *sets("train.max_steps=4", "checkpoint.save_period=2", "train.val_samples=0", "data.num_workers=0"),
+        *sets(f"checkpoint.dir={folder}", f"model.path={models['path']}", "model.tiny=false"),
     ]
-    args = [a for s in sets for a in ("--set", s)]
     runs = [base / "run-a", base / "run-b"]
     procs = [
         subprocess.Popen(
@@ -131,13 +96,13 @@ def test_a_later_submit_or_dry_run_onto_that_checkpoint_dir_is_refused_and_nothi
     before = snapshot(race["folder"])
     for extra in (["--dry-run"], ["--cluster", "local", "--run-dir", str(tmp_path / "late"), "--wait"]):
         out = vlmrun("submit", TINY, *extra, *race["sets"], timeout=120)
-        one_line_refusal(out, "checkpoint.dir", str(race["winner"]), run_id(race["winner"]))
+        refused(out, "checkpoint.dir", str(race["winner"]), run_id(race["winner"]))
     assert not (tmp_path / "late").exists()
     assert snapshot(race["folder"]) == before
     # checkpoints from before run ids are nobody's to take either
     shutil.copytree(FORMAT1, tmp_path / "old-checkpoints" / "step_9")
     out = vlmrun("submit", TINY, "--dry-run", "--set", f"checkpoint.dir={tmp_path / 'old-checkpoints'}", timeout=120)
-    one_line_refusal(out, "checkpoint.dir", "step_9", "before vlmrun gave runs an id")
+    refused(out, "checkpoint.dir", "step_9", "before vlmrun gave runs an id")
 
 
 def test_export_reads_only_the_runs_own_checkpoints(race, tmp_path):
@@ -164,6 +129,8 @@ def test_a_job_of_another_run_on_that_checkpoint_dir_fails_before_it_reads_anyth
 
 
 def test_other_weights_at_the_same_model_path_are_refused_on_resume_and_by_the_job(race, models, tmp_path):
+    """On resume, before anything starts; and by the job, against the checkpoint it verified (a copy of
+    the run: same run id, same folder), where an edited recipe.yaml is named too: every changed field."""
     from vlmrun.launch.resume import check_resumable
     from vlmrun.run.directory import RunDirectory
 
@@ -173,16 +140,20 @@ def test_other_weights_at_the_same_model_path_are_refused_on_resume_and_by_the_j
         shutil.rmtree(path)
         shutil.copytree(models["seed1"], path)  # same path, other weights
         out = vlmrun("resume", str(winner), "--set", "train.max_steps=6", "--wait", timeout=120)
-        one_line_refusal(out, "model.path contents: '", "' -> '")
+        refused(out, "model.path contents: '", "' -> '")
         assert (winner / "job.json").read_text() == job_before
-        # the job checks the checkpoint it verified too (a copy of the run: same run id, same folder)
         twin = tmp_path / "twin"
         shutil.copytree(winner, twin, ignore=shutil.ignore_patterns("cache", "lock*"))
-        (twin / "recipe.yaml").write_text((twin / "recipe.yaml").read_text().replace("max_steps: 4", "max_steps: 6"))
+        recipe = (twin / "recipe.yaml").read_text()
+        edited = recipe.replace("max_steps: 4", "max_steps: 6").replace("micro_batch_size: 2", "micro_batch_size: 4")
+        (twin / "recipe.yaml").write_text(edited)
         job = node(twin)
         assert job.returncode == 2, job.stderr[-3000:]
         attempt = json.loads((twin / "job.json").read_text())["attempts"][-1]
         assert attempt["state"] == "FAILED" and "model.path contents: '" in attempt["reason"]
+        assert "train.micro_batch_size: 2 -> 4" in attempt["reason"], attempt["reason"]
+        rows = [json.loads(line) for line in (twin / "metrics.jsonl").read_text().splitlines()]
+        assert max(r["step"] for r in rows) == 4  # it trained nothing
     finally:
         shutil.rmtree(path, ignore_errors=True)
         shutil.copytree(models["seed0"], path, copy_function=shutil.copyfile)  # the same weights, new mtimes
@@ -198,5 +169,5 @@ def test_a_slurm_submit_refused_after_the_claim_leaves_neither_the_claim_nor_the
     run = tmp_path / "run"
     args = ["--cluster", "slurm", "--run-dir", str(run), "--set", f"checkpoint.dir={folder}"]
     out = vlmrun("submit", TINY, *args, "--set", "cluster.cpus_per_node=999", timeout=120)
-    one_line_refusal(out, "cluster.cpus_per_node")
+    refused(out, "cluster.cpus_per_node")
     assert not folder.exists() and not run.exists()

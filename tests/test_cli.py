@@ -3,27 +3,13 @@
 from __future__ import annotations
 
 import json
-import os
 import shlex
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parents[1]
-TINY = str(ROOT / "recipes" / "tiny-clevr-cpu.yaml")
-
-
-def vlmrun(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "vlmrun.cli", *args],
-        capture_output=True,
-        text=True,
-        cwd=cwd or ROOT,
-        env=os.environ | {"HF_HUB_OFFLINE": "1"},
-        timeout=120,
-    )
+from vlmrun_cli import ROOT, TINY, vlmrun
 
 
 def test_help_lists_commands_and_imports_nothing_heavy():

@@ -93,6 +93,7 @@ def take_counting(shard, n: int) -> tuple[list, list]:
     return batches, counts
 
 
+@pytest.mark.slow  # a loader shard with its worker, read and restored again: seconds per case
 @pytest.mark.timeout(HANG_S)
 @pytest.mark.parametrize("saves", [[7], [30], [6, 1]], ids=["mid-group", "later", "again-right-after-a-restore"])
 def test_a_restored_shard_gives_the_same_batches_and_counts_at_every_batch(long_set, tiny_dirs, saves):

@@ -5,14 +5,12 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import re
-import subprocess
-import sys
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from vlmrun_cli import vlmrun
 
 from vlmrun.config.load import load_recipe
 from vlmrun.errors import InputError
@@ -38,17 +36,6 @@ ONE_GPU = [
     "parallel.cpu_offload=false",
     "parallel.reduce_every_micro_batch=false",
 ]
-
-
-def vlmrun(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "vlmrun.cli", *args],
-        capture_output=True,
-        text=True,
-        cwd=cwd,
-        env=os.environ | {"HF_HUB_OFFLINE": "1"},
-        timeout=120,
-    )
 
 
 def placeholder_model(tmp_path: Path) -> Path:

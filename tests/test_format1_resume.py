@@ -11,27 +11,16 @@ it), so the synthetic data set is generated at that fixed path on first use.
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
+from vlmrun_cli import ROOT, vlmrun
 
 from vlmrun.run.metrics import history
 
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parents[1]
 FIXTURE = ROOT / "tests" / "fixtures" / "format1-run"
-ENV = os.environ | {"HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline"}
-
-
-def vlmrun(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "vlmrun.cli", *args], capture_output=True, text=True, env=ENV, cwd=ROOT, timeout=600
-    )
 
 
 def test_format1_run_resumes_to_the_numbers_of_an_uninterrupted_run(tmp_path):

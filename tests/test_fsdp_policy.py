@@ -16,6 +16,7 @@ import torch
 import torch.multiprocessing as mp
 from data_samples import make_recipe
 
+pytestmark = pytest.mark.slow  # two spawned ranks per layout import torch and build FSDP2: ~15 s a test
 STEPS = 4
 
 

@@ -182,17 +182,6 @@ def test_sampling_stream_resumes_from_its_saved_state(family, prompts, tiny_dirs
     assert same(want, resumed.generate(batch, SAMPLING, n=2))
 
 
-@pytest.fixture(scope="module")
-def ray_local():
-    import ray
-
-    from vlmrun.cluster.ray.local import start_local_ray
-
-    start_local_ray("test-generation", 2)
-    yield
-    ray.shutdown()
-
-
 @pytest.mark.parametrize("family", ["qwen2_5_vl"], indirect=True)  # the group is the same for every family
 def test_replicas_in_ray_actors_give_each_replicas_own_stream(family, prompts, tiny_dirs, ray_local):
     import ray

@@ -1,8 +1,9 @@
 """Samples that do not fit data.max_seq_len, through real tiny runs via the CLI (local cluster: real Ray,
 Energon and the tiny Qwen2.5-VL), SFT and GRPO. With `data.on_bad_sample: refuse` the run fails with
 one line naming the sample, its token count and the limit (exit 2); with `drop` it trains, the rows
-count the drops (and the SFT conversations cut), no trained sample is one that did not fit, and a
-stopped-and-resumed run counts exactly what an uninterrupted one does.
+count the drops (and the SFT conversations cut) since the run began, across a resume, and no trained
+sample is one that did not fit. (That a restored loader shard counts exactly what an uninterrupted one
+does, and SFT's refusal: tests/test_data_over_length.py, with real Energon shards.)
 
 On this data set (112 px images) every prompt has 32 or 33 tokens and every conversation 35 or 36:
 at a limit of 33 a 33-token prompt leaves no answer token (SFT drops it) and every other SFT sample
@@ -17,24 +18,18 @@ from pathlib import Path
 
 import pytest
 from data_samples import read_raw_samples
-from test_grpo_e2e import GRPO, SFT, sets, vlmrun
+from vlmrun_cli import GRPO, TINY, sets, vlmrun
 
 from vlmrun.run.metrics import history
 
 pytestmark = pytest.mark.slow
-SFT_LIMIT, GRPO_LIMIT = 33, 32
+SFT, SFT_LIMIT, GRPO_LIMIT = TINY, 33, 32
 
 
 @pytest.fixture(scope="module")
-def data(tmp_path_factory) -> list[str]:
-    path = tmp_path_factory.mktemp("long") / "clevr"
-    return sets(
-        f"data.path={path}",
-        "data.synthetic={train: 256, val: 32, image_size: 112, seed: 0}",
-        "logger.wandb_mode=disabled",
-        "train.val_samples=8",
-        "data.error_tolerance=256",  # two samples in five are dropped: more than the default allows
-    )
+def data(run_data) -> list[str]:
+    """The session's CLEVR set (112 px); two samples in five are dropped: more than the default allows."""
+    return [*run_data, *sets("train.val_samples=8", "data.error_tolerance=256")]
 
 
 def submit(recipe: str, run: Path, data: list[str], *items: str):
@@ -68,9 +63,10 @@ def skipped_to_fill(lengths: dict[str, int], fits, wanted: int) -> int:
     return skipped
 
 
-@pytest.mark.parametrize(("recipe", "limit"), [(SFT, SFT_LIMIT), (GRPO, GRPO_LIMIT)], ids=["sft", "grpo"])
-def test_refuse_fails_the_run_in_one_line_naming_the_sample(tmp_path, data, recipe, limit):
-    out = submit(recipe, tmp_path / "run", data, f"data.max_seq_len={limit}", "train.max_steps=3")
+def test_refuse_fails_the_run_in_one_line_naming_the_sample(tmp_path, data):
+    """(SFT's encoder refuses the same way: tests/test_data_over_length.py; the job's path is one.)"""
+    limit = GRPO_LIMIT
+    out = submit(GRPO, tmp_path / "run", data, f"data.max_seq_len={limit}", "train.max_steps=3")
     assert out.returncode == 2, out.stderr[-3000:]
     job = json.loads((tmp_path / "run" / "job.json").read_text())
     reason = job["attempts"][-1]["reason"]
@@ -81,16 +77,29 @@ def test_refuse_fails_the_run_in_one_line_naming_the_sample(tmp_path, data, reci
     assert reason in out.stdout + out.stderr and "Traceback" not in out.stdout + out.stderr
 
 
-def test_sft_drop_trains_counts_and_never_trains_a_sample_that_does_not_fit(tmp_path, data):
-    run = tmp_path / "run"
-    out = submit(SFT, run, data, f"data.max_seq_len={SFT_LIMIT}", "data.on_bad_sample=drop", "train.max_steps=6")
+@pytest.fixture(scope="module")
+def sft_drop(tmp_path_factory, data) -> Path:
+    """An SFT run that drops what does not fit: 3 steps, then resumed to 6 (checkpoints every 2 steps)."""
+    run = tmp_path_factory.mktemp("sft-drop") / "run"
+    drop = (f"data.max_seq_len={SFT_LIMIT}", "data.on_bad_sample=drop", "checkpoint.save_period=2")
+    out = submit(SFT, run, data, *drop, "train.max_steps=3")
     assert out.returncode == 0, out.stderr[-3000:]
+    out = vlmrun("resume", str(run), "--set", "train.max_steps=6", "--wait")
+    assert out.returncode == 0, out.stderr[-3000:]
+    return run
+
+
+def test_sft_drop_trains_counts_and_never_trains_a_sample_that_does_not_fit(sft_drop, data):
+    run = sft_drop
     rows = history(run / "metrics.jsonl")
     train = prompt_lengths(run, data_path(data), "train")
     trained = {k for row in rows.values() for k in row["sample_ids"]}
     assert trained and all(train[k] < SFT_LIMIT for k in trained)  # room for an answer token after the prompt
     drops = [rows[s]["dropped_samples"] for s in sorted(rows)]
-    assert drops == sorted(drops) and drops[-1] > 0
+    assert drops == sorted(drops) and drops[-1] > 0  # counted since the run began, across the resume
+    assert (
+        rows[3]["attempt"] == 0 and rows[4]["attempt"] == 1 and rows[6]["dropped_samples"] > rows[3]["dropped_samples"]
+    )
     # every conversation here is longer than the limit: each one trained on was cut, and counted
     assert all(row["truncated_samples"] == row["consumed_samples"] for row in rows.values())
     skipped = skipped_to_fill(prompt_lengths(run, data_path(data), "val"), lambda n: n < SFT_LIMIT, 8)
@@ -110,17 +119,3 @@ def test_grpo_drop_trains_every_prompt_with_its_image_and_counts_the_drops(tmp_p
     # validation: a prompt must fit; its answer has grpo.max_new_tokens of room beyond data.max_seq_len
     skipped = skipped_to_fill(prompt_lengths(run, data_path(data), "val"), lambda n: n <= GRPO_LIMIT, 8)
     assert rows[3]["val_dropped_samples"] == skipped > 0 and rows[3]["val_samples"] == 8
-
-
-def test_a_resumed_drop_run_counts_what_an_uninterrupted_one_does(tmp_path, data):
-    drop = (f"data.max_seq_len={SFT_LIMIT}", "data.on_bad_sample=drop", "checkpoint.save_period=2")
-    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    assert submit(SFT, straight, data, *drop, "train.max_steps=6").returncode == 0
-    assert submit(SFT, resumed, data, *drop, "train.max_steps=3").returncode == 0
-    out = vlmrun("resume", str(resumed), "--set", "train.max_steps=6", "--wait")
-    assert out.returncode == 0, out.stderr[-3000:]
-    a, b = history(straight / "metrics.jsonl"), history(resumed / "metrics.jsonl")
-    for step in range(1, 7):
-        for key in ("sample_ids", "loss", "dropped_samples", "truncated_samples"):
-            assert a[step][key] == b[step][key], (step, key)
-    assert b[4]["attempt"] == 1 and b[6]["dropped_samples"] > b[3]["dropped_samples"]

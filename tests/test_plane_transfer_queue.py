@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 import signal
 import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -63,23 +62,6 @@ class PlaneWorker:
 
     def close(self) -> None:
         self.plane.close()
-
-
-@pytest.fixture(scope="module")
-def ray_local():
-    from vlmrun.cluster.ray.local import start_local_ray
-
-    saved = os.environ.get("PYTHONPATH")  # the workers import PlaneWorker from this module
-    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(Path(__file__).parent), saved) if p)
-    start_local_ray("test-plane-tq", 2)  # sets Ray's loopback environment before Ray is imported
-    import ray
-
-    yield
-    ray.shutdown()
-    if saved is None:
-        os.environ.pop("PYTHONPATH")
-    else:
-        os.environ["PYTHONPATH"] = saved
 
 
 @pytest.fixture(scope="module", params=BACKENDS)

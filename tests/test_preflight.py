@@ -4,38 +4,18 @@ no run dir is created, no data generated, no process started."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+from vlmrun_cli import ROOT, TINY, refused, vlmrun
 
 from vlmrun.cluster import preflight
 
-ROOT = Path(__file__).resolve().parents[1]
 OMNI = str(ROOT / "recipes" / "omni-clevr-1n8g.yaml")
-TINY = str(ROOT / "recipes" / "tiny-clevr-cpu.yaml")
 DRY = pytest.mark.parametrize("dry", [[], ["--dry-run"]], ids=["submit", "dry-run"])
-
-
-def vlmrun(*args: str, cwd: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "vlmrun.cli", *args],
-        capture_output=True,
-        text=True,
-        cwd=cwd,
-        env=os.environ | {"HF_HUB_OFFLINE": "1"} | (env or {}),
-        timeout=120,
-    )
-
-
-def refused(out: subprocess.CompletedProcess, field: str) -> str:
-    assert out.returncode == 2, out.stdout + out.stderr
-    assert "Traceback" not in out.stderr and field in out.stderr
-    assert len(out.stderr.strip().splitlines()) <= 2
-    return out.stderr
 
 
 def model_dir(tmp_path: Path) -> Path:

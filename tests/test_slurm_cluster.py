@@ -284,15 +284,6 @@ def test_preemption_beyond_the_budget_ends_budget_exhausted(cluster, tmp_path):
     assert "checkpoint.requeue.preemptions=0" in job.reason and len(job.attempts) == 1
 
 
-def test_ray_on_one_node(cluster, tmp_path):
-    rd = tmp_path / "run"
-    result = submit(rd, recipe("cluster.cpus_per_node=2", "cluster.mem_gb=3"), ray_probe_main, wait=True)
-    assert result.state is not None and result.exit_code in (0, 1)
-    probe = json.loads((rd / "probe.json").read_text())
-    assert probe["alive_nodes"] == 1 and len(probe["ran_on"]) == 1
-    print(f"Ray ready on 1 node: {probe['ready_s']}s")
-
-
 def test_ray_on_two_nodes(two_nodes, tmp_path):
     rd = tmp_path / "run"
     submit(rd, recipe("cluster.nodes=2", "cluster.cpus_per_node=2", "cluster.mem_gb=3"), ray_probe_main, wait=True)

@@ -13,15 +13,12 @@ import json
 import os
 import shutil
 import socket
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
+from vlmrun_cli import TINY, refused, vlmrun
 
-ROOT = Path(__file__).resolve().parents[1]
-TINY = str(ROOT / "recipes" / "tiny-clevr-cpu.yaml")
 DEAD = "Unable to contact slurm controller (connect failure)"
 
 
@@ -49,34 +46,19 @@ def dead_slurm(tmp_path) -> dict[str, str]:
         'if [ "$1" = ping ]; then echo "Slurmctld(primary) at ctl is DOWN"; exit 1; fi\n'
         f'echo "slurm_load_jobs error: {DEAD}" >&2; exit 1',
     )
-    return {"PATH": f"{bin_dir}:{os.environ['PATH']}", "bin": str(bin_dir)}
+    return {"PATH": f"{bin_dir}:{os.environ['PATH']}"}
 
 
-def vlmrun(*args: str, env: dict[str, str] | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
-    extra = {k: v for k, v in (env or {}).items() if k != "bin"}
-    return subprocess.run(
-        [sys.executable, "-m", "vlmrun.cli", *args],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        env=os.environ | {"HF_HUB_OFFLINE": "1"} | extra,
-        timeout=timeout,
-    )
-
-
-def refused_plainly(out: subprocess.CompletedProcess, *words: str) -> None:
-    """Exit 2, one or two lines on stderr naming `words`, no traceback."""
-    assert out.returncode == 2, out.stdout + out.stderr
-    assert "Traceback" not in out.stderr and 1 <= len(out.stderr.strip().splitlines()) <= 2, out.stderr
-    for word in words:
-        assert word in out.stderr, out.stderr
+def fake_bin(env: dict[str, str]) -> Path:
+    """The folder of the stand-in SLURM clients (first on the PATH of `dead_slurm`)."""
+    return Path(env["PATH"].split(os.pathsep)[0])
 
 
 def test_a_controller_that_dies_before_sinfo_is_the_same_error(tmp_path, dead_slurm):
-    tool(Path(dead_slurm["bin"]), "scontrol", 'echo "Slurmctld(primary) at ctl is UP"; exit 0')
+    tool(fake_bin(dead_slurm), "scontrol", 'echo "Slurmctld(primary) at ctl is UP"; exit 0')
     run = tmp_path / "run"
     out = vlmrun("submit", TINY, "--cluster", "slurm", "--run-dir", str(run), env=dead_slurm)
-    refused_plainly(out, "--cluster slurm", DEAD, "--cluster local")
+    refused(out, "--cluster slurm", DEAD, "--cluster local")
     assert not run.exists()
 
 
@@ -85,7 +67,7 @@ def test_a_dead_controller_is_one_clear_error_and_leaves_no_run_dir(tmp_path, de
     run = tmp_path / "run"
     t0 = time.monotonic()
     out = vlmrun("submit", TINY, "--cluster", cluster, "--run-dir", str(run), env=dead_slurm)
-    refused_plainly(out, f"--cluster {cluster}", "controller does not answer", "is DOWN", "--cluster local")
+    refused(out, f"--cluster {cluster}", "controller does not answer", "is DOWN", "--cluster local")
     assert time.monotonic() - t0 < 30 and not run.exists()  # and no job started on this machine
     as_json = vlmrun("submit", TINY, "--cluster", cluster, "--run-dir", str(run), "--json", env=dead_slurm)
     error = json.loads(as_json.stdout)  # the whole of stdout is one JSON object
@@ -96,21 +78,21 @@ def test_a_dead_controller_is_one_clear_error_and_leaves_no_run_dir(tmp_path, de
 
 def test_a_dry_run_with_auto_says_the_same(tmp_path, dead_slurm):
     out = vlmrun("submit", TINY, "--dry-run", "--run-dir", str(tmp_path / "run"), env=dead_slurm)
-    refused_plainly(out, "--cluster auto", "controller does not answer")
+    refused(out, "--cluster auto", "controller does not answer")
 
 
 def test_sbatch_that_cannot_reach_the_controller_after_a_ping_leaves_nothing(tmp_path, dead_slurm):
     """The controller answered the ping and sinfo, and went away before sbatch: the run dir submit made goes again."""
-    tool(Path(dead_slurm["bin"]), "scontrol", 'echo "Slurmctld(primary) at ctl is UP"; exit 0')
-    tool(Path(dead_slurm["bin"]), "sinfo", 'echo "n1|debug*|4|8000|(null)|infinite"')
+    tool(fake_bin(dead_slurm), "scontrol", 'echo "Slurmctld(primary) at ctl is UP"; exit 0')
+    tool(fake_bin(dead_slurm), "sinfo", 'echo "n1|debug*|4|8000|(null)|infinite"')
     run = tmp_path / "run"
     out = vlmrun("submit", TINY, "--cluster", "auto", "--run-dir", str(run), env=dead_slurm)
-    refused_plainly(out, "sbatch failed", DEAD, "--cluster local")
+    refused(out, "sbatch failed", DEAD, "--cluster local")
     assert not run.exists()
 
 
 def test_a_refused_job_leaves_a_given_run_dir_as_it_was(tmp_path, dead_slurm):
-    bin_dir = Path(dead_slurm["bin"])
+    bin_dir = fake_bin(dead_slurm)
     tool(bin_dir, "scontrol", 'echo "Slurmctld(primary) at ctl is UP"; exit 0')
     tool(bin_dir, "sinfo", 'echo "n1|debug*|4|8000|(null)|infinite"')
     refusal = "sbatch: error: Batch job submission failed: Invalid account or account/partition combination specified"
@@ -119,7 +101,7 @@ def test_a_refused_job_leaves_a_given_run_dir_as_it_was(tmp_path, dead_slurm):
     run.mkdir()
     (run / "notes.txt").write_text("the user's own file")
     out = vlmrun("submit", TINY, "--cluster", "slurm", "--run-dir", str(run), env=dead_slurm)
-    refused_plainly(out, "sbatch refused the job", "Invalid account", "cluster section")
+    refused(out, "sbatch refused the job", "Invalid account", "cluster section")
     assert sorted(p.name for p in run.iterdir()) == ["notes.txt"]  # what submit made is gone, the rest stays
 
 
@@ -143,7 +125,7 @@ def test_the_real_clients_against_a_port_nothing_listens_on(tmp_path):
     run = tmp_path / "run"
     t0 = time.monotonic()
     out = vlmrun("submit", TINY, "--run-dir", str(run), env={"SLURM_CONF": str(dead_conf)})
-    refused_plainly(out, "--cluster auto", "controller does not answer", "--cluster local")
+    refused(out, "--cluster auto", "controller does not answer", "--cluster local")
     assert time.monotonic() - t0 < 30 and not run.exists()
 
 
@@ -172,10 +154,10 @@ def test_status_says_never_submitted(unsubmitted):
 
 def test_resume_runs_it_where_auto_would_so_a_dead_controller_is_refused(unsubmitted, dead_slurm):
     out = vlmrun("resume", str(unsubmitted), env=dead_slurm)
-    refused_plainly(out, "never submitted", "controller does not answer", "--cluster local")
+    refused(out, "never submitted", "controller does not answer", "--cluster local")
     assert not (unsubmitted / "job.json").exists() and not (unsubmitted / "lock.json").exists()
 
 
 def test_submit_into_it_names_what_it_is(unsubmitted):
     out = vlmrun("submit", TINY, "--cluster", "local", "--run-dir", str(unsubmitted))
-    refused_plainly(out, "never submitted", f"vlmrun resume {unsubmitted}")
+    refused(out, "never submitted", f"vlmrun resume {unsubmitted}")

@@ -11,6 +11,7 @@ import socket
 from collections import Counter
 from pathlib import Path
 
+import pytest
 import torch
 import torch.multiprocessing as mp
 
@@ -162,6 +163,7 @@ def _rank_main(rank, world, recipe, model_dir, shares, port, out):
     os._exit(0)  # skip interpreter teardown: gloo's threads sometimes abort in C++ destructors at exit
 
 
+@pytest.mark.slow  # two spawned FSDP2 ranks
 def test_fsdp_ranks_make_the_same_collective_calls_and_score_what_one_replica_scores(clevr_set, tiny_dirs, tmp_path):
     from data_samples import make_recipe
 

@@ -57,24 +57,6 @@ class WaitingRank(RankActor):
         pass
 
 
-@pytest.fixture(scope="module")
-def ray_local():
-    import ray
-
-    from vlmrun.cluster.ray.local import start_local_ray
-
-    # Ray's workers import EchoRank from this module: put the tests folder on their path.
-    saved = os.environ.get("PYTHONPATH")
-    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(Path(__file__).parent), saved) if p)
-    start_local_ray("test-worker-group", 4)
-    yield
-    ray.shutdown()
-    if saved is None:
-        os.environ.pop("PYTHONPATH")
-    else:
-        os.environ["PYTHONPATH"] = saved
-
-
 def test_dispatch_strategies_reach_the_ranks_they_name(ray_local):
     plan = plan_placement(ParallelConfig(dp=2, tp=2))  # replica 0 = ranks 0,1; replica 1 = ranks 2,3
     group = WorkerGroup(EchoRank, plan, Placement(nodes=1), init=lambda rank: {"rank": rank, "tag": f"r{rank}"})

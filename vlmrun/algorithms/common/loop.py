@@ -224,8 +224,6 @@ class StepLoop:
         return step == self.steps.max_steps or (period > 0 and step % period == 0)
 
     def _outcome(self, state: State, step: int, reason: str, notes: dict) -> RunOutcome:
-        import ray
-
         self.wandb.close()
         self._close()
         signal = self.stop_reason if state is State.STOPPED and self.stop_reason.startswith("SIG") else None
@@ -237,9 +235,15 @@ class StepLoop:
             max_steps=self.steps.max_steps,
             checkpoint_save_s=self.save_times,
             worker_nodes=self.worker_nodes,
-            ray_alive_nodes=sum(1 for n in ray.nodes() if n["Alive"]),
+            ray_alive_nodes=self._ray_alive_nodes(),
             **notes,
         )
+
+    def _ray_alive_nodes(self) -> int:
+        """The nodes of this attempt's Ray that are alive (the outcome records them)."""
+        import ray
+
+        return sum(1 for n in ray.nodes() if n["Alive"])
 
     def _open_checkpoints(self) -> tuple[Checkpoint | None, list[str]]:
         """The run's store, its identity (with a fingerprint of the model directory, taken before any

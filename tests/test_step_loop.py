@@ -1,0 +1,252 @@
+"""The step loop (algorithms/common/loop.py) in-process: its ranks stood in for by one object, its
+checkpoints, metrics log and recipe real. What it promises every algorithm: the rows and checkpoints of
+a run, a resume that continues the numbers of an uninterrupted run (counters, RNG, the ranks' state),
+a stop acted on at the step boundary, a damaged newest checkpoint saved again, a checkpoint of another
+run definition or layout refused, validation rows, and no write once the node process is gone.
+The same promises on real runs: tests/test_chaos_processes.py, test_checkpoint_damage.py."""
+
+from __future__ import annotations
+
+import gc
+import logging
+import os
+import random
+from pathlib import Path
+
+import pytest
+import torch
+from vlmrun_cli import TINY
+
+from vlmrun.algorithms.common.checkpoint_store import run_checkpoints
+from vlmrun.algorithms.common.loop import DriverLost, StepLoop
+from vlmrun.algorithms.common.validation import ValidationScore
+from vlmrun.config.load import load_recipe
+from vlmrun.data.batch import PromptBatch
+from vlmrun.errors import InputError
+from vlmrun.policy.interface import PolicyState, Storage
+from vlmrun.run.directory import RunDirectory
+from vlmrun.run.lock import Holder
+from vlmrun.run.metrics import history
+from vlmrun.run.rows import StepRow
+from vlmrun.run.state import State
+
+
+@pytest.fixture(autouse=True)
+def _unfreeze():
+    yield
+    gc.unfreeze()  # the loop freezes the heap once set up: give this process's back to the collector
+
+
+class Ranks:
+    """The worker group as the loop sees it, its ranks in this process. The ranks hold one weight that
+    each step moves; they save and load it as the policy's part, and their RNG as theirs."""
+
+    def __init__(self, world_size: int = 2, score: ValidationScore | None = None):
+        self.world_size, self.weight, self.calls, self.loaded = world_size, torch.zeros(1), [], None
+        self.score = score or ValidationScore(nll=3.0, tokens=6, correct=1, answered=2)
+
+    def all_ranks(self, method: str, *args, **kwargs) -> list:
+        self.calls.append(method)
+        return [getattr(self, f"_{method}")(rank, *args, **kwargs) for rank in range(self.world_size)]
+
+    def per_rank(self, method: str, kwargs_of) -> list:
+        self.calls.append(method)
+        return [getattr(self, f"_{method}")(rank, **kwargs_of(rank)) for rank in range(self.world_size)]
+
+    def shutdown(self) -> None:
+        self.calls.append("shutdown")
+
+    def _save(self, rank, pending):
+        state = PolicyState(Storage.REPLICATED, {"model": {"w": self.weight.clone()}, "optimizer": {}})
+        return pending.write_policy(state, rank=rank) | pending.write("rng", {"rank": rank}, index=rank)
+
+    def _load(self, rank, found, restart_data=False):
+        self.weight = found.read("model")["w"].clone()
+        self.loaded = (found.step, restart_data)
+
+    def _freeze_heap(self, rank):
+        pass
+
+    def _validate(self, rank, share):
+        return self.score
+
+
+class Loop(StepLoop):
+    """A step loop whose step moves the ranks' weight by a draw of the controller's RNG (so a resume
+    that lost the RNG, the counters or the weight shows in the numbers); `stop_at`: request a stop
+    during that step; `lost_at`: the node process is gone from that step on."""
+
+    stop_at = lost_at = None
+    ranks: Ranks | None = None
+
+    def _start(self, found):
+        self.group = self.ranks or Ranks()
+        self.started_from = found
+
+    def _train_step(self, step: int, counters: dict) -> StepRow:
+        if step == self.stop_at:
+            self.request_stop("SIGUSR2")
+        if step == self.lost_at:
+            self.driver = Holder(pid=2**22 + 1, host=os.uname().nodename, job_id="gone")  # no such process
+        self.group.weight += random.random()
+        counters["consumed_samples"] += 8
+        return StepRow(
+            step=step,
+            attempt=self.attempt,
+            epoch=self.steps.epoch_of(step),
+            loss=float(self.group.weight),
+            grad_norm=1.0,
+            lr=0.1,
+            valid_tokens=10,
+            consumed_samples=counters["consumed_samples"],
+            sample_ids=[f"s{step}"],
+            step_time_s=0.01,
+            loader_latency_max_s=0.0,
+            tokens_per_s=1.0,
+            samples_per_s=1.0,
+            peak_rss_mb=1.0,
+        )
+
+    def _ray_alive_nodes(self) -> int:
+        return 1
+
+
+def make_run(path: Path, clevr_set: Path, *overrides: str) -> RunDirectory:
+    recipe = load_recipe(
+        TINY,
+        [
+            *(f"data.path={clevr_set}", "data.synthetic=null", "train.max_steps=6", "checkpoint.save_period=2"),
+            *("train.val_samples=0", "logger.wandb_mode=disabled", *overrides),
+        ],
+    )
+    rd = RunDirectory(path)
+    rd.create(recipe)
+    return rd
+
+
+def run_loop(rd: RunDirectory, attempt: int = 0, **attrs) -> tuple[Loop, object]:
+    recipe = rd.load_recipe()
+    loop = Loop(recipe_json=recipe.model_dump_json(), run_dir=str(rd.path), attempt=attempt, model_dir="/unused")
+    for name, value in attrs.items():
+        setattr(loop, name, value)
+    return loop, loop.run()
+
+
+def losses(rd: RunDirectory) -> dict[int, float]:
+    return {step: row["loss"] for step, row in history(rd.metrics_file()).items()}
+
+
+def sealed_steps(rd: RunDirectory) -> list[int]:
+    return [step for step, _ in run_checkpoints(rd, rd.load_recipe(), assign=False).complete()]
+
+
+def test_a_run_writes_a_row_per_step_and_checkpoints_by_period_keeping_the_newest(tmp_path, clevr_set):
+    rd = make_run(tmp_path / "run", clevr_set)
+    loop, outcome = run_loop(rd)
+    assert (outcome.state, outcome.last_step, outcome.max_steps) == (State.COMPLETED, 6, 6)
+    assert outcome.reason == "finished at step 6 of 6; 6 step(s) in this attempt" and outcome.stop_signal is None
+    rows = history(rd.metrics_file())
+    assert sorted(rows) == [1, 2, 3, 4, 5, 6] and rows[6]["consumed_samples"] == 48
+    assert sealed_steps(rd) == [4, 6]  # every 2 steps and the last, keep=2
+    assert len(outcome.checkpoint_save_s) == 3 and outcome.ray_alive_nodes == 1
+    assert loop.group.calls == ["freeze_heap", *["save"] * 3, "shutdown"] and loop.started_from is None
+
+
+def test_a_resume_continues_the_numbers_of_the_uninterrupted_run(tmp_path, clevr_set):
+    straight = make_run(tmp_path / "straight", clevr_set)
+    run_loop(straight)
+    rd = make_run(tmp_path / "stopped", clevr_set)
+    _, first = run_loop(rd, stop_at=4)  # stopped in step 4: checkpointed at 4
+    loop, outcome = run_loop(rd, attempt=1)
+    assert loop.started_from.step == 4 and loop.group.loaded == (4, False)
+    assert outcome.state is State.COMPLETED and outcome.resumed_from == 4
+    assert outcome.reason == "finished at step 6 of 6; 2 step(s) in this attempt, resumed at step 4"
+    assert losses(rd) == losses(straight)  # the controller's RNG, counters and the ranks' weight came back
+    assert history(rd.metrics_file())[6]["consumed_samples"] == 48 and history(rd.metrics_file())[6]["attempt"] == 1
+
+
+@pytest.mark.parametrize("stop_at, stopped_at", [(3, 3), (1, 1)])
+def test_a_stop_is_acted_on_at_the_step_boundary_with_a_checkpoint(tmp_path, clevr_set, stop_at, stopped_at):
+    rd = make_run(tmp_path / "run", clevr_set, "checkpoint.save_period=0")
+    loop, outcome = run_loop(rd, stop_at=stop_at)
+    assert (outcome.state, outcome.last_step, outcome.stop_signal) == (State.STOPPED, stopped_at, "SIGUSR2")
+    assert outcome.reason == f"stop requested (SIGUSR2); checkpointed at step {stopped_at}"
+    assert sorted(history(rd.metrics_file())) == list(range(1, stopped_at + 1))  # nothing after the step in flight
+    assert sealed_steps(rd) == [stopped_at] and loop.group.calls.count("save") == 1  # saved once
+
+
+def test_a_stop_before_the_first_step_checkpoints_nothing(tmp_path, clevr_set):
+    rd = make_run(tmp_path / "run", clevr_set)
+    recipe = rd.load_recipe()
+    loop = Loop(recipe_json=recipe.model_dump_json(), run_dir=str(rd.path), attempt=0, model_dir="/unused")
+    loop.request_stop("SIGTERM")
+    outcome = loop.run()
+    assert (outcome.state, outcome.last_step, outcome.stop_signal) == (State.STOPPED, 0, "SIGTERM")
+    assert not rd.metrics_file().exists() and sealed_steps(rd) == [] and "save" not in loop.group.calls
+
+
+def test_a_damaged_newest_checkpoint_is_set_aside_and_its_step_saved_again(tmp_path, clevr_set):
+    rd = make_run(tmp_path / "run", clevr_set)
+    run_loop(rd)
+    want = losses(rd)
+    model = rd.path / "checkpoints" / "step_6" / "policy" / "model.pt"
+    model.write_bytes(model.read_bytes()[:-1] + b"x")
+    loop, outcome = run_loop(rd, attempt=1)
+    assert loop.started_from.step == 4 and outcome.resumed_from == 4
+    assert "step_6" in outcome.skipped_checkpoints[0] and "moved aside" in outcome.skipped_checkpoints[0]
+    assert sealed_steps(rd) == [4, 6] and len(list((rd.path / "checkpoints").glob("damaged_step_6-*"))) == 1
+    assert losses(rd) == want  # steps 5 and 6 trained again to the same numbers
+
+
+@pytest.mark.parametrize(
+    "change, words",
+    [
+        ("train.micro_batch_size=4", "train.micro_batch_size: 2 -> 4"),
+        ("train.seed=7", "train.seed: 1234 -> 7"),
+    ],
+)
+def test_a_checkpoint_of_another_run_definition_is_refused_before_any_rank_starts(tmp_path, clevr_set, change, words):
+    rd = make_run(tmp_path / "run", clevr_set)
+    run_loop(rd)
+    recipe = load_recipe(rd.recipe_file, [change, "train.max_steps=8"])
+    loop = Loop(recipe_json=recipe.model_dump_json(), run_dir=str(rd.path), attempt=1, model_dir="/unused")
+    with pytest.raises(InputError, match=words) as e:
+        loop.run()
+    assert e.value.exit_code == 2 and not hasattr(loop, "group")  # refused before any worker started
+    assert max(history(rd.metrics_file())) == 6
+
+
+def test_a_checkpoint_of_another_layout_needs_restart_data_order(tmp_path, clevr_set):
+    rd = make_run(tmp_path / "run", clevr_set, "train.global_batch_size=4")
+    run_loop(rd)
+    other = load_recipe(rd.recipe_file, ["parallel.dp=1", "train.max_steps=8"])
+    loop = Loop(recipe_json=other.model_dump_json(), run_dir=str(rd.path), attempt=1, model_dir="/unused")
+    with pytest.raises(InputError, match="parallel.dp: 2 -> 1"):
+        loop.run()
+    restart = load_recipe(rd.recipe_file, ["parallel.dp=1", "train.max_steps=8", "checkpoint.restart_data_order=true"])
+    loop = Loop(recipe_json=restart.model_dump_json(), run_dir=str(rd.path), attempt=1, model_dir="/unused")
+    outcome = loop.run()
+    assert loop.group.loaded == (6, True) and outcome.resumed_from == 6
+    assert "data order starts over" in outcome.restarted_data_order and "dp=2" in outcome.restarted_data_order
+
+
+def test_validation_steps_carry_the_summed_score_and_an_empty_pass_says_so(tmp_path, clevr_set, caplog):
+    caplog.set_level(logging.WARNING, logger="vlmrun")
+    rd = make_run(tmp_path / "run", clevr_set, "train.val_samples=2", "train.val_period=3")
+    prompts = PromptBatch(["v0", "v1"], torch.ones(2, 3, dtype=torch.long), torch.ones(2, 3), ["3", "4"])
+    loop, outcome = run_loop(rd, _val=([], [prompts], 1))
+    rows = history(rd.metrics_file())
+    assert [s for s, r in rows.items() if "val_loss" in r] == [3, 6]  # every val_period and the last
+    assert rows[3]["val_loss"] == 6.0 / 12 and rows[3]["val_accuracy"] == 2 / 4 and rows[3]["val_dropped_samples"] == 1
+    assert outcome.final_val["val_samples"] == 4 and loop.group.calls.count("validate") == 2
+    empty = make_run(tmp_path / "empty", clevr_set, "train.val_samples=2", "train.val_period=3")
+    run_loop(empty, _val=([], [prompts], 0), ranks=Ranks(score=ValidationScore(0.0, 0, 0, 2)))
+    assert history(empty.metrics_file())[3]["val_loss"] is None and history(empty.metrics_file())[3]["val_tokens"] == 0
+    assert "scored no token of 2 val samples" in caplog.text
+
+
+def test_once_the_node_process_is_gone_nothing_more_is_written(tmp_path, clevr_set):
+    rd = make_run(tmp_path / "run", clevr_set)
+    with pytest.raises(DriverLost, match="this attempt writes nothing more"):
+        run_loop(rd, lost_at=3)
+    assert sorted(history(rd.metrics_file())) == [1, 2] and sealed_steps(rd) == [2]  # not step 3's row, nor more
