@@ -26,8 +26,8 @@ def pytest_collection_modifyitems(config, items):
 
     1. A module runs whole on one worker, in its order: the chains of test_chaos_processes.py and
        test_slurm_sft.py are one run each, and a module fixture may be a real run.
-    2. The SLURM modules run together (one cluster; their jobs expect its nodes free), and first: their
-       waits on the queue and the time limit overlap the other worker's runs.
+    2. The SLURM tests run together, on one worker (one cluster; their jobs expect its nodes free), and
+       first: their waits on the queue and the time limit overlap the other worker's runs.
     3. Then the modules with slow tests, the fast ones last: small work units that even out the tails.
     """
     groups = {item: _group(item) for item in items}
@@ -40,7 +40,7 @@ def pytest_collection_modifyitems(config, items):
 
 def _group(item) -> str:
     module = item.nodeid.split("::")[0]
-    return SLURM_GROUP if Path(module).name.startswith("test_slurm_") and item.get_closest_marker("slurm") else module
+    return SLURM_GROUP if item.get_closest_marker("slurm") else module
 
 
 @pytest.fixture(scope="session")

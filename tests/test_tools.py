@@ -137,14 +137,21 @@ def test_ray_ready_bench_on_two_nodes(tmp_path):
         pytest.skip("needs the 2-node SLURM cluster: SLURM_NETNS=1 tools/slurm/up-2node.sh")
     out = tmp_path / "bench.out"
     env = os.environ | {"VENV": str(Path(sys.executable).parents[1]), "ROUNDS": "1", "BENCH_DIR": str(tmp_path / "w")}
-    proc = subprocess.run(
-        ["sbatch", "--wait", "-o", str(out), "tools/slurm/ray_ready_bench.sbatch"],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=580,
-    )
+    try:
+        proc = subprocess.run(
+            ["sbatch", "--wait", "--parsable", "-o", str(out), "tools/slurm/ray_ready_bench.sbatch"],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=400,
+        )
+    except subprocess.TimeoutExpired as e:  # the job must not outlive the test: it would hold both nodes
+        job_id = (e.stdout or b"").decode().strip().split(";")[0]
+        state = subprocess.run(["scontrol", "show", "job", job_id], capture_output=True, text=True).stdout
+        subprocess.run(["scancel", job_id], check=False)
+        logs = {p.name: p.read_text()[-1500:] for p in (tmp_path / "w").glob("*.log")}
+        raise AssertionError(f"the bench job {job_id} ran past 400 s:\n{state}\n{logs}") from None
     assert proc.returncode == 0, (proc.stderr, out.read_text()[-3000:] if out.exists() else "")
     rows = [json.loads(line) for line in out.read_text().splitlines() if re.match(r"^\{", line)]
     assert [r["kind"] for r in rows] == ["bare ray start", "vlmrun"]
