@@ -60,38 +60,40 @@ def test_ratio_spread_of_no_rounds_says_so():
 
 
 class FakeRuns:
-    """Stands in for the submit/resume/cancel of `_run_part`: each part runs `overrun` steps past its
-    stop (a stop lands at the next step boundary), or to the end."""
+    """Stands in for the submit/resume of `_run_part`: a part stops exactly after `stop_after` (the run's
+    `train.stop_after`), or runs to the end."""
 
-    def __init__(self, planned: int, overrun: int):
-        self.planned, self.overrun = planned, overrun
+    def __init__(self, planned: int):
+        self.planned = planned
         self.at: dict[Path, int] = {}
         self.calls: list[tuple[str, int, int | None, bool, int]] = []
 
     def run_part(self, recipe, sets, run_dir: Path, *, started: bool, stop_after, echo) -> None:
         start = self.at.get(run_dir, 0)
-        end = self.planned if stop_after is None else min(self.planned, stop_after + self.overrun)
+        end = self.planned if stop_after is None else stop_after
+        assert start < end <= self.planned  # every part trains at least one step
         self.calls.append((run_dir.name, start + 1, stop_after, started, end))
         self.at[run_dir] = end
 
 
-@pytest.mark.parametrize(("rounds", "overrun"), [(1, 0), (2, 1), (3, 0), (4, 2)])
-def test_compare_v1_v2_alternates_its_runs_part_by_part(tmp_path, monkeypatch, rounds, overrun):
-    fake = FakeRuns(planned=12, overrun=overrun)
+@pytest.mark.parametrize(("steps", "rounds", "parts"), [(12, 1, 2), (12, 2, 3), (12, 3, 4), (12, 4, 5), (1, 2, 2)])
+def test_compare_v1_v2_alternates_its_runs_part_by_part(tmp_path, monkeypatch, steps, rounds, parts):
+    fake = FakeRuns(planned=steps)
     monkeypatch.setattr(launch_compare, "_run_part", fake.run_part)
     monkeypatch.setattr(launch_compare, "_last_step", lambda d: fake.at.get(d, 0))
     monkeypatch.setattr(launch_compare, "_completed", lambda d: fake.at.get(d, 0) >= fake.planned)
     monkeypatch.setattr(launch_compare.RunDirectory, "exists", lambda self: self.path in fake.at)
     dirs = {"v1": tmp_path / "v1", "v2": tmp_path / "v2"}
     recipe = Path(__file__).resolve().parents[1] / "recipes" / "tiny-clevr-cpu.yaml"
-    launch_compare._run_alternating(recipe, dirs, 12, [], rounds, None)
+    launch_compare._run_alternating(recipe, dirs, steps, [], rounds, None)
     runs = [name for name, *_ in fake.calls]
-    assert runs == ["v1" if k % 2 == 0 else "v2" for k in range(rounds + 1)]  # A B A ...: rounds + 1 parts
+    assert runs == ["v1" if k % 2 == 0 else "v2" for k in range(parts)]  # A B A ...: rounds + 1 parts
     for name in dirs:
         own = [c for c in fake.calls if c[0] == name]
         assert [c[3] for c in own] == [False] + [True] * (len(own) - 1)  # submitted once, then resumed
-        assert own[-1][2] is None and fake.at[dirs[name]] == 12  # the last part runs to the planned end
+        assert own[-1][2] is None and fake.at[dirs[name]] == steps  # the last part runs to the planned end
         assert [c[1] for c in own] == [1] + [c[4] + 1 for c in own[:-1]]  # each part goes on where the last ended
+        assert [c[4] for c in own] == launch_compare.part_ends(steps, runs.count(name))  # and ends where planned
 
 
 def test_part_ends_cut_the_steps_evenly():

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 from shared_runs import SFT_STEPS, submit
-from vlmrun_cli import sets, vlmrun
+from vlmrun_cli import TINY, sets, vlmrun
 
 from vlmrun.run.metrics import history
 
@@ -56,3 +56,20 @@ def test_v1_and_v2_give_identical_numbers(tmp_path, sft_sets, sft_baseline):
     d = json.loads(out.stdout)
     assert d["verdict"] == "match" and d["max_abs_diff"]["loss"] == 0.0 and d["sample_ids_identical"]
     assert d["steps_compared"] == SFT_STEPS and Path(d["plot"]).is_file()
+
+
+def test_compare_v1_v2_takes_turns_stopping_each_part_exactly_where_planned(tmp_path, run_data):
+    out = vlmrun(
+        *("compare", "v1", "v2", "--recipe", TINY, "--steps", "4", "--rounds", "2", "--json"),
+        *("--out", str(tmp_path), *run_data),
+    )
+    assert out.returncode == 0, out.stdout + out.stderr[-3000:]
+    d = json.loads(out.stdout)
+    assert d["verdict"] == "match" and d["max_abs_diff"]["loss"] == 0.0 and d["steps_compared"] == 4
+    parts = d["throughput_ratio"]["parts"]  # v1, v2, v1: each part ends at its planned step (train.stop_after)
+    assert [(p["run"], p["steps"]) for p in parts] == [("v1", [1, 2]), ("v2", [1, 4]), ("v1", [3, 4])]
+    assert d["throughput_ratio"]["rounds"] == 2
+    job = json.loads((tmp_path / "v1" / "job.json").read_text())
+    assert [a["state"] for a in job["attempts"]] == ["STOPPED", "COMPLETED"]
+    assert job["attempts"][0]["reason"] == "stop requested (train.stop_after: 2); checkpointed at step 2"
+    assert "stop_after: null" in (tmp_path / "v1" / "recipe.yaml").read_text()  # the resume trained on

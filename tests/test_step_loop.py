@@ -24,7 +24,7 @@ from vlmrun.config.load import load_recipe
 from vlmrun.data.batch import PromptBatch
 from vlmrun.errors import InputError
 from vlmrun.policy.interface import PolicyState, Storage
-from vlmrun.run.directory import RunDirectory
+from vlmrun.run.directory import RunDirectory, dump_recipe
 from vlmrun.run.lock import Holder
 from vlmrun.run.metrics import history
 from vlmrun.run.rows import StepRow
@@ -173,6 +173,23 @@ def test_a_stop_is_acted_on_at_the_step_boundary_with_a_checkpoint(tmp_path, cle
     assert outcome.reason == f"stop requested (SIGUSR2); checkpointed at step {stopped_at}"
     assert sorted(history(rd.metrics_file())) == list(range(1, stopped_at + 1))  # nothing after the step in flight
     assert sealed_steps(rd) == [stopped_at] and loop.group.calls.count("save") == 1  # saved once
+
+
+def test_train_stop_after_stops_there_checkpointed_and_a_run_on_equals_the_straight_run(tmp_path, clevr_set):
+    straight = make_run(tmp_path / "straight", clevr_set)
+    run_loop(straight)
+    rd = make_run(tmp_path / "run", clevr_set, "train.stop_after=3")
+    loop, outcome = run_loop(rd)
+    assert (outcome.state, outcome.last_step, outcome.stop_signal) == (State.STOPPED, 3, None)  # not requeued
+    assert outcome.reason == "stop requested (train.stop_after: 3); checkpointed at step 3"
+    assert sorted(history(rd.metrics_file())) == [1, 2, 3] and sealed_steps(rd) == [2, 3]
+    _, again = run_loop(rd, attempt=1)  # the same stop point: already passed, so it stops at once
+    assert (again.state, again.last_step) == (State.STOPPED, 3) and sorted(history(rd.metrics_file())) == [1, 2, 3]
+    recipe = rd.load_recipe()
+    recipe.train.stop_after = None  # what `vlmrun resume` does unless it is given the field again
+    rd.recipe_file.write_text(dump_recipe(recipe))
+    _, outcome = run_loop(rd, attempt=2)
+    assert outcome.state is State.COMPLETED and losses(rd) == losses(straight)
 
 
 def test_a_stop_before_the_first_step_checkpoints_nothing(tmp_path, clevr_set):

@@ -30,6 +30,12 @@ class TrainConfig(Section):
     seed: int = 1234
     val_period: int = Field(0, ge=0, description="validate every N steps; 0 = only at the end")
     val_samples: int = Field(64, ge=0, description="val samples scored per validation; 0 = no validation")
+    stop_after: int | None = Field(
+        None,
+        ge=1,
+        description="stop this attempt at the step boundary after this step, checkpointed and resumable "
+        "(state STOPPED, exit 3); for one attempt only: a resume trains on unless it sets it again",
+    )
 
 
 class RequeueBudget(Section):

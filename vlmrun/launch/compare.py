@@ -4,21 +4,20 @@ The two runs advance in alternating parts, so their throughputs are measured clo
 (a shared machine's load comes and goes between two runs taken one after the other):
 
 1. With `rounds` R the parts are A B A ... (R + 1 parts, A = the first loop): each loop's steps are cut
-   into its share of the parts, a part ends through the product's own stop (`vlmrun cancel`: the run
-   checkpoints at the next step boundary) and the next part of that loop is `vlmrun resume`. The LR
-   schedule and every other recipe field stay those of one uninterrupted run, and a resume continues
-   exactly, so the losses compared are those of uninterrupted runs (the step history does not show
-   where a run was cut).
+   into its share of the parts, and a part ends exactly at its planned step through the product's own
+   stop point (`train.stop_after`: the run checkpoints there and stops, resumable); the next part of
+   that loop is `vlmrun resume`. The LR schedule and every other recipe field stay those of one
+   uninterrupted run, and a resume continues exactly, so the losses compared are those of
+   uninterrupted runs (the step history does not show where a run was cut).
 2. Every two neighbouring parts give one ratio of throughputs (observe/compare.py): R ratios, reported
    as their median with the spread. R = 1 runs one loop after the other (one ratio).
-3. A part can overrun its stop by a few steps (the stop lands at a step boundary after the request); a
-   run that finished first simply has no further part.
+3. A loop with fewer steps than parts (`--steps 1 --rounds 4`) has fewer parts: a part of no steps is
+   not run.
 """
 
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
@@ -27,7 +26,6 @@ from vlmrun.errors import CheckFailed, InputError
 from vlmrun.run.directory import RunDirectory
 
 LOOPS = ("v1", "v2")
-_POLL_S = 0.1
 
 
 def compare_targets(
@@ -91,13 +89,14 @@ def _run_alternating(recipe: Path, dirs: dict[str, Path], steps: int | None, ove
     for loop in order:
         part, at = done[loop], _last_step(dirs[loop])
         done[loop] += 1
-        if _completed(dirs[loop]) or (part < len(ends[loop]) - 1 and ends[loop][part] <= at):
-            continue  # the run finished, or its previous part already ran past this part's end
-        stop_after = None if part == len(ends[loop]) - 1 else ends[loop][part]
+        if _completed(dirs[loop]) or ends[loop][part] <= at:
+            continue  # the run finished, or this part has no steps (fewer steps than parts)
+        last = part == len(ends[loop]) - 1 or ends[loop][part] >= planned
+        stop_after = None if last else ends[loop][part]
         if echo:
             echo(
                 f"running {loop} into {dirs[loop]} from step {at + 1} "
-                + (f"to about {stop_after}" if stop_after else "to the end")
+                + (f"to {stop_after}" if stop_after else "to the end")
             )
         _run_part(
             recipe, sets[loop], dirs[loop], started=RunDirectory(dirs[loop]).exists(), stop_after=stop_after, echo=echo
@@ -114,35 +113,22 @@ def _loop_sets(loop: str, steps: int | None, overrides: list[str]) -> list[str]:
 
 
 def _run_part(recipe: Path, sets: list[str], run_dir: Path, *, started: bool, stop_after: int | None, echo) -> None:
-    """Start (submit) or continue (resume) the run in `run_dir`; with `stop_after`, stop it at the first
-    step boundary after that step, else wait until it ends. Raises CheckFailed when it fails."""
-    from vlmrun.launch.control import cancel
+    """Start (submit) or continue (resume) the run in `run_dir` and wait for it: with `stop_after`, it
+    stops checkpointed after that step (`train.stop_after`), else it runs to its end. Raises CheckFailed
+    when it fails or ends otherwise."""
     from vlmrun.launch.resume import resume_run
     from vlmrun.launch.submit import submit_run
+    from vlmrun.run.state import EXIT_COMPLETED, EXIT_STOPPED
 
-    wait = stop_after is None
-    shown = echo if wait else None  # progress only from the parts we wait on
+    until = [f"train.stop_after={stop_after}"] if stop_after is not None else []
+    shown = echo if stop_after is None else None  # progress only from the last part
     if started:
-        result = resume_run(str(run_dir), [], wait=wait, echo=shown)
+        result = resume_run(str(run_dir), until, wait=True, echo=shown)
     else:
-        result = submit_run(recipe, sets, cluster="local", run_dir=run_dir, wait=wait, echo=shown)
-    if result.exit_code != 0:
-        raise CheckFailed(f"the run in {run_dir} failed ({result.state}); see {run_dir}/logs")
-    if wait:
-        return
-    metrics = _metrics_name(run_dir)
-    while _last_step(run_dir, metrics) < stop_after and _running(run_dir):
-        time.sleep(_POLL_S)
-    state = cancel(str(run_dir)).get("state")
-    if state not in ("CANCELLED", "COMPLETED", "KILLED"):  # KILLED: the next part resumes from the last checkpoint
-        raise CheckFailed(f"the run in {run_dir} ended {state} instead of stopping; see {run_dir}/logs")
-
-
-def _running(run_dir: Path) -> bool:
-    from vlmrun.run.job import read_job
-
-    job = read_job(RunDirectory(run_dir))
-    return job is None or not job.state.ended
+        result = submit_run(recipe, sets + until, cluster="local", run_dir=run_dir, wait=True, echo=shown)
+    expected = EXIT_COMPLETED if stop_after is None else EXIT_STOPPED
+    if result.exit_code != expected:
+        raise CheckFailed(f"the run in {run_dir} ended {result.state} (exit {result.exit_code}); see {run_dir}/logs")
 
 
 def _completed(run_dir: Path) -> bool:

@@ -38,6 +38,7 @@ RESUMABLE = (
     "train.epochs",
     "train.val_period",
     "train.val_samples",
+    "train.stop_after",
     "checkpoint.save_period",
     "checkpoint.keep",
     "checkpoint.requeue",
@@ -63,8 +64,10 @@ def resume_run(
     if (holder := live_holder(rd.path)) is not None:
         raise RunLocked(rd.path, holder)
     raw = rd.recipe_data()
+    stopped_after = (raw.get("train") or {}).get("stop_after")
     was_restarting = bool((raw.get("checkpoint") or {}).get("restart_data_order", False))
     resumable = RESUMABLE + (RESHARDABLE if restart_data_order else ())
+    set_dotted(raw, "train.stop_after", None)  # for one attempt only: this one stops where its --set says
     for item in overrides:
         key, value = parse_override(item)
         if key in RESHARDABLE and not restart_data_order:
@@ -96,7 +99,7 @@ def resume_run(
     preflight_run(recipe, runs_here=executor.runs_here)
     lock = RunLock.acquire(rd.path)  # before our first write: one attempt per run dir (exit 2 naming the holder)
     try:
-        if overrides or restart_data_order != was_restarting:
+        if overrides or restart_data_order != was_restarting or stopped_after is not None:
             write_atomic(rd.recipe_file, dump_recipe(recipe))
         return executor.resume(rd, recipe, wait=wait, lock=lock, echo=echo)
     except BaseException:

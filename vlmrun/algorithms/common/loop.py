@@ -15,8 +15,8 @@ algorithm; a subclass supplies the algorithm's part:
    a driver-fed loop owns (`self.loaders`, shard -> loader).
 4. `_close()` releases workers and loaders (a subclass adds what else it holds).
 
-A stop request (signal -> flag -> `request_stop`) is acted on at the next step boundary: every rank
-saves, and the run ends as STOPPED (resumable). Once the driver's process is gone (SIGKILL, node
+A stop request (signal -> flag -> `request_stop`, or `train.stop_after` reached) is acted on at the
+next step boundary: every rank saves, and the run ends as STOPPED (resumable). Once the driver's process is gone (SIGKILL, node
 loss), the controller writes no metrics row and no checkpoint more.
 """
 
@@ -188,7 +188,10 @@ class StepLoop:
         self.group.all_ranks("freeze_heap")
         first_step_at = None
         step = start_step
+        until = r.train.stop_after
         for step in range(start_step + 1, self.steps.max_steps + 1):
+            if until is not None and step > until:
+                self.request_stop(f"train.stop_after: {until}")
             if self._stop.is_set():
                 step -= 1
                 self._save(step, counters)
