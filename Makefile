@@ -43,7 +43,7 @@ lint: setup
 # Two pytest workers: a real run leaves much of the 2 CPUs idle (start-up waits, SLURM's queue), and each
 # module runs whole on one worker, the SLURM ones together and first (tests/conftest.py says why).
 # pytest exits 5 when it collected no tests: that is a failure here, said in words.
-PYTEST := $(VENV)/bin/python -m pytest -n 2 --dist loadgroup --no-loadscope-reorder
+PYTEST := $(VENV)/bin/python -m pytest -n 2 --dist loadscope --no-loadscope-reorder
 
 test: lint
 	@$(PYTEST) -q -ra --durations=15; rc=$$?; \

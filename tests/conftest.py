@@ -20,27 +20,38 @@ pytest_plugins = ["shared_runs"]
 SLURM_GROUP = "slurm"
 
 
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook reads the groups
 def pytest_collection_modifyitems(config, items):
-    """The order of the tests, and under pytest-xdist (`make test`: -n 2 --dist loadgroup) each worker's share:
+    """The order of the tests, and under pytest-xdist (`make test`: -n 2) each worker's share:
 
     1. A module runs whole on one worker, in its order: the chains of test_chaos_processes.py and
        test_slurm_sft.py are one run each, and a module fixture may be a real run.
-    2. The SLURM tests run together, on one worker (one cluster; their jobs expect its nodes free), and
-       first: their waits on the queue and the time limit overlap the other worker's runs.
+    2. The SLURM modules (tests/test_slurm_*.py) run together, on one worker (one cluster; their jobs
+       expect its nodes free), and first: their waits on the queue and the time limit overlap the
+       other worker's runs.
     3. Then the modules with slow tests, the fast ones last: small work units that even out the tails.
     """
-    groups = {item: _group(item) for item in items}
+    groups = {item: group_of(item.nodeid) for item in items}
     slow = {groups[item] for item in items if item.get_closest_marker("slow")}
     items.sort(key=lambda item: 0 if groups[item] == SLURM_GROUP else 1 if groups[item] in slow else 2)
-    if config.pluginmanager.hasplugin("xdist"):
-        for item in items:
-            item.add_marker(pytest.mark.xdist_group(groups[item]))
 
 
-def _group(item) -> str:
-    module = item.nodeid.split("::")[0]
-    return SLURM_GROUP if item.get_closest_marker("slurm") else module
+def group_of(nodeid: str) -> str:
+    """The work unit of a test under pytest-xdist: its module, or SLURM_GROUP for every SLURM module."""
+    module = nodeid.split("::")[0]
+    return SLURM_GROUP if Path(module).name.startswith("test_slurm_") else module
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """pytest-xdist hands out work units of `group_of` (its `--dist loadgroup` marks no longer group
+    anything under pytest 9: it renames `item._nodeid`, which pytest 9 does not read), in the order
+    collected (pytest_collection_modifyitems)."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByGroup(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return group_of(nodeid)
+
+    return ByGroup(config, log)
 
 
 @pytest.fixture(scope="session")

@@ -344,3 +344,30 @@ def test_real_time_limit_requeues_by_itself(cluster, tmp_path):
     assert (result.state, result.exit_code) == ("COMPLETED", 0), job
     assert [a.restart_count for a in job.attempts] == [0, 1]
     assert job.attempts[0].requeue_cause == "timeout" and job.attempts[0].stop_signal == "SIGUSR2"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_ray_ready_bench_on_two_nodes(two_nodes, tmp_path):
+    """tools/slurm/ray_ready_bench.sbatch (one round) prints its two JSON rows."""
+    out = tmp_path / "bench.out"
+    env = os.environ | {"VENV": str(Path(sys.executable).parents[1]), "ROUNDS": "1", "BENCH_DIR": str(tmp_path / "w")}
+    try:
+        proc = subprocess.run(
+            ["sbatch", "--wait", "--parsable", "-o", str(out), "tools/slurm/ray_ready_bench.sbatch"],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=400,
+        )
+    except subprocess.TimeoutExpired as e:  # the job must not outlive the test: it would hold both nodes
+        job_id = (e.stdout or b"").decode().strip().split(";")[0]
+        state = subprocess.run(["scontrol", "show", "job", job_id], capture_output=True, text=True).stdout
+        subprocess.run(["scancel", job_id], check=False)
+        logs = {p.name: p.read_text()[-1500:] for p in (tmp_path / "w").glob("*.log")}
+        raise AssertionError(f"the bench job {job_id} ran past 400 s:\n{state}\n{logs}") from None
+    assert proc.returncode == 0, (proc.stderr, out.read_text()[-3000:] if out.exists() else "")
+    rows = [json.loads(line) for line in out.read_text().splitlines() if line.startswith("{")]
+    assert [r["kind"] for r in rows] == ["bare ray start", "vlmrun"]
+    assert all(r["ready_s"] > 0 for r in rows) and rows[1]["inside_ray_head_s"] > 0

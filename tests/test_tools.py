@@ -12,7 +12,6 @@ import json
 import math
 import os
 import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -120,39 +119,3 @@ def test_measure_grpo_one_plane(tmp_path):
     assert finite(row["step_time_s"]) and 0 <= row["data_plane_fraction"] < 1 and row["plane_bytes_per_step"] > 0
     assert d["plane_bytes_per_step"]["bfloat16_pixels"] < d["plane_bytes_per_step"]["float32_pixels"]
     assert finite(d["generation"]["bare"]["tokens_per_s"]) and finite(d["generation"]["in_loop_over_bare"])
-
-
-def _two_node_cluster() -> bool:
-    if shutil.which("sinfo") is None:
-        return False
-    out = subprocess.run(["sinfo", "-h", "-N", "-o", "%N"], capture_output=True, text=True, timeout=10)
-    return out.returncode == 0 and len(out.stdout.split()) >= 2
-
-
-@pytest.mark.slurm
-@pytest.mark.slow
-@pytest.mark.timeout(600)
-def test_ray_ready_bench_on_two_nodes(tmp_path):
-    if not _two_node_cluster():
-        pytest.skip("needs the 2-node SLURM cluster: SLURM_NETNS=1 tools/slurm/up-2node.sh")
-    out = tmp_path / "bench.out"
-    env = os.environ | {"VENV": str(Path(sys.executable).parents[1]), "ROUNDS": "1", "BENCH_DIR": str(tmp_path / "w")}
-    try:
-        proc = subprocess.run(
-            ["sbatch", "--wait", "--parsable", "-o", str(out), "tools/slurm/ray_ready_bench.sbatch"],
-            cwd=ROOT,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=400,
-        )
-    except subprocess.TimeoutExpired as e:  # the job must not outlive the test: it would hold both nodes
-        job_id = (e.stdout or b"").decode().strip().split(";")[0]
-        state = subprocess.run(["scontrol", "show", "job", job_id], capture_output=True, text=True).stdout
-        subprocess.run(["scancel", job_id], check=False)
-        logs = {p.name: p.read_text()[-1500:] for p in (tmp_path / "w").glob("*.log")}
-        raise AssertionError(f"the bench job {job_id} ran past 400 s:\n{state}\n{logs}") from None
-    assert proc.returncode == 0, (proc.stderr, out.read_text()[-3000:] if out.exists() else "")
-    rows = [json.loads(line) for line in out.read_text().splitlines() if re.match(r"^\{", line)]
-    assert [r["kind"] for r in rows] == ["bare ray start", "vlmrun"]
-    assert all(finite(r["ready_s"]) for r in rows) and finite(rows[1]["inside_ray_head_s"])
