@@ -21,7 +21,7 @@ SLURM_GROUP = "slurm"
 
 
 def pytest_collection_modifyitems(config, items):
-    """The order of the tests, and under pytest-xdist (`make test`: -n 2) each worker's share:
+    """The order of the tests, and under pytest-xdist (`make test`: -n 3) each worker's share:
 
     1. A module runs whole on one worker, in its order: the chains of test_chaos_processes.py and
        test_slurm_sft.py are one run each, and a module fixture may be a real run.

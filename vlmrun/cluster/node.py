@@ -172,13 +172,13 @@ def _ray(job_id: str, cpus: int, alloc, rd: RunDirectory):
     def local():
         import ray
 
-        from vlmrun.cluster.ray.local import start_local_ray
+        from vlmrun.cluster.ray.local import start_local_ray, stop_local_ray
 
         start_local_ray(job_id, cpus)
         try:
             yield
         finally:
-            ray.shutdown()
+            stop_local_ray()
 
     return local()
 

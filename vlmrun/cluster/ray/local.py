@@ -50,3 +50,24 @@ def start_local_ray(job_id: str, num_cpus: int) -> Path:
         configure_logging=False,
     )
     return temp
+
+
+def stop_local_ray() -> None:
+    """`ray.shutdown()` of the instance `start_local_ray` began, without Ray's grace per process.
+
+    Ray ends its processes one after the other (raylet first, then GCS, monitor, dashboard, log
+    monitor), each with SIGTERM and up to a second's wait before SIGKILL. Inside a node they start
+    with the stop signals blocked (the node's mask, inherited: a SLURM SIGTERM must not end them
+    before the checkpoint is written; cluster/spawn.py), so a SIGTERM never arrives and every one of
+    those seconds is spent waiting: 5 s at the end of every local attempt, measured. The driver still disconnects first; then SIGKILL, in Ray's order.
+    `worker._global_node.kill_all_processes(allow_graceful=...)` is Ray's private API (2.60):
+    tests/test_local_ray.py names it, so an upgrade that changes it fails there.
+    """
+    import ray
+    from ray._private import worker
+
+    node = worker._global_node
+    if node is not None:
+        kill_all = node.kill_all_processes
+        node.kill_all_processes = lambda **kw: kill_all(**(kw | {"allow_graceful": False}))
+    ray.shutdown()
