@@ -170,7 +170,6 @@ def _ray(job_id: str, cpus: int, alloc, rd: RunDirectory):
 
     @contextlib.contextmanager
     def local():
-        import ray
 
         from vlmrun.cluster.ray.local import start_local_ray, stop_local_ray
 
