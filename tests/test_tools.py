@@ -108,10 +108,13 @@ def test_measure_generation_three_ways_in_rounds(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_measure_grpo_one_plane(tmp_path):
+def test_measure_grpo_one_plane(tmp_path, run_data):
+    small = ["train.global_batch_size=8", "grpo.num_generations=4", "train.val_samples=0"]
     d = run_tool(
         "tools/measure_grpo.py",
         *("--steps", "2", "--repeats", "1", "--planes", "local", "--work", str(tmp_path)),
+        *run_data,  # the session's CLEVR set (--set pairs, as the tool takes them), not the recipe's 2048 images
+        *(arg for item in small for arg in ("--set", item)),
         timeout=580,
     )
     assert set(d["planes"]) == {"local"} and d["identical_losses"]
