@@ -18,17 +18,6 @@ from data_samples import FAMILIES, PER_SHARD, SIZE, TRAIN, VAL
 
 pytest_plugins = ["shared_runs"]
 SLURM_GROUP = "slurm"
-#: The modules whose tests took longest on one worker (seconds, three workers on 2 CPUs, this stop):
-#: they start first, so that none of them is the last unit left running while the other workers idle.
-HEAVIEST = [
-    "test_grpo_e2e.py",  # 378
-    "test_chaos_processes.py",  # 280
-    "test_tools.py",  # 194
-    "test_checkpoint_damage.py",  # 162
-    "test_over_length_runs.py",  # 154
-    "test_fsdp_runs.py",  # 124
-    "test_sft.py",  # 118
-]
 
 
 def pytest_collection_modifyitems(config, items):
@@ -39,22 +28,11 @@ def pytest_collection_modifyitems(config, items):
     2. The SLURM modules (tests/test_slurm_*.py) run together, on one worker (one cluster; their jobs
        expect its nodes free), and first: their waits on the queue and the time limit overlap the
        other worker's runs.
-    3. Then the modules with slow tests, the longest first (HEAVIEST), the fast ones last: small work
-       units that even out the tails.
+    3. Then the modules with slow tests, the fast ones last: small work units that even out the tails.
     """
     groups = {item: group_of(item.nodeid) for item in items}
     slow = {groups[item] for item in items if item.get_closest_marker("slow")}
-
-    def order(item) -> tuple[int, int]:
-        group = groups[item]
-        if group == SLURM_GROUP:
-            return 0, 0
-        if group in slow:
-            name = Path(group).name
-            return 1, HEAVIEST.index(name) if name in HEAVIEST else len(HEAVIEST)
-        return 2, 0
-
-    items.sort(key=order)
+    items.sort(key=lambda item: 0 if groups[item] == SLURM_GROUP else 1 if groups[item] in slow else 2)
 
 
 def group_of(nodeid: str) -> str:
