@@ -4,6 +4,7 @@ no run dir is created, no data generated, no process started."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -251,7 +252,18 @@ def test_resume_is_refused_before_it_starts(tmp_path):
     rd.mkdir()
     (rd / "recipe.yaml").write_text(json.loads(out.stdout)["recipe"])
     (tmp_path / "model" / "config.json").unlink()
-    out = vlmrun("resume", str(rd), cwd=tmp_path)
+    # a never-submitted run dir runs where --cluster auto puts it: a SLURM whose controller answers, here
+    # as on the CI machine, whatever state this machine's cluster is in (a dead one is refused first)
+    stubs = tmp_path / "bin"
+    stubs.mkdir()
+    for tool, script in {
+        "sbatch": "exit 1",
+        "scontrol": "echo 'Slurmctld(primary) at stub is UP'",
+        "sinfo": "exit 1",
+    }.items():
+        (stubs / tool).write_text(f"#!/bin/sh\n{script}\n")
+        (stubs / tool).chmod(0o755)
+    out = vlmrun("resume", str(rd), cwd=tmp_path, env={"PATH": f"{stubs}:{os.environ['PATH']}"})
     assert "has no config.json" in refused(out, "model.path")
     assert not (rd / "job.json").exists() and not (tmp_path / "data").exists()
 
