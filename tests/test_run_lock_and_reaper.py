@@ -182,7 +182,8 @@ def test_reaper_ends_the_attempt_when_its_node_is_killed():
         """
     )
     marker, root = node.stdout.readline().split()
-    assert len(marked_processes(marker)) == 2 and Path(root).is_dir()
+    wait_for(lambda: len(marked_processes(marker)) == 2)  # a child just started may not show its marker yet
+    assert Path(root).is_dir()
     node.kill()
     node.wait()
     t0 = time.monotonic()

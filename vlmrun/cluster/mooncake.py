@@ -66,6 +66,22 @@ def mooncake_ports(block: PortBlock) -> MooncakePorts:
     return ports
 
 
+def free_mooncake_ports(block: PortBlock, host: str, *, tries: int = 8) -> MooncakePorts:
+    """The master's ports in `block`, or, when something on `host` listens on one of them (another job
+    whose block is the same one: a local job's id is its pid), in the next block whose master ports are
+    free. Clients learn the ports from the master (`store_config`), so any free block serves."""
+    from vlmrun.cluster.ray.nodes import BLOCK_SIZE, PORT_BASE, n_blocks
+
+    index, taken = (block.base - PORT_BASE) // BLOCK_SIZE, []
+    for k in range(tries):
+        ports = mooncake_ports(PortBlock(PORT_BASE + (index + k) % n_blocks() * BLOCK_SIZE))
+        busy = taken_ports(host, ports.all())
+        if not busy:
+            return ports
+        taken += busy
+    raise MooncakeError(f"mooncake_master: every port block tried on {host} has a port taken ({tries} blocks: {taken})")
+
+
 @dataclass
 class MooncakeMaster:
     """A running mooncake_master (our child)."""
@@ -129,10 +145,7 @@ def start_mooncake_master(block: PortBlock, *, host: str, log_path: Path, deadli
     reason = mooncake_unavailable()
     if reason:
         raise MooncakeError(reason)
-    ports = mooncake_ports(block)
-    busy = taken_ports(host, ports.all())
-    if busy:
-        raise MooncakeError(f"mooncake_master ports {busy} on {host} are taken (another job in the same port block?)")
+    ports = free_mooncake_ports(block, host)
     log_path.parent.mkdir(parents=True, exist_ok=True)
     parent = os.getpid()
     with open(log_path, "ab") as out:
