@@ -70,11 +70,9 @@ def free_mooncake_ports(block: PortBlock, host: str, *, tries: int = 8) -> Moonc
     """The master's ports in `block`, or, when something on `host` listens on one of them (another job
     whose block is the same one: a local job's id is its pid), in the next block whose master ports are
     free. Clients learn the ports from the master (`store_config`), so any free block serves."""
-    from vlmrun.cluster.ray.nodes import BLOCK_SIZE, PORT_BASE, n_blocks
-
-    index, taken = (block.base - PORT_BASE) // BLOCK_SIZE, []
+    taken = []
     for k in range(tries):
-        ports = mooncake_ports(PortBlock(PORT_BASE + (index + k) % n_blocks() * BLOCK_SIZE))
+        ports = mooncake_ports(block.following(k))
         busy = taken_ports(host, ports.all())
         if not busy:
             return ports

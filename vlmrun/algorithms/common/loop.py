@@ -16,8 +16,8 @@ algorithm; a subclass supplies the algorithm's part:
 4. `_close()` releases workers and loaders (a subclass adds what else it holds).
 
 A stop request (signal -> flag -> `request_stop`, or `train.stop_after` reached) is acted on at the
-next step boundary: every rank saves, and the run ends as STOPPED (resumable). Once the driver's process is gone (SIGKILL, node
-loss), the controller writes no metrics row and no checkpoint more.
+next step boundary: every rank saves, and the run ends as STOPPED (resumable). Once the driver's
+process is gone (SIGKILL, node loss), the controller writes no metrics row and no checkpoint more.
 """
 
 from __future__ import annotations

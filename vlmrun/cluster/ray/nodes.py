@@ -58,6 +58,11 @@ class PortBlock:
     def worker_ports(self) -> range:
         return range(self.base + _WORKER_OFFSET, self.base + BLOCK_SIZE)
 
+    def following(self, k: int) -> PortBlock:
+        """The block `k` blocks after this one, wrapping round the port range."""
+        index = (self.base - PORT_BASE) // BLOCK_SIZE
+        return PortBlock(PORT_BASE + (index + k) % n_blocks() * BLOCK_SIZE)
+
     def fixed_ports(self, head: bool) -> list[int]:
         names = _FIXED if head else [n for n in _FIXED if n not in ("gcs", "ray_client_server")]
         return [self.port(n) for n in names]
