@@ -51,6 +51,18 @@ def pytest_xdist_make_scheduler(config, log):
         def _split_scope(self, nodeid: str) -> str:
             return group_of(nodeid)
 
+        def remove_node(self, node):
+            """A worker that died: xdist reports the test it ran as failed; the rest of its work unit goes
+            to another worker without that test (LoadScopeScheduling would run it again, where it may kill
+            worker after worker, and the run then waits forever)."""
+            crashed = super().remove_node(node)
+            if crashed is not None:
+                for scope, unit in list(self.workqueue.items()):
+                    unit.pop(crashed, None)
+                    if not any(not done for done in unit.values()):
+                        del self.workqueue[scope]
+            return crashed
+
     return ByGroup(config, log)
 
 

@@ -237,3 +237,55 @@ def test_readers_racing_a_writer_with_keep_1_always_read_a_whole_checkpoint(tmp_
     assert errors == [] and len(reads) > 10
     left = [s for s, _ in writer.complete()]
     assert left[-1] == 79 and len(left) <= 1 + 3  # at most one held back per reader, until the next save
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_writers_hash_what_they_write_as_it_goes_out_and_read_no_file_back(tmp_path, monkeypatch):
+    from vlmrun.algorithms.common import checkpoint
+    from vlmrun.policy.interface import PolicyState, Storage
+
+    real = checkpoint._sha256
+
+    def no_read_back(path):
+        raise AssertionError(f"{path} was read back to be hashed")
+
+    pending = CheckpointStore(tmp_path, keep=1).begin(1)
+    monkeypatch.setattr(checkpoint, "_sha256", no_read_back)
+    files = pending.write("controller", {"w": torch.randn(300, 70), "n": 3})
+    one_copy = PolicyState(Storage.REPLICATED, {"model": {"w": torch.randn(50)}, "optimizer": {"lr": 0.1}})
+    files |= pending.write_policy(one_copy, rank=0)
+    shards = PolicyState(Storage.SHARDED, {"model": {"w": torch.randn(64, 64)}, "optimizer": {"s": torch.ones(9)}})
+    dcp_files = pending.write_policy(shards, rank=0)  # DCP, one process: its shard file and .metadata
+    monkeypatch.setattr(checkpoint, "_sha256", real)
+    assert any(f.endswith(".distcp") for f in dcp_files) and any(f.endswith(".metadata") for f in dcp_files)
+    for name, recorded in (files | dcp_files).items():
+        assert recorded == checkpoint.digest(Path(pending.path) / name), name
+
+
+def test_verify_hashes_on_several_threads_and_names_the_first_damaged_file_in_manifest_order(tmp_path, monkeypatch):
+    import threading
+    import time
+
+    from vlmrun.algorithms.common import checkpoint
+
+    path = _save(CheckpointStore(tmp_path, keep=1), 1, parts=("controller", "model", "optimizer"))
+    threads, real = set(), checkpoint._sha256
+    monkeypatch.setattr(checkpoint, "_HASH_THREADS", 4)
+
+    def slow_hash(p):  # long enough that the pool starts a thread per file
+        threads.add(threading.get_ident())
+        time.sleep(0.05)
+        return real(p)
+
+    monkeypatch.setattr(checkpoint, "_sha256", slow_hash)
+    verify(path)
+    assert len(threads) > 1  # the four files were hashed by more than one thread
+    for name in (PARTS["optimizer"], PARTS["model"]):  # same size, other bytes: only a checksum sees it
+        data = bytearray((path / name).read_bytes())
+        data[-30] ^= 0xFF
+        (path / name).write_bytes(bytes(data))
+    first = min(
+        (PARTS["optimizer"], PARTS["model"]), key=list(json.loads((path / "manifest.json").read_text())["files"]).index
+    )
+    with pytest.raises(CorruptCheckpoint, match=f"{first} checksum mismatch"):
+        verify(path)

@@ -62,7 +62,7 @@ def _rank_main(rank, world, recipe, model_dir, batches, layout, port, out, all_t
         text = _text_only_batch(AutoTokenizer.from_pretrained(model_dir), rank)
         mine = [text] * len(mine) if all_text else [*mine[:-1], text]
     rows = [policy.train_step(mine) for _ in range(STEPS)]
-    weights = policy.weights_for_refit()
+    weights = {name: t for bucket in policy.weights_for_refit(bucket_bytes=1 << 16) for name, t in bucket.items()}
     if rank == 0:
         torch.save({"rows": [(r.loss, r.grad_norm, r.valid_tokens) for r in rows], "weights": weights}, out)
     policy.shutdown()

@@ -315,3 +315,32 @@ def test_error_values_are_formatted_from_a_bounded_prefix():
     text = str(InputError("name", value, "a string"))
     assert time.monotonic() - t0 < 0.5 and len(text) < 120
     assert short_repr(10**5000).startswith("<integer of") and len(short_repr("x" * 10**7)) <= 80
+
+
+def test_hsdp_shard_groups_must_divide_dp_need_fsdp_and_never_straddle_nodes():
+    hsdp = load_recipe(TINY, ["parallel.dp=4", "cluster.cpus_per_node=4", "parallel.fsdp=true", "parallel.dp_shard=2"])
+    p = hsdp.parallel
+    assert (p.shard_group, p.replicas) == (2, 2) and "dp=4 dp_shard=2" in p.describe()
+    flat = load_recipe(TINY, ["parallel.fsdp=true"]).parallel
+    assert (flat.dp_shard, flat.shard_group, flat.replicas) == (None, 2, 1)
+    for sets, field, words in (
+        (
+            ["parallel.dp=4", "cluster.cpus_per_node=4", "parallel.fsdp=true", "parallel.dp_shard=3"],
+            "parallel.dp_shard",
+            "must divide parallel.dp = 4",
+        ),
+        (["parallel.dp_shard=2"], "parallel.dp_shard", "needs parallel.fsdp: true"),
+        (["parallel.dp_shard=0"], "parallel.dp_shard", "greater than or equal to 1"),
+        (
+            ["cluster.nodes=3", "cluster.gpus_per_node=4", "parallel.dp=12", "train.global_batch_size=24"]
+            + ["parallel.fsdp=true", "parallel.dp_shard=6"],
+            "parallel.dp_shard",
+            "never part of two",
+        ),
+    ):
+        with pytest.raises(InputError) as e:
+            load_recipe(TINY, sets)
+        assert e.value.field == field and words in str(e.value), (sets, str(e.value))
+    from vlmrun.config.identity import IDENTITY_FIELDS, run_identity
+
+    assert "parallel.dp_shard" in IDENTITY_FIELDS and run_identity(hsdp, model_contents=None)["parallel.dp_shard"] == 2

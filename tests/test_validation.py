@@ -48,19 +48,21 @@ class FakePolicy:
         self.forwards.append(batch.sample_ids[0])
         return torch.where(batch.labels[:, 1:] == IGNORE_INDEX, 0.0, -0.5)
 
-    def weights_for_refit(self):
+    def weights_for_refit(self, *, dtype=None, bucket_bytes=0):
         self.refits += 1
-        return {"w": torch.ones(1)}
+        yield {"w": torch.ones(1)}
 
 
 class FakeGenerator:
     """Answers "3" to every prompt once refit; remembers how it was asked."""
 
+    weights_dtype = "float32"
+
     def __init__(self):
         self.weights, self.calls = None, []
 
     def load_weights(self, weights):
-        self.weights = weights
+        self.weights = [dict(bucket) for bucket in weights]
 
     def generate(self, prompts, sampling, *, n):
         assert self.weights is not None, "generated before the refit"
@@ -119,9 +121,9 @@ class CountedPolicy:
         self.calls["forward"] += 1
         return self.policy.logprobs(batch)
 
-    def weights_for_refit(self):
+    def weights_for_refit(self, **kwargs):
         self.calls["refit"] += 1
-        return self.policy.weights_for_refit()
+        return self.policy.weights_for_refit(**kwargs)
 
 
 def _answers(model_dir: str):

@@ -146,3 +146,11 @@ def test_freeze_heap_leaves_what_lives_now_out_of_later_collections():
         assert gc.get_freeze_count() > 1000  # torch and the test session's objects
     finally:
         gc.unfreeze()
+
+
+def test_ranks_are_ordered_by_node_so_a_shard_group_stays_on_one():
+    from vlmrun.distributed.worker_group import ranks_by_node
+
+    assert ranks_by_node(["a", "b", "a", "b"]) == [0, 2, 1, 3]  # SPREAD's round robin, put in node order
+    assert ranks_by_node(["b", "a", "a", "b", "c"]) == [0, 3, 1, 2, 4]  # rank 0 keeps bundle 0
+    assert ranks_by_node(["x"] * 3) == [0, 1, 2]

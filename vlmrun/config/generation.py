@@ -11,6 +11,14 @@ from vlmrun.config.section import Section
 
 class GenerationConfig(Section):
     """`backend` names the generation engine (`vlmrun.generation.open_generator`): `hf` is transformers'
-    `generate` in the rank's own process, refit from the policy in memory."""
+    `generate` in the rank's own process, refit from the policy in memory, one bucket of weights at a
+    time (`refit_bucket_mb`; not part of the run identity: the bucket size changes no number)."""
 
     backend: Literal["hf"] = Field("hf", description="the generation engine: hf (transformers generate)")
+    refit_bucket_mb: int = Field(
+        256,
+        ge=1,
+        le=1 << 16,
+        description="refit streams the policy's weights into the engine in buckets of at most this many MB "
+        "(a larger tensor goes alone): the memory a refit takes beyond the engine's own weights",
+    )

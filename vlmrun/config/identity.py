@@ -30,6 +30,7 @@ IDENTITY_FIELDS = (
     "parallel.pp",
     "parallel.cp",
     "parallel.fsdp",
+    "parallel.dp_shard",
     "data.path",
     "data.split",
     "data.val_split",

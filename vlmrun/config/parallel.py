@@ -36,6 +36,13 @@ class ParallelConfig(Section):
     )
     activation_checkpointing: bool = Field(False, description="recompute each decoder layer in the backward")
     cpu_offload: bool = Field(False, description="keep sharded parameters and optimizer state in host memory (fsdp)")
+    dp_shard: int | None = Field(
+        None,
+        ge=1,
+        description="HSDP: shard over groups of this many consecutive dp ranks (one node's GPUs) and replicate "
+        "across the dp / dp_shard groups (gradients reduce-scattered inside a group, all-reduced across "
+        "groups); must divide dp and needs fsdp: true; default: one group of every dp rank (plain FSDP)",
+    )
     reduce_every_micro_batch: bool = Field(
         False,
         description="fsdp: reduce-scatter gradients after every micro-batch, so they stay sharded (what big "
@@ -48,6 +55,16 @@ class ParallelConfig(Section):
         return self.dp * self.tp * self.pp * self.cp
 
     @property
+    def shard_group(self) -> int:
+        """Ranks one copy of the sharded state is spread over: dp_shard under HSDP, else every dp rank."""
+        return self.dp_shard or self.dp
+
+    @property
+    def replicas(self) -> int:
+        """Copies of the sharded state (HSDP's replicate dimension; 1 for plain FSDP)."""
+        return self.dp // self.shard_group
+
+    @property
     def sharded(self) -> bool:
         """FSDP2 on (after the recipe resolved the default)."""
         return bool(self.fsdp)
@@ -55,4 +72,5 @@ class ParallelConfig(Section):
     def describe(self) -> str:
         """One line for error messages, e.g. "dp=2 tp=1 pp=1 cp=1 (2 ranks)"."""
         ranks = "rank" if self.world_size == 1 else "ranks"
-        return f"dp={self.dp} tp={self.tp} pp={self.pp} cp={self.cp} ({self.world_size} {ranks})"
+        hsdp = f" dp_shard={self.dp_shard}" if self.dp_shard else ""
+        return f"dp={self.dp}{hsdp} tp={self.tp} pp={self.pp} cp={self.cp} ({self.world_size} {ranks})"

@@ -61,8 +61,13 @@ class Recipe(Section):
                 "needs GPUs (cluster.gpus_per_node > 0): it moves GPU-resident state to host memory, "
                 "where a CPU run keeps it already",
             )
+        if p.dp_shard is not None and p.dp % p.dp_shard:
+            raise CrossFieldError(
+                "parallel.dp_shard", p.dp_shard, f"must divide parallel.dp = {p.dp} (HSDP: dp / dp_shard replicas)"
+            )
         if not p.fsdp:
             for field, value, default in (
+                ("dp_shard", p.dp_shard, None),
                 ("mixed_precision", p.mixed_precision, "none"),
                 ("cpu_offload", p.cpu_offload, False),
                 ("reduce_every_micro_batch", p.reduce_every_micro_batch, False),
@@ -78,6 +83,19 @@ class Recipe(Section):
                 p.dp,
                 f"dp x tp x pp x cp = {p.world_size} must equal the allocation's GPUs: "
                 f"cluster.nodes x cluster.gpus_per_node = {c.nodes} x {c.gpus_per_node} = {c.gpus}",
+            )
+        if (
+            c.gpus_per_node
+            and p.dp_shard
+            and c.nodes > 1
+            and c.gpus_per_node % p.dp_shard
+            and p.dp_shard % c.gpus_per_node
+        ):
+            raise CrossFieldError(
+                "parallel.dp_shard",
+                p.dp_shard,
+                f"must divide cluster.gpus_per_node = {c.gpus_per_node} or be a multiple of it: a shard group "
+                "spans whole nodes or stays inside one, never part of two",
             )
         if not c.gpus_per_node and p.world_size > c.nodes * c.cpus_per_node:
             raise CrossFieldError(

@@ -1,8 +1,10 @@
 """The worker group: one Ray actor per rank, placed by a placement group, and named ways to dispatch.
 
-1. Placement: bundle i of one placement group holds rank i (one CPU, and one GPU on GPU runs). One
-   rank per node when ranks and nodes match (STRICT_SPREAD: the 2-node dp=2 layout), spread over the
-   nodes otherwise, packed on a single node.
+1. Placement: one placement group, a bundle per rank (one CPU, and one GPU on GPU runs). One rank
+   per node when ranks and nodes match (STRICT_SPREAD: the 2-node dp=2 layout), spread over the
+   nodes otherwise, packed on a single node. Ranks are ordered by node (`ranks_by_node`): a node's
+   ranks are consecutive, in the order Ray placed the nodes, so an HSDP shard group (dp_shard
+   consecutive ranks) stays on one node and its reduce-scatter never crosses the network.
 2. Dispatch is a named strategy, not loop code repeated in every algorithm:
    `all_ranks` (every rank, same arguments), `per_rank` (every rank its own share),
    `replica_owners` (the owner rank of each data-parallel replica, e.g. to open its loader shard) and
@@ -153,6 +155,16 @@ class Placement:
         return {"CPU": 1, "GPU": self.gpus_per_rank} if self.gpus_per_rank else {"CPU": 1}
 
 
+def ranks_by_node(bundle_nodes: Sequence[str]) -> list[int]:
+    """The bundle of each rank, given the node of each bundle: ranks fill one node's bundles before the
+    next node's, nodes in the order of their first bundle (so rank 0 keeps bundle 0), bundles of a node
+    in index order."""
+    first: dict[str, int] = {}
+    for index, node in enumerate(bundle_nodes):
+        first.setdefault(node, index)
+    return sorted(range(len(bundle_nodes)), key=lambda b: (first[bundle_nodes[b]], b))
+
+
 class WorkerGroup:
     """One actor of `actor_cls` per rank of `plan`; `init(rank)` gives each actor's constructor kwargs.
 
@@ -178,13 +190,17 @@ class WorkerGroup:
         world = plan.layout.world_size
         self.pg = placement_group([placement.bundle() for _ in range(world)], strategy=placement.strategy(world))
         ray.get(self.pg.ready(), timeout=ready_timeout_s)
+        nodes = ray.util.placement_group_table(self.pg)["bundles_to_node_id"]
+        self.bundles = ranks_by_node([nodes[b] for b in range(world)])
         remote = remote_class(actor_cls)
         self.workers = [
             remote.options(
                 num_cpus=1,
                 num_gpus=placement.gpus_per_rank,
                 scheduling_strategy=(
-                    PlacementGroupSchedulingStrategy(placement_group=self.pg, placement_group_bundle_index=rank)
+                    PlacementGroupSchedulingStrategy(
+                        placement_group=self.pg, placement_group_bundle_index=self.bundles[rank]
+                    )
                 ),
             ).remote(**init(rank))
             for rank in range(world)

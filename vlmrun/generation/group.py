@@ -6,14 +6,15 @@
    so the responses depend on the number of replicas, never on timing.
 2. `generate` cuts the prompts into contiguous shares, one per replica (the first ones one prompt
    larger), runs them at once and joins the rows in prompt order.
-3. `load_weights` puts the weights into the object store once (or takes an ObjectRef, e.g. straight
-   from the policy actor's `weights_for_refit`) and every replica reads them from there.
+3. `load_weights` puts the weights into the object store once (a mapping, or the buckets of a
+   policy's `weights_for_refit` joined there; or it takes an ObjectRef) and every replica reads them
+   from there: across processes the weights travel whole, unlike a refit inside the rank's process.
 4. `state_dict` holds every replica's sampling stream; it loads only into a group of the same size.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from vlmrun.data.batch import PromptBatch
@@ -41,6 +42,8 @@ class GenerationGroup(GenerationBackend):
         if replicas < 1:
             raise ValueError(f"a generation group needs at least one replica, got {replicas}")
         remote = ray.remote(generator_class(backend)).options(num_cpus=num_cpus, num_gpus=num_gpus)
+        first = init(0)
+        self.weights_dtype = first["model"].dtype if "model" in first else self.weights_dtype
         self.actors = [remote.remote(**init(r)) for r in range(replicas)]
         self.image_token_id: int | None = None
 
@@ -64,10 +67,16 @@ class GenerationGroup(GenerationBackend):
         ]
         return Rollouts.concat(ray.get(refs))
 
-    def load_weights(self, weights: Mapping[str, Any]) -> None:
+    def load_weights(self, weights: Mapping[str, Any] | Iterable[Mapping[str, Any]]) -> None:
+        """Every replica takes the same weights from the object store: an ObjectRef of a mapping as it
+        is, a mapping or a stream of buckets put there once (the buckets joined, on the CPU)."""
         import ray
 
-        ref = weights if isinstance(weights, ray.ObjectRef) else ray.put(dict(weights))
+        if isinstance(weights, ray.ObjectRef):
+            ref = weights
+        else:
+            buckets = [weights] if isinstance(weights, Mapping) else weights
+            ref = ray.put({name: t.detach().cpu() for bucket in buckets for name, t in bucket.items()})
         ray.get([a.load_weights.remote(ref) for a in self.actors])
 
     def state_dict(self) -> dict[str, Any]:

@@ -21,7 +21,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import numpy as np
@@ -43,6 +43,7 @@ class HfGenerator(GenerationBackend):
 
     def __init__(self, *, model: ModelSpec, replica: int = 0, device: str = "cpu", threads: int | None = None):
         self.spec, self.replica, self.device, self.threads = model, replica, device, threads
+        self.weights_dtype = model.dtype
         self._seed: int | None = None
         self._generator: torch.Generator | None = None
 
@@ -100,8 +101,27 @@ class HfGenerator(GenerationBackend):
             generate_s=time.perf_counter() - t0,
         )
 
-    def load_weights(self, weights: Mapping[str, Any]) -> None:
-        self.model.load_state_dict(dict(weights), strict=True)
+    @torch.no_grad()
+    def load_weights(self, weights: Mapping[str, Any] | Iterable[Mapping[str, Any]]) -> None:
+        """Copy each bucket into the model's own tensors as it comes (cast to their dtype, moved to their
+        device): no second copy of the model, whatever the bucket size (interface doc, 4)."""
+        own = self.model.state_dict()
+        filled: set[str] = set()
+        for bucket in [weights] if isinstance(weights, Mapping) else weights:
+            for name, tensor in bucket.items():
+                target = own.get(name)
+                if target is None or name in filled:
+                    raise KeyError(
+                        f"refit: {name!r} {'came twice' if target is not None else 'is not a weight of the engine'}"
+                    )
+                if target.shape != tensor.shape:
+                    raise ValueError(
+                        f"refit: {name!r} has shape {tuple(tensor.shape)}, the engine's {tuple(target.shape)}"
+                    )
+                target.copy_(tensor)
+                filled.add(name)
+        if missing := sorted(set(own) - filled):
+            raise KeyError(f"refit: {len(missing)} weights never came, e.g. {missing[:3]}")
 
     def state_dict(self) -> dict[str, Any]:
         return {"seed": self._seed, "generator": None if self._generator is None else self._generator.get_state()}

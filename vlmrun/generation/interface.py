@@ -13,13 +13,16 @@ runs any backend as replicas in Ray actors behind the same interface.
 3. Sampling is seeded: the first call with a `SamplingParams.seed` starts the replica's stream for
    that seed, later calls with the same seed continue it; `state_dict` holds the stream's position,
    so a run resumed from a checkpoint samples the same responses as one that never stopped.
-4. `load_weights` takes the policy's weights by parameter name (`PolicyBackend.weights_for_refit`).
+4. `load_weights` takes the policy's weights by parameter name: one mapping, or the buckets of
+   `PolicyBackend.weights_for_refit` as they are drawn, copied into the engine's own tensors (in its
+   dtype, on its device) bucket by bucket, so a refit holds one bucket beyond the engine's weights.
+   Every weight of the engine must come exactly once; `weights_dtype` is the dtype it holds them in.
 """
 
 from __future__ import annotations
 
 import abc
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -57,9 +60,15 @@ class GenerationBackend(abc.ABC):
     def generate(self, prompts: PromptBatch, sampling: SamplingParams, *, n: int) -> Rollouts:
         """`n` sampled responses to every prompt; row i*n + g of the result is response g to prompt i."""
 
+    #: The recipe dtype name (`model.dtype` spelling) the engine holds its weights in: what a refit
+    #: asks the policy for.
+    weights_dtype: str = "float32"
+
     @abc.abstractmethod
-    def load_weights(self, weights: Mapping[str, Any]) -> None:
-        """Replace every weight by the tensor of the same name (all names of the model's state_dict)."""
+    def load_weights(self, weights: Mapping[str, Any] | Iterable[Mapping[str, Any]]) -> None:
+        """Replace every weight by the tensor of the same name: one mapping of them all, or buckets of
+        them (each consumed before the next is drawn). KeyError names a weight that came twice, that
+        the engine lacks, or that never came; ValueError a shape that differs."""
 
     @abc.abstractmethod
     def state_dict(self) -> dict[str, Any]:

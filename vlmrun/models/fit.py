@@ -102,7 +102,7 @@ def training_shape(recipe) -> tuple[TrainingShape, str]:
         master_dtype=recipe.model.dtype,
         mixed_precision=p.mixed_precision,
         fsdp=p.sharded,
-        dp=p.dp,
+        dp=p.shard_group,  # the ranks a copy of the state is sharded over (HSDP: dp_shard)
         cpu_offload=p.cpu_offload,
         activation_checkpointing=p.activation_checkpointing,
         reduce_every_micro_batch=p.reduce_every_micro_batch,
@@ -205,6 +205,11 @@ def _candidates(recipe) -> list[tuple[dict[str, Any], str]]:
         ),
         ({"parallel.activation_checkpointing": True}, "parallel.activation_checkpointing=true"),
         ({"parallel.mixed_precision": "bf16"}, "parallel.mixed_precision=bf16"),
+    ]
+    if p.dp_shard and p.dp_shard < p.dp:  # HSDP: a larger shard group holds less per rank
+        wider = 2 * p.dp_shard if p.dp % (2 * p.dp_shard) == 0 else p.dp
+        out.insert(1, ({"parallel.dp_shard": wider}, f"parallel.dp_shard={wider}"))
+    out += [
         ({"train.micro_batch_size": t.micro_batch_size // 2}, f"train.micro_batch_size={t.micro_batch_size // 2}"),
         ({"data.max_seq_len": d.max_seq_len // 2}, f"data.max_seq_len={d.max_seq_len // 2}"),
     ]

@@ -27,7 +27,7 @@ class TrainingShape:
     master_dtype: str = "float32"
     mixed_precision: str = "none"
     fsdp: bool = False
-    dp: int = 1
+    dp: int = 1  # the ranks FSDP shards one copy over: parallel.dp, or dp_shard under HSDP
     cpu_offload: bool = False
     activation_checkpointing: bool = False
     reduce_every_micro_batch: bool = False

@@ -86,8 +86,22 @@ def touch_towers(model: torch.nn.Module, loss: torch.Tensor) -> torch.Tensor:
     return loss + 0.0 * torch.stack(touched).sum().to(loss.dtype)
 
 
+def shard_mesh(device_type: str, world_size: int, dp_shard: int | None = None):
+    """The device mesh FSDP2 shards over: 1-D over every rank, or, with `dp_shard` (HSDP), 2-D
+    (replicate = world_size / dp_shard, shard = dp_shard): rank r sits in shard group r // dp_shard, so
+    consecutive ranks (ordered by node) hold one copy of the sharded state between them."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if not dp_shard or dp_shard == world_size:
+        return init_device_mesh(device_type, (world_size,), mesh_dim_names=("shard",))
+    if world_size % dp_shard:
+        raise ValueError(f"dp_shard={dp_shard} must divide the {world_size} ranks")
+    return init_device_mesh(device_type, (world_size // dp_shard, dp_shard), mesh_dim_names=("replicate", "shard"))
+
+
 def shard_model(model: torch.nn.Module, mesh, sharding: Sharding = Sharding()) -> torch.nn.Module:
-    """Apply FSDP2 in place (see the module docstring) over the 1-D `mesh`; returns `model`."""
+    """Apply FSDP2 in place (see the module docstring) over `mesh` (`shard_mesh`: FSDP, or HSDP on a
+    2-D mesh); returns `model`."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     # transformers returns its logits as a view; nothing here modifies them in place, which is what
@@ -154,8 +168,9 @@ def grad_norm(params: list[torch.nn.Parameter], *, sharded: bool) -> float:
         total = torch.zeros((), dtype=torch.float64, device=local_tensor(grads[0]).device)
         for g in grads:
             total += local_tensor(g).to(torch.float64).pow(2).sum()
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(total, op=dist.ReduceOp.SUM)
+        if mesh.size() > 1:  # over one shard group: HSDP's replicas hold the same shards
+            group = mesh.get_group("shard") if mesh.ndim > 1 else mesh.get_group()
+            dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
         return float(torch.tensor(math.sqrt(float(total)), dtype=torch.float32))
     norms = [torch.linalg.vector_norm(g.full_tensor() if hasattr(g, "full_tensor") else g, 2.0) for g in grads]
     return float(torch.linalg.vector_norm(torch.stack([n.cpu() for n in norms]), 2.0))

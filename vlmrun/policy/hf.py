@@ -19,10 +19,11 @@ else the CPU. Micro-batches arrive on the CPU and are moved here.
 
 from __future__ import annotations
 
+import gc
 import os
 import resource
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -30,6 +31,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from vlmrun.config.dtype import torch_dtype
 from vlmrun.models.build import build_model, materialize
 from vlmrun.models.spec import ModelSpec
 from vlmrun.policy import rng
@@ -41,6 +43,7 @@ from vlmrun.policy.fsdp import (
     decoder_layers,
     grad_norm,
     set_gradient_sync,
+    shard_mesh,
     shard_model,
     touch_towers,
 )
@@ -48,6 +51,7 @@ from vlmrun.policy.grad_sync import all_reduce_extreme, all_reduce_gradients, al
 from vlmrun.policy.interface import (
     MODEL_PART,
     OPTIMIZER_PART,
+    REFIT_BUCKET_BYTES,
     LossTerms,
     PolicyBackend,
     PolicyState,
@@ -73,6 +77,7 @@ class HfPolicy(PolicyBackend):
             cpu_offload=getattr(parallel, "cpu_offload", False),
         )
         self.sync_every = bool(getattr(parallel, "reduce_every_micro_batch", False))
+        self.dp_shard = getattr(parallel, "dp_shard", None)  # HSDP: shard groups of this many ranks
         self.gpus = gpus
 
     def setup(self, *, master_addr: str, master_port: int, max_steps: int) -> dict[str, Any]:
@@ -91,7 +96,20 @@ class HfPolicy(PolicyBackend):
         self.model.train()
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer, self.scheduler = self._build_optimizer(max_steps)
-        return {"rank": self.rank, "params": sum(p.numel() for p in self.params), "device": str(self.device)}
+        return {
+            "rank": self.rank,
+            "params": sum(p.numel() for p in self.params),
+            "device": str(self.device),
+            "layout": self.layout(),
+        }
+
+    def layout(self) -> str:
+        """How the ranks hold the model, in words (the run's log says it once)."""
+        if not self.sharded:
+            return f"replicated on {self.world_size} rank{'s' if self.world_size > 1 else ''}"
+        if self.dp_shard and self.dp_shard < self.world_size:
+            return f"HSDP: {self.world_size // self.dp_shard} replicas x {self.dp_shard} shards (FSDP2)"
+        return f"FSDP2 over {self.world_size} rank{'s' if self.world_size > 1 else ''}"
 
     def _build_model(self, *, trainable: bool = True) -> torch.nn.Module:
         """The spec's model on this rank's device, sharded when `parallel.fsdp` (a random-init one is
@@ -101,9 +119,7 @@ class HfPolicy(PolicyBackend):
         if not trainable:
             model.requires_grad_(False)
         if self.sharded:
-            from torch.distributed.device_mesh import init_device_mesh
-
-            mesh = init_device_mesh(self.device.type, (self.world_size,))
+            mesh = shard_mesh(self.device.type, self.world_size, self.dp_shard)
             frozen = Sharding(mixed_precision=self.sharding.mixed_precision, cpu_offload=self.sharding.cpu_offload)
             model = shard_model(model, mesh, self.sharding if trainable else frozen)
             if on_meta:  # offloaded shards live in host memory
@@ -222,15 +238,30 @@ class HfPolicy(PolicyBackend):
             self.optimizer.load_state_dict(optimizer["optimizer"])
         self.scheduler.load_state_dict(optimizer["scheduler"])
 
-    def weights_for_refit(self) -> dict[str, torch.Tensor]:
-        """Full weights by HF name, on the CPU; gathered from every rank's shard when sharded
-        (collective: every rank calls it)."""
-        if self.sharded:
-            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-            full = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True))
-            return {name: t.detach().cpu() for name, t in full.items()}
-        return {name: p.detach().cpu() for name, p in self.model.state_dict().items()}
+    def weights_for_refit(
+        self, *, dtype: str | None = None, bucket_bytes: int = REFIT_BUCKET_BYTES
+    ) -> Iterator[dict[str, torch.Tensor]]:
+        """The full weights by HF name, bucket by bucket, on this rank's device (interface doc). Sharded:
+        each tensor is cast on its shard, then gathered alone (an all-gather per tensor, every rank in
+        the same order), so a refit holds one bucket of whole tensors, in `dtype`, never the model.
+        Replicated: the live tensors themselves (cast copies when `dtype` differs)."""
+        want = None if dtype is None else torch_dtype(dtype)
+        bucket: dict[str, torch.Tensor] = {}
+        size = 0
+        for name, t in self.model.state_dict().items():
+            t = t.detach()
+            if want is not None and t.is_floating_point() and t.dtype != want:
+                t = t.to(want)
+            if hasattr(t, "full_tensor"):
+                t = t.full_tensor()
+            nbytes = t.numel() * t.element_size()
+            if bucket and size + nbytes > bucket_bytes:
+                yield bucket
+                bucket, size = {}, 0
+            bucket[name] = t
+            size += nbytes
+        if bucket:
+            yield bucket
 
     def export(self, read: Callable[[PolicyState], PolicyState], out: Path) -> None:
         """A Hugging Face model directory: config, generation config and safetensors weights in the spec's
@@ -252,6 +283,12 @@ class HfPolicy(PolicyBackend):
                 hf_logging.enable_progress_bar()
 
     def shutdown(self) -> None:
+        """Drop the model, its reference copy and the optimizer, then leave the process group: nothing
+        may hold the group past its destroy (an FSDP module or device mesh still alive at interpreter
+        exit can abort the process there in gloo's destructors)."""
+        for name in ("model", "_reference", "params", "optimizer", "scheduler"):
+            self.__dict__.pop(name, None)
+        gc.collect()
         if dist.is_initialized():
             dist.destroy_process_group()
 

@@ -15,7 +15,10 @@ the same order (as with torch.distributed itself).
 4. `checkpoint_state` / `load_checkpoint_state`: the backend's share of a checkpoint as a
    `PolicyState`, whose `storage` says how it is written (one copy for all ranks, or every rank its
    shard, together); the checkpoint store writes and reads it in one call and decides where it goes.
-5. `weights_for_refit`: the full weights, by parameter name, for a generation engine.
+5. `weights_for_refit`: the full weights, by parameter name, streamed to a generation engine in buckets
+   of whole tensors (`REFIT_BUCKET_BYTES`), each gathered from the shards only when its bucket is
+   drawn: a refit never holds a second whole model (collective when sharded: every rank draws every
+   bucket, in order).
 6. `export`: the trained weights as a model directory a recipe's `model.path` can name.
 """
 
@@ -23,7 +26,7 @@ from __future__ import annotations
 
 import abc
 import enum
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,6 +35,8 @@ from typing import Any
 #: LR schedule. The one place they are named; the checkpoint store gives each its file.
 MODEL_PART, OPTIMIZER_PART = "model", "optimizer"
 POLICY_PARTS = (MODEL_PART, OPTIMIZER_PART)
+#: The default refit bucket (the recipe's generation.refit_bucket_mb says it per run).
+REFIT_BUCKET_BYTES = 256 << 20
 #: The phases of `train_step` that `PolicyBackend.on_phase` reports: forward and backward of every
 #: micro-batch (a sharded policy's gradient reduce-scatter included), the gradient sum across replicas
 #: with the norm and the clipping, the optimizer and LR schedule step.
@@ -133,8 +138,11 @@ class PolicyBackend(abc.ABC):
         """Restore what `checkpoint_state` returned (as the checkpoint store read it back)."""
 
     @abc.abstractmethod
-    def weights_for_refit(self) -> dict[str, Any]:
-        """Parameter name -> full tensor, for a generation engine to load."""
+    def weights_for_refit(self, *, dtype: str | None = None, bucket_bytes: int = REFIT_BUCKET_BYTES) -> Iterator[dict]:
+        """The full weights as buckets {parameter name: whole tensor} of at most `bucket_bytes` each (a
+        larger tensor alone), in the recipe dtype `dtype` (None: the policy's own), on the policy's
+        device; every name once, over all buckets. A bucket is read before the next is drawn and may
+        view the live weights: the consumer copies it (`GenerationBackend.load_weights`)."""
 
     @abc.abstractmethod
     def export(self, read: Callable[[PolicyState], PolicyState], out: Path) -> None:

@@ -79,6 +79,7 @@ class Attempt(_Record):
     final_val: dict[str, float | int] | None = None
     worker_nodes: list[str] | None = None
     ray_alive_nodes: int | None = None
+    policy_layout: str | None = None
     notice: str | None = None  # what the user must know about how it started (no valid checkpoint left, ...)
 
 

@@ -29,6 +29,7 @@ class RunOutcome:
     final_val: dict[str, float] = field(default_factory=dict)
     worker_nodes: list[str] = field(default_factory=list)
     ray_alive_nodes: int | None = None
+    policy_layout: str | None = None  # how the ranks held the model, e.g. "HSDP: 2 replicas x 2 shards (FSDP2)"
 
     def details(self) -> dict[str, Any]:
         """What job.json keeps beside the attempt's state, reason, last step and stop signal."""

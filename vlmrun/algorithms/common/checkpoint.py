@@ -23,20 +23,24 @@
    The policy's parts come as one `PolicyState` (`pending.write_policy` / `checkpoint.read_policy`),
    whose storage says how they are written: one copy by rank 0 for every rank, or, sharded, by every
    rank at once through DCP (each rank writes its own shard, nobody gathers the whole state).
-2. Every writer returns {file: size and sha256} of what it wrote, hashed right after writing in the
-   writer's process (ranks hash in parallel, from the page cache); `seal` writes them into the
-   manifest and fsyncs. `verify` checks every listed file's size and checksum and that the parts
-   every checkpoint needs are there. The store (checkpoint_store.py) names, lists, retains and
-   guards the folders.
+2. Every writer returns {file: size and sha256} of what it wrote, hashed as the bytes go out (torch.save
+   and DCP write through a hashing stream: no file is read back; ranks hash in parallel, each its own
+   files); `seal` writes them into the manifest and fsyncs. `verify` checks every listed file's size,
+   then hashes the files on several threads at once (a resume reads the checkpoint once, at the
+   storage's pace rather than one core's), and that the parts every checkpoint needs are there. The
+   store (checkpoint_store.py) names, lists, retains and guards the folders.
 3. Format 1 (written before the layered layout: `meta.json`, `model.pt`, `optim.pt`, and loader and
    plane state in one `loader/shard_<r>.pt`) is read through the same `Checkpoint.read`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import io
 import json
 import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -60,6 +64,9 @@ SHARDED_POLICY = "policy/sharded"
 #: POLICY_PARTS (one copy) or the sharded policy's metadata.
 REQUIRED = ("controller",)
 _DCP_METADATA = ".metadata"
+#: Files `verify` hashes at once: enough to keep a parallel filesystem's reads in flight, few enough
+#: for a login node.
+_HASH_THREADS = min(8, os.cpu_count() or 1)
 # Format 1: file per part, and the key a part sat under when two parts shared one file.
 _V1_MANIFEST = "meta.json"
 _V1_PARTS = {
@@ -100,8 +107,11 @@ class PendingCheckpoint:
         name = part_file(part, index)
         target = Path(self.path) / name
         target.parent.mkdir(parents=True, exist_ok=True)
-        torch.save(state, target)
-        return {name: digest(target)}
+        with open(target, "wb") as raw:
+            hashed = HashingStream(raw)
+            torch.save(state, hashed)
+            raw.flush()
+        return {name: hashed.digest()}
 
     def write_policy(self, state: PolicyState, *, rank: int) -> dict[str, dict]:
         """Save this rank's share of the policy; returns {file: digest} of what this rank wrote.
@@ -116,13 +126,19 @@ class PendingCheckpoint:
                 for part, value in state.parts.items():
                     files |= self.write(part, value)
             return files
+        import torch
         import torch.distributed.checkpoint as dcp
 
         folder = Path(self.path) / SHARDED_POLICY
         folder.mkdir(parents=True, exist_ok=True)
-        dcp.save(state.parts, storage_writer=dcp.FileSystemWriter(str(folder), thread_count=1, sync_files=False))
+        writer = dcp.FileSystemWriter(str(folder), thread_count=1, sync_files=False)
+        writer.fs = _hashing_file_system()  # DCP writes through `fs` (torch's fsspec writer swaps it too)
+        dcp.save(state.parts, storage_writer=writer)
         mine = sorted(folder.glob(f"__{rank}_*.distcp")) + ([folder / _DCP_METADATA] if rank == 0 else [])
-        return {str(f.relative_to(self.path)): digest(f) for f in mine}
+        unhashed = [f.name for f in mine if f not in writer.fs.digests]
+        if unhashed:
+            raise RuntimeError(f"DCP wrote {unhashed} past the hashing stream (torch {torch.__version__})")
+        return {str(f.relative_to(self.path)): writer.fs.digests[f] for f in mine}
 
 
 @dataclass(frozen=True)
@@ -194,8 +210,13 @@ def verify(path: Path, *, checksums: bool = True) -> dict:
             raise CorruptCheckpoint(f"{name} is missing")
         if f.stat().st_size != want.get("size"):
             raise CorruptCheckpoint(f"{name} has {f.stat().st_size} bytes, expected {want.get('size')}")
-        if checksums and _sha256(f) != want.get("sha256"):
-            raise CorruptCheckpoint(f"{name} checksum mismatch")
+    if checksums:
+        names = list(manifest["files"])
+        with ThreadPoolExecutor(max_workers=max(1, min(len(names), _HASH_THREADS))) as pool:
+            sums = list(pool.map(lambda name: _sha256(path / name), names))  # hashlib and reads drop the GIL
+        for name, got in zip(names, sums, strict=True):
+            if got != manifest["files"][name].get("sha256"):
+                raise CorruptCheckpoint(f"{name} checksum mismatch")
     return manifest
 
 
@@ -223,8 +244,69 @@ def seal(folder: Path, manifest: dict) -> None:
 
 
 def digest(path: Path) -> dict:
-    """{size, sha256} of a written file, as the manifest records it."""
+    """{size, sha256} of a file on disk, as the manifest records it (read in full)."""
     return {"size": path.stat().st_size, "sha256": _sha256(path)}
+
+
+class HashingStream(io.RawIOBase):
+    """A write-only stream over `raw` that hashes every byte on its way out: the writer's digest
+    without reading the file back. Position queries pass through (DCP records offsets)."""
+
+    def __init__(self, raw):
+        self.raw, self._sha, self.size = raw, hashlib.sha256(), 0
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, b) -> int:
+        view = memoryview(b).cast("B")
+        n = self.raw.write(view)
+        n = len(view) if n is None else n  # a buffered file writes everything or raises
+        self._sha.update(view[:n])
+        self.size += n
+        return n
+
+    def tell(self) -> int:
+        return self.raw.tell()
+
+    def flush(self) -> None:
+        if not self.raw.closed:  # IOBase's finalizer flushes again, after `raw` was closed
+            self.raw.flush()
+
+    def fileno(self) -> int:
+        return self.raw.fileno()
+
+    def digest(self) -> dict:
+        return {"size": self.size, "sha256": self._sha.hexdigest()}
+
+
+def _hashing_file_system():
+    """DCP's local file system, with every file it writes hashed as it goes (`digests`: path -> digest,
+    following DCP's renames of its metadata file)."""
+    from torch.distributed.checkpoint.filesystem import FileSystem
+
+    class HashingFileSystem(FileSystem):
+        def __init__(self):
+            self.digests: dict[Path, dict] = {}
+
+        @contextlib.contextmanager
+        def create_stream(self, path, mode: str):
+            if "w" not in mode:
+                with super().create_stream(path, mode) as stream:
+                    yield stream
+                return
+            with super().create_stream(path, mode) as raw:
+                hashed = HashingStream(raw)
+                yield hashed
+                raw.flush()
+            self.digests[Path(path)] = hashed.digest()
+
+        def rename(self, path, new_path) -> None:
+            super().rename(path, new_path)
+            if Path(path) in self.digests:
+                self.digests[Path(new_path)] = self.digests.pop(Path(path))
+
+    return HashingFileSystem()
 
 
 def manifest_file(path: Path) -> Path:

@@ -85,6 +85,7 @@ class StepLoop:
         self.started_at = started_at or time.time()
         self.driver = driver  # the node process that runs this attempt; none of our writes outlive it
         self.worker_nodes: list[str] = []
+        self.policy_layout: str | None = None
         self.chosen = chosen  # (checkpoint, skipped) the node verified; None: pick here (store.latest)
         self.loaders: dict = {}  # shard -> loader, for a loop whose driver builds the batches
         self.plane_endpoint = plane_endpoint  # the job's data-plane servers (TransferQueue); None: local
@@ -120,7 +121,8 @@ class StepLoop:
         )
         self.worker_nodes = self.group.node_addresses()
         addr, port = self.group.rendezvous()
-        self.group.all_ranks("setup", addr, port, optimizer_steps)
+        info = self.group.all_ranks("setup", addr, port, optimizer_steps)[0]
+        self.policy_layout = info.get("layout")  # job.json's attempt records it
 
     def _attach_loaders(self) -> None:
         """Each replica's owner rank opens its loader shard (loops whose ranks read their own data)."""
@@ -239,6 +241,7 @@ class StepLoop:
             checkpoint_save_s=self.save_times,
             worker_nodes=self.worker_nodes,
             ray_alive_nodes=self._ray_alive_nodes(),
+            policy_layout=self.policy_layout,
             **notes,
         )
 

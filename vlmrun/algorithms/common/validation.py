@@ -3,7 +3,7 @@
 1. The controller cuts the val batches into one `ValidationShare` per rank (`validation_shares`): rank r
    scores loss batches r, r + n, ... and answers prompt batches r, r + n, ...
 2. On each rank, `evaluate` takes the NLL of the loss batches from the policy's `logprobs` and the
-   greedy answers from a generation engine refit from the policy (`weights_for_refit`), so the policy
+   greedy answers from a generation engine refit from the policy (refit.py: streamed), so the policy
    seam holds no validation code and a sharded policy never gathers the whole model for a forward.
 3. Collectives: a sharded (FSDP2) forward gathers parameters from every rank, so every rank makes the
    same number of `logprobs` calls: a share with fewer loss batches is padded with repeats of a batch
@@ -19,8 +19,9 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from vlmrun.algorithms.common.refit import refit
 from vlmrun.generation.interface import GenerationBackend, SamplingParams
-from vlmrun.policy.interface import PolicyBackend
+from vlmrun.policy.interface import REFIT_BUCKET_BYTES, PolicyBackend
 from vlmrun.policy.loss import valid_tokens
 from vlmrun.run.rows import Validation
 
@@ -75,16 +76,18 @@ def evaluate(
     policy: PolicyBackend,
     generator: GenerationBackend,
     decode: Callable[[object], list[str]],
+    refit_bytes: int = REFIT_BUCKET_BYTES,
 ) -> ValidationScore:
     """This rank's score of `share`: the NLL from `policy.logprobs`, greedy answers from `generator` once
-    it is refit from `policy`; `decode(rollouts)` gives the responses' texts. Every rank calls it together."""
+    it is refit from `policy` (`refit_bytes` a bucket); `decode(rollouts)` gives the responses' texts.
+    Every rank calls it together."""
     nll, tokens = 0.0, 0
     for batch in share.loss_batches:
         nll += -float(policy.logprobs(batch).sum())
         tokens += valid_tokens(batch.labels)
     for batch in share.padding:  # the same number of (collective) forwards on every rank
         policy.logprobs(batch)
-    generator.load_weights(policy.weights_for_refit())
+    refit(generator, policy, bucket_bytes=refit_bytes)
     correct = answered = 0
     for prompts in share.prompt_batches:
         texts = decode(generator.generate(prompts, GREEDY, n=1))

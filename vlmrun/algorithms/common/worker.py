@@ -70,6 +70,7 @@ class RankWorker(RankActor):
             gpus=r.cluster.gpus_per_node > 0,
         )
         self.generator: GenerationBackend | None = self._open_engine() if self.needs_generator else None
+        self.refit_bytes = r.generation.refit_bucket_mb << 20
         self.loader = None
 
     def _open_engine(self) -> GenerationBackend:
@@ -101,7 +102,9 @@ class RankWorker(RankActor):
     def validate(self, share: ValidationShare) -> ValidationScore:
         """This rank's score of its share of the val batches (collective: every rank calls it)."""
         with self._validation_engine() as engine:
-            return evaluate(share, policy=self.policy, generator=engine, decode=self._decode)
+            return evaluate(
+                share, policy=self.policy, generator=engine, decode=self._decode, refit_bytes=self.refit_bytes
+            )
 
     @contextlib.contextmanager
     def _validation_engine(self) -> Iterator[GenerationBackend]:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import time
 
 from vlmrun.algorithms.common.checkpoint import Checkpoint, PendingCheckpoint
+from vlmrun.algorithms.common.refit import refit
 from vlmrun.algorithms.common.worker import RankWorker
 from vlmrun.algorithms.grpo.loss import ClippedPgLoss
 from vlmrun.algorithms.grpo.micro_batches import model_batches, pg_micro_batches, response_values
@@ -91,7 +92,7 @@ class GrpoWorker(RankWorker):
             response_ids = response_sample_ids(prompt_rows.sample_ids, g)
             self.plane.prefetch([self._gets(part, response_ids, Stage.PREV_LOGPROB).prompts])  # partition.py, 3
         t0 = time.perf_counter()
-        self.generator.load_weights(self.policy.weights_for_refit())
+        refit(self.generator, self.policy, bucket_bytes=self.refit_bytes)
         times["refit"] = time.perf_counter() - t0
         rollouts = self.generator.generate(batch, self.sampling, n=g)
         times["generation"] = rollouts.generate_s

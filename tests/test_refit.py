@@ -1,0 +1,85 @@
+"""Refit streams: the policy's weights reach a generation engine bucket by bucket, in the engine's dtype,
+copied into the engine's own tensors, every weight exactly once, the same numbers as loading a whole
+state dict. (Sharded policies: test_fsdp_policy.py compares the streamed weights of FSDP2 ranks with
+the replicated ones bitwise; GRPO's probs_ratio == 1 runs through it in test_grpo.py.)"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from vlmrun.algorithms.common.refit import refit
+from vlmrun.config.train import TrainConfig
+from vlmrun.generation import open_generator
+from vlmrun.models.spec import ModelSpec
+from vlmrun.policy import open_policy
+
+TRAIN = TrainConfig(lr=1e-2, warmup_steps=0, lr_schedule="constant")
+
+
+@pytest.fixture(scope="module")
+def pair(tiny_dirs):
+    """A random-init policy (seed 5) and a bf16 engine of the same architecture (seed 9: other weights)."""
+    config = json.loads((Path(tiny_dirs["qwen2_5_vl"]) / "config.json").read_text())
+    policy = open_policy("hf", model=ModelSpec(config=config, seed=5), rank=0, world_size=1, train=TRAIN)
+    policy.setup(master_addr="127.0.0.1", master_port=0, max_steps=4)
+    engine = open_generator("hf", model=ModelSpec(config=config, seed=9, dtype="bfloat16"))
+    engine.setup()
+    yield policy, engine
+    policy.shutdown()
+    engine.shutdown()
+
+
+def test_buckets_hold_whole_tensors_up_to_the_bucket_size_each_name_once_in_the_asked_dtype(pair):
+    policy, _ = pair
+    names = list(policy.model.state_dict())
+    limit = 64 << 10
+    buckets = [dict(b) for b in policy.weights_for_refit(dtype="bfloat16", bucket_bytes=limit)]
+    assert len(buckets) > 3
+    streamed = [name for b in buckets for name in b]
+    assert streamed == names  # every weight once, in the model's order
+    for b in buckets:
+        sizes = [t.numel() * t.element_size() for t in b.values()]
+        assert len(b) == 1 or sum(sizes) <= limit  # a tensor larger than the bucket goes alone
+        assert all(t.dtype == torch.bfloat16 for t in b.values() if t.is_floating_point())
+    whole = list(policy.weights_for_refit(bucket_bytes=1 << 40))
+    assert len(whole) == 1 and whole[0].keys() == set(names)
+
+
+def test_a_streamed_refit_gives_the_engine_exactly_what_loading_the_whole_state_dict_does(pair):
+    policy, engine = pair
+    before = {n: t.clone() for n, t in engine.model.state_dict().items()}
+    params = {id(p) for p in engine.model.parameters()}
+    refit(engine, policy, bucket_bytes=32 << 10)
+    after = engine.model.state_dict()
+    assert any(not torch.equal(before[n], after[n]) for n in before)  # it changed the weights...
+    assert {id(p) for p in engine.model.parameters()} == params  # ...in the engine's own tensors
+    want = {n: t.to(torch.bfloat16) for n, t in policy.model.state_dict().items()}
+    assert all(after[n].dtype == torch.bfloat16 and torch.equal(after[n], want[n]) for n in want)
+
+
+def test_a_refit_names_a_weight_that_never_came_came_twice_is_unknown_or_has_another_shape(pair):
+    policy, engine = pair
+    full = {n: t for b in policy.weights_for_refit(dtype="bfloat16") for n, t in b.items()}
+    first = next(iter(full))
+    with pytest.raises(KeyError, match="never came"):
+        engine.load_weights({n: t for n, t in full.items() if n != first})
+    with pytest.raises(KeyError, match="came twice"):
+        engine.load_weights([full, {first: full[first]}])
+    with pytest.raises(KeyError, match="not a weight of the engine"):
+        engine.load_weights([full, {"lm_head.bias": torch.zeros(1)}])
+    with pytest.raises(ValueError, match=f"{first!r} has shape"):
+        engine.load_weights(dict(full, **{first: full[first][:1]}))
+
+
+def test_the_bucket_size_is_a_recipe_field_with_limits_outside_the_run_identity():
+    from vlmrun.config.identity import IDENTITY_FIELDS
+    from vlmrun.config.load import load_recipe
+
+    tiny = Path(__file__).resolve().parents[1] / "recipes" / "tiny-clevr-cpu.yaml"
+    assert load_recipe(tiny, ["generation.refit_bucket_mb=8"]).generation.refit_bucket_mb == 8
+    assert load_recipe(tiny, []).generation.refit_bucket_mb == 256
+    assert not any(f.startswith("generation.") for f in IDENTITY_FIELDS)

@@ -1,0 +1,18 @@
+"""Refit: a generation engine takes the policy's current weights, before it generates from them.
+
+The policy streams its weights in buckets of whole tensors (`PolicyBackend.weights_for_refit`), cast
+to the engine's dtype, and the engine copies each bucket into its own tensors before the next is
+drawn (`GenerationBackend.load_weights`): beyond the engine's weights, a refit holds one bucket
+(`generation.refit_bucket_mb`), never a second whole model, and on a GPU nothing goes through the host.
+Collective when the policy is sharded: every rank refits together.
+"""
+
+from __future__ import annotations
+
+from vlmrun.generation.interface import GenerationBackend
+from vlmrun.policy.interface import REFIT_BUCKET_BYTES, PolicyBackend
+
+
+def refit(engine: GenerationBackend, policy: PolicyBackend, *, bucket_bytes: int = REFIT_BUCKET_BYTES) -> None:
+    """Fill `engine`'s weights from `policy`'s, `bucket_bytes` at a time."""
+    engine.load_weights(policy.weights_for_refit(dtype=engine.weights_dtype, bucket_bytes=bucket_bytes))
