@@ -66,6 +66,23 @@ def pytest_xdist_make_scheduler(config, log):
     return ByGroup(config, log)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def shared_tiny_models(tmp_path_factory) -> Path:
+    """Every run of the session (every worker's, and the CLI processes they start) takes its tiny model
+    from one folder ($VLMRUN_TINY_MODELS): built once per family and seed, not once per run directory."""
+    from vlmrun.models.source import SHARED_TINY_MODELS
+
+    base = tmp_path_factory.getbasetemp()
+    folder = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "vlmrun-tiny-models"
+    previous = os.environ.get(SHARED_TINY_MODELS)
+    os.environ[SHARED_TINY_MODELS] = str(folder)
+    yield folder
+    if previous is None:
+        os.environ.pop(SHARED_TINY_MODELS, None)
+    else:
+        os.environ[SHARED_TINY_MODELS] = previous
+
+
 @pytest.fixture(scope="session")
 def clevr_set(tmp_path_factory) -> Path:
     from vlmrun.datasets.clevr import generate_clevr, read_complete

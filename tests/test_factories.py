@@ -6,6 +6,7 @@ config-built policy trains."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -118,3 +119,18 @@ def test_a_config_built_generator_takes_the_policys_weights(tiny_dirs):
     forward = policy.logprobs(rollouts.training_batch())
     assert torch.allclose(rollouts.response_logprobs(forward), rollouts.logprobs, atol=1e-5)  # the same weights
     policy.shutdown()
+
+
+def test_a_gpu_rank_grows_cuda_segments_unless_the_environment_says_otherwise(monkeypatch):
+    from vlmrun.policy.device import CUDA_ALLOC_CONF
+
+    spec = ModelSpec(directory="/m")
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "")  # so the test leaves the variable as it found it
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF")
+    open_policy("hf", model=spec, rank=0, world_size=1, train=TRAIN)  # a CPU rank leaves the variable alone
+    assert "PYTORCH_CUDA_ALLOC_CONF" not in os.environ
+    open_policy("hf", model=spec, rank=0, world_size=1, train=TRAIN, gpus=True)  # set before setup touches CUDA
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == CUDA_ALLOC_CONF == "expandable_segments:True"
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:512")
+    open_policy("hf", model=spec, rank=0, world_size=1, train=TRAIN, gpus=True)
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:512"  # the user's own wins

@@ -15,7 +15,7 @@ from vlmrun_cli import vlmrun
 from vlmrun.config.load import load_recipe
 from vlmrun.errors import InputError
 from vlmrun.models.architecture import REFERENCE_DIR, load_architecture
-from vlmrun.models.fit import check_memory_fit
+from vlmrun.models.fit import check_memory_fit, device_bytes
 from vlmrun.models.memory import GIB, TrainingShape, estimate_memory
 from vlmrun.models.params import UnknownArchitecture, count_architecture
 
@@ -60,7 +60,7 @@ def test_30b_on_one_gpu_is_refused_naming_the_fields_to_change():
         check_memory_fit(load_recipe(OMNI, ONE_GPU))
     msg = str(e.value)
     assert e.value.field == "cluster.gpu_memory_gb" and len(msg.splitlines()) == 1
-    assert "80.0 GiB" in msg and "33.02B parameters" in msg
+    assert "the 79.6 GiB of cluster.gpu_memory_gb=80" in msg and "33.02B parameters" in msg
     for part in ("weights 123.0", "gradients 123.0", "optimizer 246.0", "accumulated gradients 123.0", "overhead"):
         assert part in msg
     for field in (
@@ -86,7 +86,7 @@ def test_cli_refuses_with_exit_2_before_any_run_dir(tmp_path):
 @pytest.mark.parametrize("name", GPU_RECIPES)
 def test_shipped_gpu_recipes_fit_their_80_gib_gpus(name):
     fit = check_memory_fit(load_recipe(RECIPES / name))
-    assert fit.warning is None and fit.limit == 80 * GIB
+    assert fit.warning is None and fit.limit == device_bytes(80) == int(81559 * 2**20)
     assert fit.estimate.device_total < 0.9 * fit.limit
     assert fit.source.startswith("vlmrun/models/reference/") and "model.reference_config" in fit.source_note
     assert fit.host_limit is None or fit.host_per_node < 0.9 * fit.host_limit
@@ -103,7 +103,7 @@ def test_omni_1n8g_offloads_its_state_to_the_hosts_memory():
 
 def test_within_10_percent_warns_and_the_dry_run_shows_it(tmp_path):
     estimate = check_memory_fit(load_recipe(OMNI)).estimate.device_total
-    tight = -(-estimate // GIB)  # the estimate rounded up to whole GiB: within 10% for a 38 GiB estimate
+    tight = next(gb for gb in range(1, 4097) if device_bytes(gb) >= estimate)  # the smallest GPU it fits on
     fit = check_memory_fit(load_recipe(OMNI, [f"cluster.gpu_memory_gb={tight}"]))
     assert fit.warning and "within 10%" in fit.warning and "cluster.gpu_memory_gb" in fit.warning
     sets = [f"model.path={placeholder_model(tmp_path)}", f"cluster.gpu_memory_gb={tight}"]
@@ -131,7 +131,7 @@ def test_dry_run_json_carries_the_estimate(tmp_path):
     assert {"run_dir", "cluster", "dry_run", "recipe", "sbatch_script"} <= data.keys()
     memory = data["memory_estimate"]
     assert memory["config"] == "vlmrun/models/reference/nemotron_omni_30b_a3b.json"
-    assert memory["device_total"] < memory["limit_bytes"] == 80 * GIB and memory["warning"] is None
+    assert memory["device_total"] < memory["limit_bytes"] == device_bytes(80) and memory["warning"] is None
 
 
 def test_cpu_recipes_are_estimated_never_refused():
@@ -242,8 +242,19 @@ def test_each_setting_moves_the_term_it_should():
     assert offloaded.host_per_rank == offloaded.sharded_state and not any(offloaded.resident_terms().values())
     accumulating = estimate_memory(arch, replace(base, micro_batches=2, mixed_precision="bf16"))
     assert accumulating.accumulated_gradients == arch.total * 4  # unsharded, fp32, whatever dp is
-    grpo = estimate_memory(arch, TrainingShape(fsdp=True, dp=2, reference_model=True, generation_sequences=8))
-    assert grpo.reference == grpo.weights and grpo.generation > arch.total * 4
+    shape = TrainingShape(
+        fsdp=True, dp=2, reference_model=True, generation_sequences=8, engine=True, engine_resident=True
+    )
+    grpo = estimate_memory(arch, replace(shape, refit_bucket=256 << 20))
+    assert grpo.reference == grpo.weights and grpo.engine_weights == arch.total * 4  # the engine's own copy, any dp
+    assert grpo.resident_terms()["generation engine"] == grpo.engine_weights and grpo.generation > 0
+    released = estimate_memory(arch, replace(shape, refit_bucket=256 << 20, engine_resident=False))
+    phases = released.phase_terms()
+    assert released.resident_terms()["generation engine"] == 0  # generation.release_weights
+    assert phases["refit"]["generation engine"] == phases["generation"]["generation engine"] == arch.total * 4
+    assert phases["refit"]["refit bucket"] == 256 << 20 and released.device_total < grpo.device_total
+    sft_validation = estimate_memory(arch, replace(base, engine=True, refit_bucket=1 << 20))
+    assert "generation" not in sft_validation.phase_terms() and sft_validation.phase_terms()["refit"]
 
 
 # ---------------------------------------------------------------- counts against transformers

@@ -39,11 +39,14 @@ def submit(recipe: str, run: Path, data: list[str], *items: str):
 def prompt_lengths(run: Path, data_path: str, split: str) -> dict[str, int]:
     """Every sample's prompt length in tokens, with the processor of the run's tiny model."""
     from vlmrun.config.families import family_spec
+    from vlmrun.config.load import load_recipe
     from vlmrun.data.chat_encoding import ConversationEncoder
     from vlmrun.data.cookers import cook_conversation
     from vlmrun.data.loader import load_processor
+    from vlmrun.models.source import ensure_model
 
-    (model,) = (run / "cache" / "models").iterdir()
+    recipe = load_recipe(run / "recipe.yaml")
+    model = ensure_model(recipe.model, run / "cache", recipe.train.seed)  # the one the run trained (built)
     encoder = ConversationEncoder(load_processor(str(model), "qwen2_5_vl"), family_spec("qwen2_5_vl"), 10**6)
     raw = read_raw_samples(Path(data_path), split)
     return {key: encoder.encode_prompt(cook_conversation(r)).input_ids.numel() for key, r in sorted(raw.items())}

@@ -83,3 +83,26 @@ def test_the_bucket_size_is_a_recipe_field_with_limits_outside_the_run_identity(
     assert load_recipe(tiny, ["generation.refit_bucket_mb=8"]).generation.refit_bucket_mb == 8
     assert load_recipe(tiny, []).generation.refit_bucket_mb == 256
     assert not any(f.startswith("generation.") for f in IDENTITY_FIELDS)
+
+
+def test_released_weights_free_their_memory_refuse_to_generate_and_a_refit_brings_the_same_answers(pair, tiny_dirs):
+    from transformers import AutoTokenizer
+
+    from vlmrun.data.batch import PromptBatch
+    from vlmrun.generation.interface import SamplingParams
+
+    policy, engine = pair
+    ids = torch.tensor([AutoTokenizer.from_pretrained(tiny_dirs["qwen2_5_vl"]).encode("how many cubes?")])
+    prompts = PromptBatch(["p"], ids, torch.ones_like(ids), ["3"])
+    greedy = SamplingParams(temperature=0, max_new_tokens=6)
+    refit(engine, policy, bucket_bytes=32 << 10)
+    before = engine.generate(prompts, greedy, n=1)
+    tied = {id(p) for p in engine.model.parameters()}
+    engine.release_weights()
+    assert sum(p.numel() for p in engine.model.parameters()) == 0  # every parameter's storage is gone
+    with pytest.raises(RuntimeError, match="released"):
+        engine.generate(prompts, greedy, n=1)
+    refit(engine, policy, bucket_bytes=32 << 10)
+    assert {id(p) for p in engine.model.parameters()} == tied  # the same parameters (and ties), filled again
+    after = engine.generate(prompts, greedy, n=1)
+    assert torch.equal(after.response_ids, before.response_ids) and torch.equal(after.logprobs, before.logprobs)

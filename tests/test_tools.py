@@ -77,6 +77,15 @@ def test_bench_checkpoint_sharded_against_plain():
     assert finite(d["sharded_over_plain"]) and d["sharded_dcp"]["bytes"] > 16e6  # parameters and AdamW state
 
 
+def test_bench_refit_streamed_holds_less_than_a_whole_model_gather():
+    d = run_tool(
+        "tools/bench_refit.py", "--size", "tiny", "--ranks", "2", "--bucket-mb", "1", "--rounds", "1", "--json"
+    )
+    streamed, whole = d["streamed"], d["whole"]
+    assert d["engine_bytes"] > 0 and finite(streamed["seconds_median"]) and finite(whole["seconds_median"])
+    assert 0 < streamed["peak_extra_bytes"] < whole["peak_extra_bytes"]  # a bf16 bucket, not the fp32 model
+
+
 def test_measure_memory_estimate_against_the_measured_step():
     d = run_tool("tools/measure_memory.py", "--family", "qwen2_5_vl")
     (row,) = d["families"]

@@ -111,3 +111,21 @@ def test_the_plane_s_servers_are_one_check_and_its_error_says_how_to_go_on():
     assert time.monotonic() - t0 < 1
     assert str(e.value).startswith(master + "; `vlmrun resume` continues from the last checkpoint")
     assert "\n" not in str(e.value) and e.value.exit_code == EXIT_CHECK_FAILED
+
+
+def test_the_interrupt_reaches_a_body_whose_process_ignores_sigint_and_the_setting_comes_back():
+    """A node started in the background of a script inherits SIGINT ignored: interrupt_main would then
+    do nothing and the body would run until the hard exit."""
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        server = Server()
+        server.die(after_s=0.1)
+        t0 = time.monotonic()
+        with pytest.raises(Lost):
+            with FailFast(server, Lost, period_s=0.02):
+                while time.monotonic() - t0 < 5:
+                    time.sleep(0.01)
+        assert time.monotonic() - t0 < 1.0
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN  # as it was before the body
+    finally:
+        signal.signal(signal.SIGINT, previous)

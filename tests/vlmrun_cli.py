@@ -27,9 +27,10 @@ ENV = os.environ | {"HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline", "PYTHONUNBUF
 
 
 def _env(extra: dict[str, str] | None) -> dict[str, str]:
-    # read at call time: a test's monkeypatched VLMRUN_JOBS_DIR reaches the command
-    jobs = {"VLMRUN_JOBS_DIR": os.environ["VLMRUN_JOBS_DIR"]} if "VLMRUN_JOBS_DIR" in os.environ else {}
-    return ENV | jobs | (extra or {})
+    # read at call time: a test's monkeypatched VLMRUN_JOBS_DIR, and the session's shared tiny models
+    # (conftest.py), reach the command
+    now = {k: os.environ[k] for k in ("VLMRUN_JOBS_DIR", "VLMRUN_TINY_MODELS") if k in os.environ}
+    return ENV | now | (extra or {})
 
 
 def command(*args: str) -> list[str]:

@@ -6,8 +6,9 @@ against one plain `torch.save` of the same model and optimizer state, measured s
 The model is a stack of Linear layers of `--mb` MB of fp32 parameters, sharded with FSDP2 over
 `--ranks` gloo ranks (one unit per layer); one AdamW step gives it optimizer state (2x the
 parameters). Prints one JSON object: seconds for the plain save and for the sharded save (the slowest
-rank; its checksums included), their ratio, and `readback_hash_s`: what hashing the rank's files by
-reading them back (as saves did before, here from a warm page cache) would add. Files go under --dir (default: a temp dir on
+rank; its checksums included), their ratio, `readback_hash_s`: what hashing the rank's files by
+reading them back (as saves did before, here from a warm page cache) would add, and a resume's check of
+the sealed checkpoint (`verify`) on its threads against one thread (`verify_threads_over_one`). Files go under --dir (default: a temp dir on
 the same filesystem as /tmp) and are removed.
 """
 
@@ -87,9 +88,11 @@ def _rank(rank: int, world: int, mb: int, folder: str, rendezvous: str, out: str
             raise SystemExit(f"rank {rank}: {name}'s digest, taken while writing, differs from the file's")
     hashing = time.perf_counter() - t0  # a read-back hash, from a warm page cache
     size = sum(d["size"] for d in files.values())
-    results = [None] * world
+    results, written = [None] * world, [None] * world
     dist.all_gather_object(results, {"total": total, "hash": hashing, "bytes": size})
+    dist.all_gather_object(written, files)
     if rank == 0:
+        seal_and_time_verify(store, box[0], written, results)
         Path(out).write_text(json.dumps(results))
     # Nothing may hold the process group past destroy: a mesh or FSDP module still alive at interpreter
     # exit aborted the rank there ("terminate called without an active exception", 2 runs in 15 here).
@@ -97,6 +100,27 @@ def _rank(rank: int, world: int, mb: int, folder: str, rendezvous: str, out: str
     del model, optimizer, model_state, optim_state, state, mesh
     gc.collect()
     dist.destroy_process_group()
+
+
+def seal_and_time_verify(store, pending, written: list[dict], results: list[dict], rounds: int = 3) -> None:
+    """Seal the checkpoint the ranks wrote (and a controller part), then time what a resume's check
+    costs: `verify` hashing every file on its threads against one thread, interleaved rounds (warm page
+    cache: the CPU's share of it). Adds {verify_s, verify_one_thread_s} (medians) to results[0]."""
+    import statistics
+
+    from vlmrun.algorithms.common.checkpoint import verify
+
+    files = {name: d for rank_files in written for name, d in rank_files.items()}
+    files |= pending.write("controller", {"step": 1})
+    path = store.finish(pending, files, {})
+    timed: dict[int | None, list[float]] = {None: [], 1: []}
+    for _ in range(rounds):
+        for threads in timed:
+            t0 = time.perf_counter()
+            verify(path, threads=threads)
+            timed[threads].append(time.perf_counter() - t0)
+    results[0]["verify_s"] = statistics.median(timed[None])
+    results[0]["verify_one_thread_s"] = statistics.median(timed[1])
 
 
 def sharded_save(mb: int, ranks: int, folder: Path) -> dict:
@@ -109,6 +133,8 @@ def sharded_save(mb: int, ranks: int, folder: Path) -> dict:
     return {
         "seconds": slowest["total"],
         "readback_hash_s": slowest["hash"],
+        "verify_s": per_rank[0].pop("verify_s"),
+        "verify_one_thread_s": per_rank[0].pop("verify_one_thread_s"),
         "bytes": sum(r["bytes"] for r in per_rank),
         "per_rank": per_rank,
     }
@@ -133,6 +159,7 @@ def main() -> int:
         "sharded_dcp": sharded,
         "sharded_over_plain": round(sharded["seconds"] / plain["seconds"], 3),
         "readback_hash_over_save": round(sharded["readback_hash_s"] / max(sharded["seconds"], 1e-9), 3),
+        "verify_threads_over_one": round(sharded["verify_s"] / max(sharded["verify_one_thread_s"], 1e-9), 3),
     }
     print(json.dumps(report, indent=None if args.json else 2))
     return 0

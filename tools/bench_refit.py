@@ -27,10 +27,6 @@ from types import SimpleNamespace
 
 import torch
 import torch.multiprocessing as mp
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 from gpu.workload import TINY_OVERRIDES, TRAIN, free_port, model_config
 from measure_memory import profiled_peak
 

@@ -19,6 +19,7 @@ process, so the CPU recipes' replicas, not FSDP.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import tempfile
@@ -96,7 +97,8 @@ def measure_family(family: str, recipe, cache: Path | None = None) -> dict:
         measured = alive + profiled_peak(lambda: policy.train_step(micro * shape.micro_batches))
     finally:
         policy.shutdown()
-    estimate = estimate_memory(load_architecture(recipe.model).architecture, shape)
+    # the step measured is a training step: no generation engine beside it (its refit phase is not measured here)
+    estimate = estimate_memory(load_architecture(recipe.model).architecture, dataclasses.replace(shape, engine=False))
     return {
         "family": family,
         "params": estimate.params,

@@ -13,7 +13,10 @@ of the job, the job's own servers) and ends it the moment one is gone, with one 
    timeout), `on_hard_exit(reason)` runs (`reason`: the text of the error the body would have ended
    with) and the process exits with code 1.
 
-The thread that enters the `with` must be the main thread: `interrupt_main` reaches only that one.
+The thread that enters the `with` must be the main thread: `interrupt_main` reaches only that one, and
+only through Python's own SIGINT handler. A process started with SIGINT ignored (a background job of a
+script, nohup) has none: for the body, the watchdog installs it (the node's StopFlag.watch does too)
+and puts back what was there on the way out.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from __future__ import annotations
 import _thread
 import logging
 import os
+import signal
 import threading
 from collections.abc import Callable
 
@@ -50,12 +54,18 @@ class FailFast:
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
 
     def __enter__(self) -> FailFast:
+        main = threading.current_thread() is threading.main_thread()  # only it may set a handler
+        self._previous_sigint = signal.getsignal(signal.SIGINT) if main else signal.default_int_handler
+        if self._previous_sigint is not signal.default_int_handler:
+            signal.signal(signal.SIGINT, signal.default_int_handler)  # what interrupt_main raises through
         self._thread.start()
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
         with self._lock:
             self._stop.set()
+        if self._previous_sigint is not signal.default_int_handler:
+            signal.signal(signal.SIGINT, self._previous_sigint)
         if exc_type is None:
             return
         problem = self.failure or self._verdict()

@@ -49,7 +49,11 @@ class ClusterConfig(Section):
     cpus_per_node: int = Field(2, ge=1)
     mem_gb: int | None = Field(None, ge=1, description="memory per node; default: the partition's")
     gpu_memory_gb: int = Field(
-        80, ge=1, le=4096, description="memory of one GPU of the partition, GiB (the memory-fit check at submit)"
+        80,
+        ge=1,
+        le=4096,
+        description="memory of one GPU of the partition as its name gives it (80 for an H100 80GB); the "
+        "memory-fit check at submit counts what such a device offers: 99.56% of that in GiB (79.6 GiB)",
     )
     partition: str | None = Field(None, pattern=_SLURM_NAME)
     account: str | None = Field(None, pattern=_SLURM_NAME)

@@ -15,6 +15,12 @@ class GenerationConfig(Section):
     time (`refit_bucket_mb`; not part of the run identity: the bucket size changes no number)."""
 
     backend: Literal["hf"] = Field("hf", description="the generation engine: hf (transformers generate)")
+    release_weights: bool = Field(
+        False,
+        description="free the engine's weights after each rollout and validation pass (the next refit "
+        "allocates them again): the training phases then run without the engine's copy of the model beside "
+        "them, what a big model on one GPU needs (the memory check counts either way)",
+    )
     refit_bucket_mb: int = Field(
         256,
         ge=1,

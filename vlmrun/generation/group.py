@@ -79,6 +79,11 @@ class GenerationGroup(GenerationBackend):
             ref = ray.put({name: t.detach().cpu() for bucket in buckets for name, t in bucket.items()})
         ray.get([a.load_weights.remote(ref) for a in self.actors])
 
+    def release_weights(self) -> None:
+        import ray
+
+        ray.get([a.release_weights.remote() for a in self.actors])
+
     def state_dict(self) -> dict[str, Any]:
         import ray
 

@@ -46,6 +46,7 @@ class HfGenerator(GenerationBackend):
         self.weights_dtype = model.dtype
         self._seed: int | None = None
         self._generator: torch.Generator | None = None
+        self._released: dict[torch.nn.Parameter, torch.Size] | None = None  # release_weights: what to allocate again
 
     def setup(self) -> dict[str, Any]:
         from transformers import GenerationConfig
@@ -72,6 +73,8 @@ class HfGenerator(GenerationBackend):
     def generate(self, prompts: PromptBatch, sampling: SamplingParams, *, n: int) -> Rollouts:
         from transformers import GenerationConfig, LogitsProcessorList
 
+        if self._released is not None:
+            raise RuntimeError("the engine's weights were released (generation.release_weights): refit it first")
         if n < 1 or len(prompts) == 0:
             raise ValueError(f"generate needs at least one prompt and n >= 1, got {len(prompts)} prompts and n={n}")
         t0 = time.perf_counter()
@@ -105,6 +108,9 @@ class HfGenerator(GenerationBackend):
     def load_weights(self, weights: Mapping[str, Any] | Iterable[Mapping[str, Any]]) -> None:
         """Copy each bucket into the model's own tensors as it comes (cast to their dtype, moved to their
         device): no second copy of the model, whatever the bucket size (interface doc, 4)."""
+        for param, shape in (self._released or {}).items():  # released: allocated again, then filled
+            param.data = torch.empty(shape, dtype=param.dtype, device=param.device)
+        self._released = None
         own = self.model.state_dict()
         filled: set[str] = set()
         for bucket in [weights] if isinstance(weights, Mapping) else weights:
@@ -122,6 +128,16 @@ class HfGenerator(GenerationBackend):
                 filled.add(name)
         if missing := sorted(set(own) - filled):
             raise KeyError(f"refit: {len(missing)} weights never came, e.g. {missing[:3]}")
+
+    def release_weights(self) -> None:
+        """Every parameter's storage freed (the module, shapes and dtypes kept; buffers stay: they are
+        small and the refit does not bring the non-persistent ones)."""
+        if self._released is not None:
+            return
+        self._released = {}
+        for param in self.model.parameters():  # a tied weight is one parameter: freed once, filled once
+            self._released[param] = param.shape
+            param.data = torch.empty(0, dtype=param.dtype, device=param.device)
 
     def state_dict(self) -> dict[str, Any]:
         return {"seed": self._seed, "generator": None if self._generator is None else self._generator.get_state()}

@@ -17,6 +17,8 @@ runs any backend as replicas in Ray actors behind the same interface.
    `PolicyBackend.weights_for_refit` as they are drawn, copied into the engine's own tensors (in its
    dtype, on its device) bucket by bucket, so a refit holds one bucket beyond the engine's weights.
    Every weight of the engine must come exactly once; `weights_dtype` is the dtype it holds them in.
+5. `release_weights` frees the weights' memory between uses (`generation.release_weights`); the next
+   `load_weights` allocates them again, and `generate` before it is refused.
 """
 
 from __future__ import annotations
@@ -69,6 +71,10 @@ class GenerationBackend(abc.ABC):
         """Replace every weight by the tensor of the same name: one mapping of them all, or buckets of
         them (each consumed before the next is drawn). KeyError names a weight that came twice, that
         the engine lacks, or that never came; ValueError a shape that differs."""
+
+    @abc.abstractmethod
+    def release_weights(self) -> None:
+        """Free the memory of every weight until the next `load_weights` (module doc, 5)."""
 
     @abc.abstractmethod
     def state_dict(self) -> dict[str, Any]:

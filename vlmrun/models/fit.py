@@ -65,6 +65,16 @@ class MemoryFit:
         return lines + ([f"warning: {self.warning}"] if self.warning else [])
 
 
+#: What a GPU sold as N GB offers, per GiB of N: an H100 80GB has 81559 MiB (79.6 GiB), an H200 141GB
+#: 143771 MiB (140.4 GiB): both 99.56% of their name in GiB (CUDA's context comes out of it: overhead).
+DEVICE_FRACTION = 81559 / (80 * 1024)
+
+
+def device_bytes(gpu_memory_gb: int) -> int:
+    """The bytes a GPU of `cluster.gpu_memory_gb` offers (DEVICE_FRACTION of that many GiB)."""
+    return int(gpu_memory_gb * GIB * DEVICE_FRACTION)
+
+
 def check_memory_fit(recipe) -> MemoryFit:
     """Estimate `recipe`'s memory per rank; raise InputError (naming what to change) when a GPU recipe
     cannot fit, and return the estimate with a warning within 10% of a limit.
@@ -73,7 +83,7 @@ def check_memory_fit(recipe) -> MemoryFit:
     saying why (e.g. set model.reference_config).
     """
     on_gpu = recipe.cluster.gpus_per_node > 0
-    limit = recipe.cluster.gpu_memory_gb * GIB if on_gpu else None
+    limit = device_bytes(recipe.cluster.gpu_memory_gb) if on_gpu else None
     try:
         found = load_architecture(recipe.model)
     except UnknownArchitecture as e:
@@ -114,6 +124,9 @@ def training_shape(recipe) -> tuple[TrainingShape, str]:
         on_gpu=recipe.cluster.gpus_per_node > 0,
         reference_model=grpo and recipe.grpo.kl_coef > 0,
         generation_sequences=t.micro_batch_size * per_prompt if grpo else 0,
+        engine=grpo or t.val_samples > 0,
+        engine_resident=grpo and not recipe.generation.release_weights,
+        refit_bucket=recipe.generation.refit_bucket_mb << 20,
     )
     seqs = f"{t.micro_batch_size} x {per_prompt}" if grpo else f"{t.micro_batch_size}"
     where = "data.synthetic.image_size" if d.synthetic is not None else "assumed: data.synthetic is unset"
@@ -213,6 +226,8 @@ def _candidates(recipe) -> list[tuple[dict[str, Any], str]]:
         ({"train.micro_batch_size": t.micro_batch_size // 2}, f"train.micro_batch_size={t.micro_batch_size // 2}"),
         ({"data.max_seq_len": d.max_seq_len // 2}, f"data.max_seq_len={d.max_seq_len // 2}"),
     ]
+    if grpo and not recipe.generation.release_weights:
+        out.insert(1, ({"generation.release_weights": True}, "generation.release_weights=true"))
     if grpo:
         out += [
             ({"grpo.kl_coef": 0.0}, "grpo.kl_coef=0"),

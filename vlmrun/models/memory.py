@@ -21,7 +21,9 @@ class TrainingShape:
 
     `sequences` per training micro-batch (GRPO: prompts x generations), each of `seq_len` tokens with
     one `image_size` px image, `micro_batches` of them per optimizer step; `generation_sequences` > 0 when the rank also samples (GRPO) with the
-    whole policy gathered; `reference_model`: a frozen copy of the policy is resident (GRPO kl_coef > 0).
+    engine's own copy of the weights; `reference_model`: a frozen copy of the policy is resident (GRPO
+    kl_coef > 0); `engine`: the rank holds a generation engine (GRPO, or an SFT validation pass),
+    `engine_resident`: its weights stay between uses, `refit_bucket`: the bytes a refit streams at once.
     """
 
     master_dtype: str = "float32"
@@ -39,6 +41,9 @@ class TrainingShape:
     on_gpu: bool = True
     reference_model: bool = False
     generation_sequences: int = 0
+    engine: bool = False  # the rank holds a generation engine: GRPO's, or SFT's for a validation pass
+    engine_resident: bool = False  # GRPO's engine keeps its weights between rollouts (no generation.release_weights)
+    refit_bucket: int = 0  # bytes of one refit bucket (generation.refit_bucket_mb)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -60,6 +65,9 @@ class MemoryEstimate:
     generation: int
     overhead: int
     replica_accumulates: bool = False
+    engine_weights: int = 0
+    refit_bucket: int = 0
+    engine_resident: bool = False
 
     @property
     def sharded_state(self) -> int:
@@ -77,6 +85,7 @@ class MemoryEstimate:
             "weights": self.weights * on_device,
             "optimizer": self.optimizer * on_device,
             "reference model": self.reference * on_device,
+            "generation engine": self.engine_weights if self.engine_resident else 0,
         }
 
     def phase_terms(self) -> dict[str, dict[str, int]]:
@@ -96,8 +105,11 @@ class MemoryEstimate:
             "fsdp gathers": self.gathered_params + self.gathered_gradients,
         }
         phases = {"forward": forward, "backward": backward}
-        if self.generation:
-            phases["generation"] = {"gradients": grads, "generation": self.generation}
+        if self.engine_weights:  # the engine's weights, when they are not resident, come back at refit
+            engine = {"gradients": grads, "generation engine": 0 if self.engine_resident else self.engine_weights}
+            phases["refit"] = engine | {"refit bucket": self.refit_bucket}
+            if self.generation:
+                phases["generation"] = engine | {"generation": self.generation}
         return phases
 
     @property
@@ -155,11 +167,17 @@ def estimate_memory(arch: Architecture, shape: TrainingShape) -> MemoryEstimate:
        loss keeps (the loss upcasts before cross-entropy).
     10. Reference (GRPO with kl_coef > 0): a frozen copy in model.dtype, sharded and offloaded like
         the policy.
-    11. Generation (GRPO): the whole policy gathered in the compute dtype, KV cache and Mamba state
-        for `generation_sequences x seq_len` tokens, one layer's working set.
-    12. The peak: what stays resident (1 and 3 unless offloaded, 10, 13) plus the largest of three
-        moments: the end of the last micro-batch's forward (5, 6, 7, 8, 9; and 2 for replicas that
-        accumulate), the end of the backward (2, 5, 6 with gradients) and generation (2, 11).
+    11. Generation (GRPO): KV cache and Mamba state for `generation_sequences x seq_len` tokens, one
+        layer's working set and the sampler's logits, beside the engine's weights (14).
+    12. The peak: what stays resident (1 and 3 unless offloaded, 10, 13, and 14 when the engine keeps
+        its weights) plus the largest of four moments: the end of the last micro-batch's forward (5,
+        6, 7, 8, 9; and 2 for replicas that accumulate), the end of the backward (2, 5, 6 with
+        gradients), the refit (2, 14 unless resident, 15) and generation (2, 11, 14 unless resident).
+        A validation pass (SFT's engine, opened for it) is a refit moment too.
+    14. Generation engine: its own whole copy of the model in the compute dtype, on every rank
+        (sharding does not reach it); resident through the step unless `generation.release_weights`.
+    15. Refit bucket: the whole tensors the policy streams to the engine at once
+        (`generation.refit_bucket_mb`; a tensor larger than that alone).
     13. Overhead: CUDA context, NCCL buffers and allocator slack, 2 GiB on a GPU; none on CPU.
     """
     compute = 2 if shape.mixed_precision == "bf16" or shape.master_dtype == "bfloat16" else 4
@@ -183,6 +201,9 @@ def estimate_memory(arch: Architecture, shape: TrainingShape) -> MemoryEstimate:
         generation=_generation(arch, shape, compute),
         overhead=GPU_OVERHEAD if shape.on_gpu else 0,
         replica_accumulates=accumulates and not shape.fsdp,
+        engine_weights=arch.total * compute if shape.engine else 0,
+        refit_bucket=min(shape.refit_bucket, arch.total * compute) if shape.engine else 0,
+        engine_resident=shape.engine and shape.engine_resident,
     )
 
 
@@ -226,9 +247,8 @@ def _generation(arch: Architecture, shape: TrainingShape, compute: int) -> int:
     if not sequences:
         return 0
     tokens = sequences * shape.seq_len
-    gathered = arch.total * compute if shape.fsdp else 0
     cache = tokens * sum(b.kv_width for b in arch.layers) * compute
     cache += sequences * sum(b.state_elems for b in arch.layers) * 4  # Mamba's state is kept in fp32
     working = tokens * max(saved_per_token(b) for b in arch.layers) * compute
     working += sequences * image_tokens(arch, shape.image_size) * saved_per_token(arch.vision.block) * compute
-    return gathered + cache + working + sequences * arch.vocab * 8
+    return cache + working + sequences * arch.vocab * 8

@@ -7,6 +7,7 @@ a directory that cannot be the recipe's model is refused at submit, not inside t
 from __future__ import annotations
 
 import json
+import os
 import socket
 from pathlib import Path
 
@@ -85,11 +86,19 @@ def _missing_message(model) -> str:
     )
 
 
+#: A folder of tiny models every run on this machine may share (built once per family and seed, each
+#: in a temp dir renamed into place): for many tiny runs in a row, the test suite's. Unset: each run
+#: builds its own in <run dir>/cache/models. The models are the same either way (seeded).
+SHARED_TINY_MODELS = "VLMRUN_TINY_MODELS"
+
+
 def ensure_model(model, cache_dir: Path, seed: int) -> Path:
-    """The model directory of `model` (the recipe's ModelConfig), building a tiny one on first use."""
+    """The model directory of `model` (the recipe's ModelConfig), building a tiny one on first use (in
+    $VLMRUN_TINY_MODELS when it is set, else under `cache_dir`)."""
     check_model_source(model)
     if model.tiny:
         from vlmrun.models.tiny import ensure_tiny_model
 
-        return ensure_tiny_model(model.family, Path(cache_dir) / "models", seed=seed)
+        shared = os.environ.get(SHARED_TINY_MODELS)
+        return ensure_tiny_model(model.family, Path(shared) if shared else Path(cache_dir) / "models", seed=seed)
     return Path(model.path)

@@ -35,7 +35,7 @@ from vlmrun.config.dtype import torch_dtype
 from vlmrun.models.build import build_model, materialize
 from vlmrun.models.spec import ModelSpec
 from vlmrun.policy import rng
-from vlmrun.policy.device import rank_device, to_device
+from vlmrun.policy.device import prepare_cuda_allocator, rank_device, to_device
 from vlmrun.policy.fsdp import (
     Sharding,
     checkpoint_layers,
@@ -79,6 +79,8 @@ class HfPolicy(PolicyBackend):
         self.sync_every = bool(getattr(parallel, "reduce_every_micro_batch", False))
         self.dp_shard = getattr(parallel, "dp_shard", None)  # HSDP: shard groups of this many ranks
         self.gpus = gpus
+        if gpus:  # before anything in this rank's process touches CUDA (its generation engine too)
+            prepare_cuda_allocator()
 
     def setup(self, *, master_addr: str, master_port: int, max_steps: int) -> dict[str, Any]:
         t = self.train

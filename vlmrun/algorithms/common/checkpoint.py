@@ -190,12 +190,13 @@ class Checkpoint:
         return part_file(part, index, layout=_V1_PARTS if self.format == 1 else PARTS)
 
 
-def verify(path: Path, *, checksums: bool = True) -> dict:
+def verify(path: Path, *, checksums: bool = True, threads: int | None = None) -> dict:
     """The manifest of the checkpoint at `path` once every listed file has its recorded size and
     sha256 and the required parts are listed; raises CorruptCheckpoint naming what is wrong.
 
     `checksums=False` checks presence and sizes only (a stat per file, no read): for a checkpoint
-    whose files were hashed when they were written, to see that it is still whole.
+    whose files were hashed when they were written, to see that it is still whole. The files are
+    hashed on `threads` threads at once (default: up to 8).
     """
     manifest = read_manifest(path)
     fmt = manifest.get("format")
@@ -212,7 +213,7 @@ def verify(path: Path, *, checksums: bool = True) -> dict:
             raise CorruptCheckpoint(f"{name} has {f.stat().st_size} bytes, expected {want.get('size')}")
     if checksums:
         names = list(manifest["files"])
-        with ThreadPoolExecutor(max_workers=max(1, min(len(names), _HASH_THREADS))) as pool:
+        with ThreadPoolExecutor(max_workers=max(1, min(len(names), threads or _HASH_THREADS))) as pool:
             sums = list(pool.map(lambda name: _sha256(path / name), names))  # hashlib and reads drop the GIL
         for name, got in zip(names, sums, strict=True):
             if got != manifest["files"][name].get("sha256"):

@@ -111,6 +111,8 @@ class RankWorker(RankActor):
         """The algorithm's own engine, or one that lives only for this pass (module doc, 4)."""
         if self.generator is not None:
             yield self.generator
+            if self.recipe.generation.release_weights:
+                self.generator.release_weights()
             return
         engine = self._open_engine()
         engine.setup()

@@ -96,6 +96,8 @@ class GrpoWorker(RankWorker):
         times["refit"] = time.perf_counter() - t0
         rollouts = self.generator.generate(batch, self.sampling, n=g)
         times["generation"] = rollouts.generate_s
+        if self.recipe.generation.release_weights:  # the training stages run without the engine's copy
+            self.generator.release_weights()
         t0 = time.perf_counter()
         scored = self._score(rollouts)
         responses = response_columns(rollouts, scored, prompt_rows.sample_ids)
