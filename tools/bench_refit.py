@@ -5,10 +5,10 @@ refit it replaced (gather the full state dict, then `load_state_dict`), side by 
 
 Each of `--ranks` gloo ranks (CPU) holds vlmrun's hf policy sharded with FSDP2 (fp32 master weights,
 random init from a config, built on the meta device) and an hf generation engine of the same
-architecture in bf16, as a GRPO rank does. Per round and variant, fresh processes (interleaved:
-streamed, whole, streamed, ...) time rank 0's refit and take its peak of bytes allocated during the
-refit by the CPU allocator (torch.profiler, exact per allocation; tools/measure_memory.py), beyond
-what was alive before it. `plain_load_s` is `load_state_dict` of an already gathered bf16 state dict
+architecture in bf16, as a GRPO rank does. In rounds, interleaved (streamed, whole, streamed, ...),
+the same processes time rank 0's refit and take its peak of bytes allocated during the refit by the
+CPU allocator (torch.profiler, exact per allocation and free; tools/measure_memory.py), beyond what
+was alive before it. `plain_load_s` is `load_state_dict` of an already gathered bf16 state dict
 into the engine: the floor of any refit. Sizes: `tiny` (the 3B layout cut to ~0.3M parameters, for
 the tests) and `mid` (the Qwen2.5-VL layout at ~0.27B parameters).
 """
@@ -57,7 +57,7 @@ def whole(engine, policy, bucket_bytes: int) -> None:
 VARIANTS = {"streamed": streamed, "whole": whole}
 
 
-def _rank(rank: int, world: int, size: str, variant: str, bucket_mb: int, port: int, out: str) -> None:
+def _rank(rank: int, world: int, size: str, rounds: int, bucket_mb: int, port: int, out: str) -> None:
     import gc
 
     import torch.distributed as dist
@@ -83,36 +83,38 @@ def _rank(rank: int, world: int, size: str, variant: str, bucket_mb: int, port: 
     engine.setup()
     engine_bytes = sum(t.numel() * t.element_size() for t in engine.model.state_dict().values())
     largest = max(t.numel() for t in engine.model.state_dict().values()) * 2
-    gc.collect()
-    dist.barrier()
-
-    run = functools.partial(VARIANTS[variant], engine, policy, bucket_mb << 20)
-    peak = profiled_peak(run)
-    t0 = time.perf_counter()  # timed again, unprofiled
-    run()
-    seconds = time.perf_counter() - t0
+    rows: dict[str, list[dict]] = {variant: [] for variant in VARIANTS}
+    for _ in range(rounds):  # interleaved: streamed, whole, streamed, whole, ...
+        for variant, refit_by in VARIANTS.items():
+            gc.collect()
+            dist.barrier()
+            run = functools.partial(refit_by, engine, policy, bucket_mb << 20)
+            peak = profiled_peak(run)  # bytes allocated beyond what was alive before the call
+            t0 = time.perf_counter()  # timed again, unprofiled
+            run()
+            rows[variant].append({"peak_extra_bytes": peak, "seconds": time.perf_counter() - t0})
     gathered = {
         n: t.clone() for b in policy.weights_for_refit(dtype="bfloat16", bucket_bytes=1 << 40) for n, t in b.items()
     }
     t0 = time.perf_counter()
     engine.model.load_state_dict(gathered, strict=True)
     plain = time.perf_counter() - t0
-    row = {"peak_extra_bytes": peak, "seconds": seconds, "plain_load_s": plain, "engine_bytes": engine_bytes}
-    row["largest_tensor_bytes"] = largest
-    rows = [None] * world
-    dist.all_gather_object(rows, row)
+    report = {"rows": rows, "plain_load_s": plain, "engine_bytes": engine_bytes, "largest_tensor_bytes": largest}
+    reports = [None] * world
+    dist.all_gather_object(reports, report)
     if rank == 0:
-        Path(out).write_text(json.dumps(rows[0]))
+        Path(out).write_text(json.dumps(reports[0]))
     dist.barrier()
-    policy.shutdown()  # leaves the process group
+    policy.shutdown()  # drops the model, then leaves the process group
     del run, engine, policy, gathered
     gc.collect()
 
 
-def one(size: str, variant: str, ranks: int, bucket_mb: int) -> dict:
+def measure(size: str, rounds: int, ranks: int, bucket_mb: int) -> dict:
+    """Rank 0's rows, from one set of `ranks` processes that hold the policy and the engine."""
     with tempfile.TemporaryDirectory(prefix="vlmrun-bench-refit-") as tmp:
-        out = Path(tmp) / "row.json"
-        args = (ranks, size, variant, bucket_mb, free_port(), str(out))
+        out = Path(tmp) / "report.json"
+        args = (ranks, size, rounds, bucket_mb, free_port(), str(out))
         mp.start_processes(_rank, args=args, nprocs=ranks, start_method="spawn")
         return json.loads(out.read_text())
 
@@ -125,17 +127,14 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--json", action="store_true", help="print only the JSON object")
     args = parser.parse_args()
-    rows: dict[str, list[dict]] = {variant: [] for variant in VARIANTS}
-    for _ in range(args.rounds):
-        for variant in rows:
-            rows[variant].append(one(args.size, variant, args.ranks, args.bucket_mb))
+    first = measure(args.size, args.rounds, args.ranks, args.bucket_mb)
+    rows = first["rows"]
 
     def summary(variant: str) -> dict:
         r = rows[variant]
         peaks, secs = [x["peak_extra_bytes"] for x in r], [x["seconds"] for x in r]
         return {"peak_extra_bytes": max(peaks), "seconds_median": statistics.median(secs), "seconds": secs}
 
-    first = rows["streamed"][0]
     streamed, whole = summary("streamed"), summary("whole")
     bucket = max(args.bucket_mb << 20, first["largest_tensor_bytes"])
     report = {
@@ -147,7 +146,7 @@ def main() -> int:
         "largest_tensor_bytes": first["largest_tensor_bytes"],
         "streamed": streamed,
         "whole": whole,
-        "plain_load_s_median": statistics.median(x["plain_load_s"] for v in rows.values() for x in v),
+        "plain_load_s": first["plain_load_s"],
         "streamed_peak_over_bucket": round(streamed["peak_extra_bytes"] / bucket, 3),
         "whole_peak_over_engine": round(whole["peak_extra_bytes"] / first["engine_bytes"], 3),
         "streamed_over_whole_s": round(streamed["seconds_median"] / whole["seconds_median"], 3),

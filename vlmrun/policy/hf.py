@@ -245,7 +245,8 @@ class HfPolicy(PolicyBackend):
     ) -> Iterator[dict[str, torch.Tensor]]:
         """The full weights by HF name, bucket by bucket, on this rank's device (interface doc). Sharded:
         each tensor is cast on its shard, then gathered alone (an all-gather per tensor, every rank in
-        the same order), so a refit holds one bucket of whole tensors, in `dtype`, never the model.
+        the same order; a shard offloaded to the host goes to the mesh's device first, cast), so a
+        refit holds one bucket of whole tensors, in `dtype`, never the model.
         Replicated: the live tensors themselves (cast copies when `dtype` differs)."""
         want = None if dtype is None else torch_dtype(dtype)
         bucket: dict[str, torch.Tensor] = {}
@@ -255,6 +256,8 @@ class HfPolicy(PolicyBackend):
             if want is not None and t.is_floating_point() and t.dtype != want:
                 t = t.to(want)
             if hasattr(t, "full_tensor"):
+                if t.device.type != t.device_mesh.device_type:  # offloaded shards: gathered on the mesh's device
+                    t = t.to(t.device_mesh.device_type)
                 t = t.full_tensor()
             nbytes = t.numel() * t.element_size()
             if bucket and size + nbytes > bucket_bytes:
