@@ -76,9 +76,13 @@ def test_a_dead_controller_is_one_clear_error_and_leaves_no_run_dir(tmp_path, de
     assert not run.exists()
 
 
-def test_a_dry_run_with_auto_says_the_same(tmp_path, dead_slurm):
+def test_a_dry_run_with_auto_shows_the_slurm_job_and_says_the_controller_does_not_answer(tmp_path, dead_slurm):
+    """A dry run submits nothing, so it needs no controller: it shows what a submit would send to SLURM."""
     out = vlmrun("submit", TINY, "--dry-run", "--run-dir", str(tmp_path / "run"), env=dead_slurm)
-    refused(out, "--cluster auto", "controller does not answer")
+    assert out.returncode == 0, out.stderr
+    assert "# warning: --cluster auto: the SLURM controller does not answer" in out.stdout
+    assert "a submit now would be refused" in out.stdout and "#SBATCH" in out.stdout
+    assert not (tmp_path / "run").exists()
 
 
 def test_sbatch_that_cannot_reach_the_controller_after_a_ping_leaves_nothing(tmp_path, dead_slurm):

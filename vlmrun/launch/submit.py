@@ -40,14 +40,14 @@ def submit_run(
     missing model or data set, too few GPUs on this machine for a local run (cluster/preflight.py), a
     GPU recipe whose memory estimate exceeds cluster.gpu_memory_gb (models/fit.py), a checkpoint.dir
     that belongs to another run (algorithms/common/checkpoint_owner.py), or a SLURM whose controller
-    does not answer. The estimate rides on the result (`memory`); its warning (within 10% of the
+    does not answer (a dry run then shows the SLURM job and says so through `echo`). The estimate rides on the result (`memory`); its warning (within 10% of the
     limit) goes to `echo` before a run.
     """
     from vlmrun.config.load import load_recipe
 
     recipe = load_recipe(recipe_path, overrides)
     check_recipe(recipe)  # before the lock makes the run dir: a refused recipe leaves nothing behind
-    executor = resolve_cluster(cluster)
+    executor = resolve_cluster(cluster, dry_run=dry_run, echo=echo)
     rd = RunDirectory(run_dir or default_run_dir(recipe.name))
     if (holder := live_holder(rd.path)) is not None:
         raise RunLocked(rd.path, holder)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 from vlmrun.errors import InputError
@@ -37,9 +38,11 @@ def executor_of(job: JobRecord | None) -> Executor:
     return executor_for(job.cluster if job is not None else "local")
 
 
-def resolve_cluster(cluster: str) -> Executor:
+def resolve_cluster(cluster: str, *, dry_run: bool = False, echo: Callable[[str], None] | None = None) -> Executor:
     """The executor `--cluster` names. `auto`: SLURM when `sbatch` is on PATH, this machine otherwise;
-    a SLURM whose controller does not answer is an InputError (exit 2), never a job on this machine."""
+    a SLURM whose controller does not answer is an InputError (exit 2), never a job on this machine.
+    A dry run needs no controller (it submits nothing): it shows the SLURM job, and `echo` says the
+    controller does not answer now."""
     if cluster not in CLUSTERS:
         raise InputError("--cluster", cluster, f"choose one of {', '.join(CLUSTERS)}")
     if cluster != "auto":
@@ -47,6 +50,13 @@ def resolve_cluster(cluster: str) -> Executor:
     if not shutil.which("sbatch"):
         return executor_for("local")
     if (problem := controller_problem()) is not None:
+        if dry_run:
+            if echo is not None:
+                echo(
+                    f"# warning: --cluster auto: the SLURM controller does not answer ({problem}); this dry run "
+                    "shows the SLURM job, a submit now would be refused (or use --cluster local)"
+                )
+            return executor_for("slurm")
         raise InputError(
             "--cluster",
             cluster,
