@@ -1,8 +1,10 @@
-"""The job's private local Ray (cluster/ray/local.py): its end waits on no SIGTERM that cannot arrive.
+"""The job's private local Ray (cluster/ray/local.py): its end waits on no SIGTERM that cannot arrive,
+and its start waits on no port another Ray holds.
 
 Inside a node Ray's processes start with the stop signals blocked (the node's mask, inherited), so
 `ray.shutdown()` waited a second per process for a SIGTERM they never took before its SIGKILL;
-`stop_local_ray` goes to SIGKILL at once.
+`stop_local_ray` goes to SIGKILL at once. Ray's dashboard agent listens on the fixed port 52365 by
+default; a second Ray on the machine then waited ~3.3 s for it at start: ours lets the OS pick.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import inspect
 import json
 import subprocess
 import sys
+import tempfile
 
 import pytest
 from vlmrun_cli import ENV, ROOT
@@ -34,6 +37,41 @@ def test_the_private_api_stop_local_ray_relies_on_is_there():
 
     assert hasattr(worker, "_global_node")
     assert "allow_graceful" in inspect.signature(node.Node.kill_all_processes).parameters
+
+
+def test_the_private_api_start_local_ray_relies_on_is_there():
+    from ray._private import parameter, worker
+
+    assert "dashboard_agent_listen_port" in inspect.signature(parameter.RayParams.__init__).parameters
+    assert "parameter.RayParams(" in inspect.getsource(worker.init)  # looked up when ray.init runs
+
+
+HOLDER = """
+import json, socket, sys, time
+from pathlib import Path
+held = socket.socket()
+held.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+try:
+    held.bind(("127.0.0.1", 52365)); held.listen()  # as another Ray's agent would
+except OSError:
+    pass  # held by something else already: taken either way
+from vlmrun.cluster.ray.local import start_local_ray, stop_local_ray
+temp = start_local_ray("test-port", 1)
+stop_local_ray()
+logs = [p.read_text() for p in temp.glob("session_*/logs/dashboard_agent.log")]
+print(json.dumps({"agent_log": " | ".join(logs)}))
+"""
+
+
+@pytest.mark.slow
+def test_a_second_ray_on_the_machine_does_not_wait_for_the_agent_port_the_first_holds():
+    with tempfile.TemporaryDirectory(prefix="vlmrun-", dir="/tmp") as temp:  # Ray's socket paths: short
+        env = dict(ENV, TMPDIR=temp)
+        out = subprocess.run([sys.executable, "-c", HOLDER], capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    log = json.loads(out.stdout.strip().splitlines()[-1])["agent_log"]
+    assert "Dashboard agent grpc address" in log  # the agent started and logged
+    assert "Failed to bind" not in log and "failed to bind" not in log, log[-2000:]
 
 
 @pytest.mark.slow

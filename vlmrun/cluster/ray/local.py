@@ -7,8 +7,10 @@ process the temp dir lies under the attempt's temp root, which the attempt's rea
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 from vlmrun.cluster.reaper import TEMP_ENV
@@ -40,16 +42,45 @@ def start_local_ray(job_id: str, num_cpus: int) -> Path:
     else:
         temp = Path(tempfile.gettempdir()) / "vlmrun-ray" / job_id.replace("/", "_")[:40]
     temp.mkdir(parents=True, exist_ok=True)
-    ray.init(
-        address="local",
-        num_cpus=num_cpus,
-        include_dashboard=False,
-        _temp_dir=str(temp),
-        object_store_memory=256 * 1024 * 1024,
-        log_to_driver=True,
-        configure_logging=False,
-    )
+    with _agent_port_picked_by_the_os():
+        ray.init(
+            address="local",
+            num_cpus=num_cpus,
+            include_dashboard=False,
+            _temp_dir=str(temp),
+            object_store_memory=256 * 1024 * 1024,
+            log_to_driver=True,
+            configure_logging=False,
+        )
     return temp
+
+
+@contextlib.contextmanager
+def _agent_port_picked_by_the_os() -> Iterator[None]:
+    """`ray.init` in the block gives its node's dashboard agent an HTTP port the OS picks.
+
+    Ray's default is the fixed port 52365, and `ray.init` has no argument for it. With a second Ray on
+    the machine (another local job, a SLURM job's Ray on a shared node, a test's) the port is taken:
+    the agent retries for ~3.3 s before it gives up, and the raylet registers only after it, so every
+    such `ray.init` took 3-4 s longer (measured here: 7.0-7.2 s against 3.1-4.3 s with this, two Rays
+    started a second apart). Nothing of ours talks to that port. `RayParams` (and its
+    `dashboard_agent_listen_port`) is Ray's private API (2.60): tests/test_local_ray.py names it, so an
+    upgrade that changes it fails there. The SLURM path gives the agent a port of the job's block.
+    """
+    from ray._private import parameter
+
+    params = parameter.RayParams
+
+    class OsPickedAgentPort(params):
+        def __init__(self, *args, **kwargs):
+            kwargs.setdefault("dashboard_agent_listen_port", 0)
+            super().__init__(*args, **kwargs)
+
+    parameter.RayParams = OsPickedAgentPort
+    try:
+        yield
+    finally:
+        parameter.RayParams = params
 
 
 def stop_local_ray() -> None:
