@@ -67,7 +67,9 @@ print(json.dumps({"agent_log": " | ".join(logs)}))
 def test_a_second_ray_on_the_machine_does_not_wait_for_the_agent_port_the_first_holds():
     with tempfile.TemporaryDirectory(prefix="vlmrun-", dir="/tmp") as temp:  # Ray's socket paths: short
         env = dict(ENV, TMPDIR=temp)
-        out = subprocess.run([sys.executable, "-c", HOLDER], capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
+        out = subprocess.run(
+            [sys.executable, "-c", HOLDER], capture_output=True, text=True, env=env, cwd=ROOT, timeout=120
+        )
     assert out.returncode == 0, out.stderr[-3000:]
     log = json.loads(out.stdout.strip().splitlines()[-1])["agent_log"]
     assert "Dashboard agent grpc address" in log  # the agent started and logged
