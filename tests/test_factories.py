@@ -67,6 +67,30 @@ def test_the_node_finds_each_algorithms_controller_and_refuses_an_unknown_one():
         controller_class("ppo")
 
 
+NODE_IMPORTS = """
+import sys
+import vlmrun.cluster.node, vlmrun.algorithms.common.driver
+from vlmrun.algorithms.controllers import controller_host
+hosts = [controller_host("sft").__name__, controller_host("grpo").__name__]
+print(hosts, sorted(m for m in ("torch", "transformers") if m in sys.modules))
+"""
+
+
+def test_the_node_starts_a_controller_actor_named_as_the_controller_without_importing_torch():
+    """The node passes a stand-in (its actor imports the controller): the node's process never spends
+    the ~1.3 s of CPU of importing torch, and Ray's titles still read ray::SftController.run()."""
+    import subprocess
+    import sys
+
+    from vlmrun.algorithms.controllers import controller_host
+
+    out = subprocess.run([sys.executable, "-c", NODE_IMPORTS], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "['SftController', 'GrpoController'] []"
+    with pytest.raises(InputError, match=r"^train.algorithm: 'ppo' is not allowed; one of grpo, sft"):
+        controller_host("ppo")
+
+
 def test_a_model_spec_names_one_source():
     with pytest.raises(ValueError, match="exactly one of"):
         ModelSpec()

@@ -4,7 +4,8 @@ and its start waits on no port another Ray holds.
 Inside a node Ray's processes start with the stop signals blocked (the node's mask, inherited), so
 `ray.shutdown()` waited a second per process for a SIGTERM they never took before its SIGKILL;
 `stop_local_ray` goes to SIGKILL at once. Ray's dashboard agent listens on the fixed port 52365 by
-default; a second Ray on the machine then waited ~3.3 s for it at start: ours lets the OS pick.
+default; a second Ray on the machine then waited ~3.3 s for it at start: ours lets the OS pick (and
+starts no autoscaler monitor).
 """
 
 from __future__ import annotations
@@ -42,7 +43,9 @@ def test_the_private_api_stop_local_ray_relies_on_is_there():
 def test_the_private_api_start_local_ray_relies_on_is_there():
     from ray._private import parameter, worker
 
-    assert "dashboard_agent_listen_port" in inspect.signature(parameter.RayParams.__init__).parameters
+    assert {"dashboard_agent_listen_port", "no_monitor"} <= set(
+        inspect.signature(parameter.RayParams.__init__).parameters
+    )
     assert "parameter.RayParams(" in inspect.getsource(worker.init)  # looked up when ray.init runs
 
 
@@ -57,9 +60,11 @@ except OSError:
     pass  # held by something else already: taken either way
 from vlmrun.cluster.ray.local import start_local_ray, stop_local_ray
 temp = start_local_ray("test-port", 1)
+from ray._private import worker
+monitor = "monitor" in worker._global_node.all_processes
 stop_local_ray()
 logs = [p.read_text() for p in temp.glob("session_*/logs/dashboard_agent.log")]
-print(json.dumps({"agent_log": " | ".join(logs)}))
+print(json.dumps({"agent_log": " | ".join(logs), "monitor": monitor}))
 """
 
 
@@ -74,6 +79,7 @@ def test_a_second_ray_on_the_machine_does_not_wait_for_the_agent_port_the_first_
     log = json.loads(out.stdout.strip().splitlines()[-1])["agent_log"]
     assert "Dashboard agent grpc address" in log  # the agent started and logged
     assert "Failed to bind" not in log and "failed to bind" not in log, log[-2000:]
+    assert json.loads(out.stdout.strip().splitlines()[-1])["monitor"] is False
 
 
 @pytest.mark.slow
@@ -83,7 +89,7 @@ def test_a_ray_that_ignores_sigterm_ends_at_once_and_wholly(tmp_path):
     out = subprocess.run([sys.executable, "-c", CHILD], capture_output=True, text=True, env=ENV, cwd=ROOT, timeout=120)
     assert out.returncode == 0, out.stderr[-3000:]
     d = json.loads(out.stdout.strip().splitlines()[-1])
-    assert len(d["pids"]) >= 4  # raylet, GCS, monitor, log monitor (, dashboard)
+    assert len(d["pids"]) >= 4  # raylet, GCS, log monitor, dashboard (no autoscaler monitor)
     assert d["stop_s"] < 2.5, d  # ray.shutdown() alone: about 1 s per process
     alive = [p for p in d["pids"] if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
     assert alive == []

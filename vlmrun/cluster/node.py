@@ -226,11 +226,11 @@ def _run_controller(rd: RunDirectory, recipe, job_id: str, run: dict) -> RunOutc
     import ray
 
     from vlmrun.algorithms.common.driver import run_controller
-    from vlmrun.algorithms.controllers import controller_class
+    from vlmrun.algorithms.controllers import controller_host
     from vlmrun.cluster.plane_servers import running_plane_servers, watched
     from vlmrun.cluster.ray.nodes import port_block
 
-    controller = controller_class(recipe.train.algorithm)
+    controller = controller_host(recipe.train.algorithm)  # the controller's module is imported in its actor
     dp = recipe.data_plane
     impl = dp.impl if dp.enabled else "local"
     host = ray.util.get_node_ip_address()

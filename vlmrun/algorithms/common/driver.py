@@ -2,7 +2,8 @@
 
 The controller runs on this process's Ray node and is told who this process is: once the driver's
 process is gone (SIGKILL, node loss), the controller writes no metrics row and no checkpoint more.
-The node calls it with the controller class of `train.algorithm` (algorithms/controllers.py).
+The node calls it with the actor class of `train.algorithm`'s controller (algorithms/controllers.py:
+`controller_host`, which imports the controller in the actor's process, not in the node).
 """
 
 from __future__ import annotations

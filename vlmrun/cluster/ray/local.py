@@ -42,7 +42,7 @@ def start_local_ray(job_id: str, num_cpus: int) -> Path:
     else:
         temp = Path(tempfile.gettempdir()) / "vlmrun-ray" / job_id.replace("/", "_")[:40]
     temp.mkdir(parents=True, exist_ok=True)
-    with _agent_port_picked_by_the_os():
+    with _local_node_params():
         ray.init(
             address="local",
             num_cpus=num_cpus,
@@ -56,27 +56,33 @@ def start_local_ray(job_id: str, num_cpus: int) -> Path:
 
 
 @contextlib.contextmanager
-def _agent_port_picked_by_the_os() -> Iterator[None]:
-    """`ray.init` in the block gives its node's dashboard agent an HTTP port the OS picks.
+def _local_node_params() -> Iterator[None]:
+    """`ray.init` in the block starts a node whose dashboard agent takes an HTTP port the OS picks, and
+    no autoscaler monitor.
 
-    Ray's default is the fixed port 52365, and `ray.init` has no argument for it. With a second Ray on
-    the machine (another local job, a SLURM job's Ray on a shared node, a test's) the port is taken:
-    the agent retries for ~3.3 s before it gives up, and the raylet registers only after it, so every
-    such `ray.init` took 3-4 s longer (measured here: 7.0-7.2 s against 3.1-4.3 s with this, two Rays
-    started a second apart). Nothing of ours talks to that port. `RayParams` (and its
-    `dashboard_agent_listen_port`) is Ray's private API (2.60): tests/test_local_ray.py names it, so an
-    upgrade that changes it fails there. The SLURM path gives the agent a port of the job's block.
+    - The agent's port: Ray's default is the fixed port 52365, and `ray.init` has no argument for it.
+      With a second Ray on the machine (another local job, a SLURM job's Ray on a shared node, a
+      test's) the port is taken: the agent retries for ~3.3 s before it gives up, and the raylet
+      registers only after it, so every such `ray.init` took 3-4 s longer (measured here: 7.0-7.2 s
+      against 3.1-4.3 s with this, two Rays started a second apart). Nothing of ours talks to that port.
+    - The monitor is the autoscaler's: a one-machine Ray of a fixed size has nothing to scale, and its
+      process cost ~0.4 s of CPU at every attempt's start.
+
+    `RayParams` (its `dashboard_agent_listen_port` and `no_monitor`) is Ray's private API (2.60):
+    tests/test_local_ray.py names it, so an upgrade that changes it fails there. The SLURM path gives
+    the agent a port of the job's block (nodes.py).
     """
     from ray._private import parameter
 
     params = parameter.RayParams
 
-    class OsPickedAgentPort(params):
+    class LocalNodeParams(params):
         def __init__(self, *args, **kwargs):
             kwargs.setdefault("dashboard_agent_listen_port", 0)
+            kwargs.setdefault("no_monitor", True)
             super().__init__(*args, **kwargs)
 
-    parameter.RayParams = OsPickedAgentPort
+    parameter.RayParams = LocalNodeParams
     try:
         yield
     finally:
