@@ -21,6 +21,11 @@ class EchoRank(RankActor):
     def who(self, payload=None) -> tuple:
         return (self.rank, self.tag, payload)
 
+    def collecting(self) -> bool:
+        import gc
+
+        return gc.isenabled()
+
     def shutdown(self) -> None:
         self.closed = True
 
@@ -146,6 +151,33 @@ def test_freeze_heap_leaves_what_lives_now_out_of_later_collections():
         assert gc.get_freeze_count() > 1000  # torch and the test session's objects
     finally:
         gc.unfreeze()
+
+
+def test_a_rank_starts_with_the_collector_paused_and_has_it_back_once_set_up(ray_local):
+    """vlmrun/startup.py: a Ray worker that imports vlmrun (this module does) starts with the cyclic
+    collector off; `freeze_heap` (what the loop asks of every rank after set-up) turns it on again."""
+    plan = plan_placement(ParallelConfig(dp=2))
+    group = WorkerGroup(EchoRank, plan, Placement(nodes=1), init=lambda rank: {"rank": rank, "tag": ""})
+    try:
+        assert group.all_ranks("collecting") == [False, False]
+        group.all_ranks("freeze_heap")
+        assert group.all_ranks("collecting") == [True, True]
+    finally:
+        group.shutdown()
+
+
+def test_only_a_ray_worker_process_pauses_the_collector(tmp_path):
+    """Another process importing vlmrun (the CLI, the node, a tool) keeps its collector as it was."""
+    import subprocess
+    import sys
+
+    code = "import gc, vlmrun; print(gc.isenabled())"
+    (tmp_path / "default_worker.py").write_text(code)  # what Ray's worker processes run as __main__
+    seen = [
+        subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=60).stdout.strip()
+        for args in (["-c", code], [str(tmp_path / "default_worker.py")])
+    ]
+    assert seen == ["True", "False"]
 
 
 def test_ranks_are_ordered_by_node_so_a_shard_group_stays_on_one():

@@ -110,12 +110,16 @@ def freeze_heap() -> None:
     A training process holds millions of long-lived objects (torch, transformers, Ray); a full
     collection walks them all: a pause of ~0.2 s at whichever step the collector's counters come due
     (measured on the GRPO controller: one step in ten, 0.2 s longer). Call it once set-up is done;
-    what is made later is collected as usual.
+    what is made later is collected as usual. In a Ray worker whose start-up paused the collector
+    (vlmrun/startup.py) it runs again from here.
     """
     import gc
 
+    from vlmrun.startup import resume
+
     gc.collect()
     gc.freeze()
+    resume()
 
 
 class RankActor:
