@@ -237,3 +237,23 @@ def test_a_dead_server_is_named_and_a_call_waiting_on_it_ends_at_its_bound(ray_l
     finally:
         plane.close()
         stop_transfer_queue(servers)
+
+
+STARTER_IMPORTS = """
+import sys
+from vlmrun.plane.transfer_queue import servers
+print([servers._server_host(s).__name__ for s in ("controller", "storage")],
+      sorted(m for m in ("torch", "transfer_queue", "tensordict") if m in sys.modules))
+"""
+
+
+def test_whoever_starts_the_servers_never_imports_transfer_queue():
+    """The servers' actors import TransferQueue in their own processes (and answer with plain addresses):
+    the node that starts them never spends the ~2.7 s of CPU of importing it (torch, tensordict,
+    torch._dynamo), and Ray's titles still read ray::TransferQueueController, ray::SimpleStorageUnit."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", STARTER_IMPORTS], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "['TransferQueueController', 'SimpleStorageUnit'] []"

@@ -106,3 +106,35 @@ def test_released_weights_free_their_memory_refuse_to_generate_and_a_refit_bring
     assert {id(p) for p in engine.model.parameters()} == tied  # the same parameters (and ties), filled again
     after = engine.generate(prompts, greedy, n=1)
     assert torch.equal(after.response_ids, before.response_ids) and torch.equal(after.logprobs, before.logprobs)
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "nemotron_omni"])
+def test_an_engine_opened_for_refits_reads_no_weights_and_answers_as_one_loaded_from_disk(tiny_dirs, family):
+    """`weights="refit"` (a training rank's engine): built without the directory's weights, `generate`
+    refused until the first refit; then answers, log-probs and buffers (rotary frequencies) equal an
+    engine loaded from the directory and refit the same way."""
+    from transformers import AutoTokenizer
+
+    from vlmrun.data.batch import PromptBatch
+    from vlmrun.generation.interface import SamplingParams
+
+    spec = ModelSpec(directory=tiny_dirs[family], dtype="bfloat16")
+    policy = open_policy("hf", model=ModelSpec(directory=tiny_dirs[family], seed=5), rank=0, world_size=1, train=TRAIN)
+    policy.setup(master_addr="127.0.0.1", master_port=0, max_steps=4)
+    loaded, bare = open_generator("hf", model=spec), open_generator("hf", model=spec, weights="refit")
+    assert bare.setup() == loaded.setup()  # the same replica, parameter count and image token
+    assert sum(p.numel() for p in bare.model.parameters()) == 0  # nothing of the weights is held
+    ids = torch.tensor([AutoTokenizer.from_pretrained(tiny_dirs[family]).encode("how many cubes?")])
+    prompts = PromptBatch(["p"], ids, torch.ones_like(ids), ["3"])
+    greedy = SamplingParams(temperature=0, max_new_tokens=6)
+    with pytest.raises(RuntimeError, match="released"):
+        bare.generate(prompts, greedy, n=1)
+    for engine in (loaded, bare):
+        refit(engine, policy, bucket_bytes=32 << 10)
+    for (name, b), (_, want) in zip(bare.model.named_buffers(), loaded.model.named_buffers(), strict=True):
+        assert torch.equal(b, want), name
+    got, want = bare.generate(prompts, greedy, n=1), loaded.generate(prompts, greedy, n=1)
+    assert torch.equal(got.response_ids, want.response_ids) and torch.equal(got.logprobs, want.logprobs)
+    with pytest.raises(ValueError, match="weights='disk'.*allowed: load, refit"):
+        open_generator("hf", model=spec, weights="disk")
+    policy.shutdown()

@@ -131,3 +131,13 @@ def test_measure_grpo_one_plane(tmp_path, run_data):
     assert finite(row["step_time_s"]) and 0 <= row["data_plane_fraction"] < 1 and row["plane_bytes_per_step"] > 0
     assert d["plane_bytes_per_step"]["bfloat16_pixels"] < d["plane_bytes_per_step"]["float32_pixels"]
     assert finite(d["generation"]["bare"]["tokens_per_s"]) and finite(d["generation"]["in_loop_over_bare"])
+
+
+@pytest.mark.slow
+def test_bench_load_sharded_against_the_whole_load():
+    d = run_tool("tools/bench_load.py", "--size", "tiny", "--ranks", "2", "--rounds", "1", "--json")
+    sharded, whole = d["sharded"], d["whole"]
+    assert d["params"] > 0 and d["model_bytes"] == 4 * d["params"] and d["disk_dtype"] == "bfloat16"
+    assert sharded["load"] == "each rank read only its own rows of the weights' files"
+    assert whole["load"].startswith("whole on every rank")  # the product's fallback, forced
+    assert finite(sharded["seconds_median"]) and finite(whole["seconds_median"]) and sharded["peak_extra_bytes_max"] > 0

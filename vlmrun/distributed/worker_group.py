@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from vlmrun.distributed.topology import PlacementPlan
+from vlmrun.startup import freeze_heap
 
 
 def gather(refs: Sequence, *, grace_s: float = 10.0) -> list:
@@ -102,24 +103,6 @@ class StepGate:
                 raise TimeoutError(f"step {step}: no word from the controller in {self.timeout_s:.0f} s")
             if self._step == step and not self._ok:
                 raise RuntimeError(f"step {step}: the controller's part of it failed (the controller says why)")
-
-
-def freeze_heap() -> None:
-    """Collect once, then leave every object alive now out of all later collections (`gc.freeze`).
-
-    A training process holds millions of long-lived objects (torch, transformers, Ray); a full
-    collection walks them all: a pause of ~0.2 s at whichever step the collector's counters come due
-    (measured on the GRPO controller: one step in ten, 0.2 s longer). Call it once set-up is done;
-    what is made later is collected as usual. In a Ray worker whose start-up paused the collector
-    (vlmrun/startup.py) it runs again from here.
-    """
-    import gc
-
-    from vlmrun.startup import resume
-
-    gc.collect()
-    gc.freeze()
-    resume()
 
 
 class RankActor:
@@ -252,6 +235,10 @@ class WorkerGroup:
     def by_dp(self, method: str, parts: Sequence[dict[str, Any]]) -> list:
         """Every rank gets `parts[its dp index]` as keyword arguments; the results in shard, then rank order."""
         return gather(self.submit_by_dp(method, parts))
+
+    def on_rank(self, rank: int, method: str, **kwargs) -> Any:
+        """`method(**kwargs)` on rank `rank` alone; its result."""
+        return gather([getattr(self.workers[rank], method).remote(**kwargs)])[0]
 
     def per_rank(self, method: str, kwargs_of: Callable[[int], dict[str, Any]]) -> list:
         """`method(**kwargs_of(rank))` on every rank (each its own share); the results in rank order."""

@@ -26,15 +26,28 @@ BACKENDS = {"hf": "vlmrun.generation.hf:HfGenerator"}
 
 
 def open_generator(
-    backend: str, *, model: ModelSpec, replica: int = 0, device: str = "cpu", threads: int | None = None
+    backend: str,
+    *,
+    model: ModelSpec,
+    replica: int = 0,
+    device: str = "cpu",
+    threads: int | None = None,
+    weights: str = "load",
 ) -> GenerationBackend:
     """Replica `replica` of the `backend` engine in this process, on `device` (call `setup` next).
 
-    `model` is where its weights come from (a directory, or a config for random init; a policy refit
-    replaces them); its dtype is the engine's. `threads` caps torch's CPU threads. Raises InputError
-    naming `generation.backend` for a backend that is not in BACKENDS.
+    `model` is its architecture and where its weights come from (a directory, or a config for random
+    init); its dtype is the engine's. `weights="load"` reads them at `setup`; `weights="refit"` reads
+    none: the engine is built without them and gets them from its first `load_weights` (a policy
+    refit; `generate` before it is refused), so a training rank never holds a second whole copy from
+    disk, in host memory or on its GPU, before it needs one. `threads` caps torch's CPU threads. Raises
+    InputError naming `generation.backend` for a backend that is not in BACKENDS.
     """
-    return generator_class(backend)(model=model, replica=replica, device=device, threads=threads)
+    if weights not in ("load", "refit"):
+        raise ValueError(f"open_generator: weights={weights!r}, allowed: load, refit")
+    return generator_class(backend)(
+        model=model, replica=replica, device=device, threads=threads, weights_from_refit=weights == "refit"
+    )
 
 
 def generator_class(backend: str) -> type[GenerationBackend]:

@@ -31,7 +31,7 @@ from vlmrun.data.batch import PromptBatch
 from vlmrun.generation.interface import GenerationBackend, SamplingParams
 from vlmrun.generation.prompts import select_prompts
 from vlmrun.generation.rollouts import Rollouts, response_mask
-from vlmrun.models.build import build_model
+from vlmrun.models.build import build_model, materialize_buffers
 from vlmrun.models.spec import ModelSpec
 
 PLACEHOLDER_IDS = ("image_token_id", "video_token_id", "audio_token_id")
@@ -41,8 +41,17 @@ class HfGenerator(GenerationBackend):
     """Replica `replica` of the transformers model of `model`, in this process (CPU or one GPU), in the
     spec's dtype. Built by `vlmrun.generation.open_generator`."""
 
-    def __init__(self, *, model: ModelSpec, replica: int = 0, device: str = "cpu", threads: int | None = None):
+    def __init__(
+        self,
+        *,
+        model: ModelSpec,
+        replica: int = 0,
+        device: str = "cpu",
+        threads: int | None = None,
+        weights_from_refit: bool = False,
+    ):
         self.spec, self.replica, self.device, self.threads = model, replica, device, threads
+        self.weights_from_refit = weights_from_refit
         self.weights_dtype = model.dtype
         self._seed: int | None = None
         self._generator: torch.Generator | None = None
@@ -53,7 +62,11 @@ class HfGenerator(GenerationBackend):
 
         if self.threads:
             torch.set_num_threads(self.threads)
-        self.model = build_model(self.spec, device=self.device).to(self.device).eval()
+        if self.weights_from_refit:  # nothing read: buffers computed, parameters left to the first refit
+            self.model = build_model(self.spec, device=self.device, on_meta=True).eval()
+            materialize_buffers(self.model, torch.device(self.device))
+        else:
+            self.model = build_model(self.spec, device=self.device).to(self.device).eval()
         saved, config = self.model.generation_config, self.model.config
         eos = saved.eos_token_id if saved.eos_token_id is not None else config.get_text_config().eos_token_id
         self.eos_ids = [eos] if isinstance(eos, int) else list(eos)
@@ -67,6 +80,8 @@ class HfGenerator(GenerationBackend):
             self.token_ids["bos_token_id"] = saved.bos_token_id
         self.model.generation_config = GenerationConfig(**self.token_ids)
         params = sum(p.numel() for p in self.model.parameters())
+        if self.weights_from_refit:
+            self.release_weights()  # allocated again, and filled, by the first refit
         return {"replica": self.replica, "params": params, "image_token_id": self.image_token_id}
 
     @torch.no_grad()

@@ -9,6 +9,9 @@
    model's own `_init_weights`, rotary buffers included, under the spec's seed). On a CUDA mesh DTensor's
    RNG gives the values an unsharded build would; on a CPU mesh each rank draws its shards from the
    same seed, a valid init but not the unsharded one.
+4. From a directory, to be sharded: built on the meta device from the directory's config, like 3;
+   `materialize` with the `LoadPlan` of `sharded_load.plan_load` then reads each rank's own rows from
+   the safetensors files (sharded_load.py), and computes only the buffers the files do not hold.
 """
 
 from __future__ import annotations
@@ -19,30 +22,58 @@ from collections.abc import Iterator
 import torch
 
 from vlmrun.config.dtype import torch_dtype
+from vlmrun.models.sharded_load import LoadPlan, load_shards, plan_name
 from vlmrun.models.spec import ModelSpec
 
 
 def build_model(spec: ModelSpec, *, device: torch.device | str = "cpu", on_meta: bool = False) -> torch.nn.Module:
     """The model of `spec`: loaded from its directory (on the CPU, whatever `device`), or random-init
-    from its config on `device` (on the meta device with `on_meta`: call `materialize` after sharding)."""
+    from its config on `device`. With `on_meta`, either is built on the meta device from its config
+    (nothing read, nothing allocated): call `materialize` after sharding."""
     from transformers import AutoModelForImageTextToText
 
     dtype = torch_dtype(spec.dtype)
-    if spec.directory is not None:
+    if spec.directory is not None and not on_meta:
         return AutoModelForImageTextToText.from_pretrained(spec.directory, dtype=dtype)
     config = _config(spec)
     target = torch.device("meta") if on_meta else torch.device(device)
     with _seeded(spec.seed, target), target:
-        return AutoModelForImageTextToText.from_config(config, dtype=dtype)
+        model = AutoModelForImageTextToText.from_config(config, dtype=dtype)
+    if spec.directory is not None:
+        _directory_generation_config(model, spec.directory)
+    return model
 
 
-def materialize(model: torch.nn.Module, spec: ModelSpec, device: torch.device) -> torch.nn.Module:
-    """Allocate a meta-device model (sharded or not) on `device` and random-init it from `spec.seed`."""
+def materialize(
+    model: torch.nn.Module, spec: ModelSpec, device: torch.device, plan: LoadPlan | None = None
+) -> torch.nn.Module:
+    """Allocate a meta-device model (sharded or not) on `device`: random-init from `spec.seed`, or,
+    with the `plan` of its directory, every parameter and persistent buffer read from the files (each
+    rank its own rows) and only the other buffers (rotary frequencies) computed."""
     model.to_empty(device=device)
     for module in model.modules():  # the meta build ran no init: let every module take its own
         module._is_hf_initialized = False
+    if plan is not None:  # transformers' init functions skip a tensor so marked: the files fill it
+        for name, tensor in model.state_dict(keep_vars=True).items():
+            if plan_name(name) in plan.sources:
+                tensor._is_hf_initialized = True
     with _seeded(spec.seed, device):
         model.initialize_weights()
+    if plan is not None:
+        load_shards(model, plan)
+    model.tie_weights()
+    return model
+
+
+def materialize_buffers(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+    """A meta-device model on `device` with only its buffers computed (rotary frequencies): its
+    parameters are allocated but hold no values, for an engine whose weights all come from a refit."""
+    model.to_empty(device=device)
+    for module in model.modules():
+        module._is_hf_initialized = False
+    for param in model.parameters():  # transformers' init functions skip a tensor so marked
+        param._is_hf_initialized = True
+    model.initialize_weights()
     model.tie_weights()
     return model
 
@@ -50,8 +81,20 @@ def materialize(model: torch.nn.Module, spec: ModelSpec, device: torch.device) -
 def _config(spec: ModelSpec):
     from transformers import AutoConfig
 
+    if spec.directory is not None:
+        return AutoConfig.from_pretrained(spec.directory)
     values = dict(spec.config)
     return AutoConfig.for_model(values.pop("model_type"), **values)
+
+
+def _directory_generation_config(model: torch.nn.Module, directory: str) -> None:
+    """The directory's generation config, as `from_pretrained` would have set it."""
+    from pathlib import Path
+
+    from transformers import GenerationConfig
+
+    if (Path(directory) / "generation_config.json").is_file():
+        model.generation_config = GenerationConfig.from_pretrained(directory)
 
 
 @contextlib.contextmanager

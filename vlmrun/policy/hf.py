@@ -33,6 +33,7 @@ import torch.distributed as dist
 
 from vlmrun.config.dtype import torch_dtype
 from vlmrun.models.build import build_model, materialize
+from vlmrun.models.sharded_load import plan_load
 from vlmrun.models.spec import ModelSpec
 from vlmrun.policy import rng
 from vlmrun.policy.device import prepare_cuda_allocator, rank_device, to_device
@@ -103,6 +104,7 @@ class HfPolicy(PolicyBackend):
             "params": sum(p.numel() for p in self.params),
             "device": str(self.device),
             "layout": self.layout(),
+            "load": self.weights_load,
         }
 
     def layout(self) -> str:
@@ -114,10 +116,23 @@ class HfPolicy(PolicyBackend):
         return f"FSDP2 over {self.world_size} rank{'s' if self.world_size > 1 else ''}"
 
     def _build_model(self, *, trainable: bool = True) -> torch.nn.Module:
-        """The spec's model on this rank's device, sharded when `parallel.fsdp` (a random-init one is
-        built on the meta device then, and each rank materializes only its shards)."""
-        on_meta = self.sharded and self.spec.random_init
+        """The spec's model on this rank's device, sharded when `parallel.fsdp`: built on the meta
+        device then, and each rank materializes only its shards (random init, or its rows read from
+        the directory's files: models/sharded_load.py; a directory that reader cannot map is loaded
+        whole on every rank, as unsharded, and the log says why)."""
+        on_meta, plan = self.sharded, None
         model = build_model(self.spec, device=self.device, on_meta=on_meta)
+        if self.spec.random_init:
+            load = f"random init (seed {self.spec.seed})" + (", each rank its own shards" if on_meta else "")
+        elif on_meta:
+            plan, why = plan_load(model, self.spec.directory)
+            load = "each rank read only its own rows of the weights' files"
+            if plan is None:  # the reader cannot map these files: load it whole, as unsharded
+                model, on_meta, load = build_model(self.spec, device=self.device), False, f"whole on every rank: {why}"
+        else:
+            load = "whole on every rank (replicated)"
+        if trainable:
+            self.weights_load = load  # job.json's attempt says it (policy_load)
         if not trainable:
             model.requires_grad_(False)
         if self.sharded:
@@ -125,7 +140,8 @@ class HfPolicy(PolicyBackend):
             frozen = Sharding(mixed_precision=self.sharding.mixed_precision, cpu_offload=self.sharding.cpu_offload)
             model = shard_model(model, mesh, self.sharding if trainable else frozen)
             if on_meta:  # offloaded shards live in host memory
-                materialize(model, self.spec, torch.device("cpu") if self.sharding.cpu_offload else self.device)
+                home = torch.device("cpu") if self.sharding.cpu_offload else self.device
+                materialize(model, self.spec, home, plan)
             return model
         if self.sharding.activation_checkpointing and trainable:
             checkpoint_layers(model, decoder_layers(model))

@@ -80,6 +80,7 @@ class Attempt(_Record):
     worker_nodes: list[str] | None = None
     ray_alive_nodes: int | None = None
     policy_layout: str | None = None
+    policy_load: str | None = None
     notice: str | None = None  # what the user must know about how it started (no valid checkpoint left, ...)
 
 

@@ -30,6 +30,7 @@ class RunOutcome:
     worker_nodes: list[str] = field(default_factory=list)
     ray_alive_nodes: int | None = None
     policy_layout: str | None = None  # how the ranks held the model, e.g. "HSDP: 2 replicas x 2 shards (FSDP2)"
+    policy_load: str | None = None  # how they got its weights, e.g. "whole on every rank (replicated)"
 
     def details(self) -> dict[str, Any]:
         """What job.json keeps beside the attempt's state, reason, last step and stop signal."""

@@ -86,6 +86,7 @@ class StepLoop:
         self.driver = driver  # the node process that runs this attempt; none of our writes outlive it
         self.worker_nodes: list[str] = []
         self.policy_layout: str | None = None
+        self.policy_load: str | None = None
         self.chosen = chosen  # (checkpoint, skipped) the node verified; None: pick here (store.latest)
         self.loaders: dict = {}  # shard -> loader, for a loop whose driver builds the batches
         self.plane_endpoint = plane_endpoint  # the job's data-plane servers (TransferQueue); None: local
@@ -122,7 +123,8 @@ class StepLoop:
         self.worker_nodes = self.group.node_addresses()
         addr, port = self.group.rendezvous()
         info = self.group.all_ranks("setup", addr, port, optimizer_steps)[0]
-        self.policy_layout = info.get("layout")  # job.json's attempt records it
+        self.policy_layout = info.get("layout")  # job.json's attempt records both
+        self.policy_load = info.get("load")
 
     def _attach_loaders(self) -> None:
         """Each replica's owner rank opens its loader shard (loops whose ranks read their own data)."""
@@ -242,6 +244,7 @@ class StepLoop:
             worker_nodes=self.worker_nodes,
             ray_alive_nodes=self._ray_alive_nodes(),
             policy_layout=self.policy_layout,
+            policy_load=self.policy_load,
             **notes,
         )
 
@@ -306,14 +309,10 @@ class StepLoop:
         r = self.recipe
         if r.train.val_samples <= 0:
             return None
-        if not hasattr(self, "_val"):
-            from vlmrun.data.loader import val_batches
-
-            self._val = val_batches(
-                r,
-                processor_dir=self.model_dir,
-                samples=r.train.val_samples,
-                batch_size=max(1, r.train.micro_batch_size),
+        if not hasattr(self, "_val"):  # read and encoded by rank 0, which has the loader's stack imported:
+            # this process then never imports the processor, torchvision and Energon (~2 s of CPU)
+            self._val = self.group.on_rank(
+                0, "val_set", samples=r.train.val_samples, batch_size=max(1, r.train.micro_batch_size)
             )
         loss_b, prompt_b, dropped = self._val
         shares = validation_shares(loss_b, prompt_b, self.group.world_size)

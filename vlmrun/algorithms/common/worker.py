@@ -82,6 +82,7 @@ class RankWorker(RankActor):
             replica=self.replica,
             device="cuda" if r.cluster.gpus_per_node else "cpu",
             threads=self.threads,
+            weights="refit",  # every use refits first: nothing of the directory's weights is read twice
         )
 
     def setup(self, master_addr: str, master_port: int, max_steps: int) -> dict:
@@ -98,6 +99,13 @@ class RankWorker(RankActor):
         self.loader = open_train_shard(
             self.recipe, self.model_dir, shard=shard, num_shards=num_shards, placement_hash=placement_hash
         )
+
+    def val_set(self, samples: int, batch_size: int):
+        """The recipe's validation set (`val_batches`: the first `samples` usable val samples as loss and
+        prompt batches), read here for the controller, which hands each rank its share."""
+        from vlmrun.data.loader import val_batches
+
+        return val_batches(self.recipe, processor_dir=self.model_dir, samples=samples, batch_size=batch_size)
 
     def validate(self, share: ValidationShare) -> ValidationScore:
         """This rank's score of its share of the val batches (collective: every rank calls it)."""

@@ -32,12 +32,10 @@ from vlmrun.plane.transfer_queue.endpoint import (
     ServerAddress,
     TransferQueueEndpoint,
 )
-from vlmrun.plane.transfer_queue.store import import_transfer_queue
 
 log = logging.getLogger(__name__)
 
 #: Storage units and the controller deserialize with one thread (TransferQueue's default 8 warns on small nodes).
-_ACTOR_ENV = {"env_vars": {"TQ_NUM_THREADS": "1"}}
 _SHUTDOWN_S = 15.0
 _PING_S = 5.0
 
@@ -101,13 +99,9 @@ def start_transfer_queue(
         raise ValueError(f"TransferQueue backend {backend!r}; allowed: {', '.join(BACKENDS)}")
     if (backend == "mooncake") != (mooncake is not None):
         raise ValueError("give `mooncake` (the master's addresses) exactly when backend is 'mooncake'")
-    import_transfer_queue()
-    from transfer_queue.controller import TransferQueueController
-    from transfer_queue.sampler import SequentialSampler
+    import ray
 
-    controller = TransferQueueController.options(num_cpus=0, runtime_env=_ACTOR_ENV).remote(
-        sampler=SequentialSampler(), polling_mode=False
-    )
+    controller = ray.remote(_server_host("controller")).options(num_cpus=0).remote(polling_mode=False)
     servers = TransferQueueServers(endpoint=None, controller=controller)  # type: ignore[arg-type]
     try:
         controller_info = _ready(controller, "the TransferQueue controller", deadline_s)
@@ -141,19 +135,83 @@ def stop_transfer_queue(servers: TransferQueueServers) -> None:
 
 
 def _start_storage_units(n: int, node_resource: str | None) -> dict[str, Any]:
-    from transfer_queue.storage.simple_storage import SimpleStorageUnit
-    from transfer_queue.utils.common import get_node_round_robin_scheduling_strategies
+    import ray
 
     if n < 1:
         raise ValueError(f"storage_units must be at least 1, not {n}")
     config = {"total_storage_size": None, "num_data_storage_units": n, "_run_id": uuid.uuid4().hex}
-    strategies = get_node_round_robin_scheduling_strategies(n, required_node_resource=node_resource)
+    unit = ray.remote(_server_host("storage"))
     return {
-        f"storage-{i}": SimpleStorageUnit.options(
-            num_cpus=0, scheduling_strategy=strategies[i], runtime_env=_ACTOR_ENV
-        ).remote(config=config)
-        for i in range(n)
+        f"storage-{i}": unit.options(num_cpus=0, scheduling_strategy=strategy).remote(config=config)
+        for i, strategy in enumerate(_round_robin(n, node_resource))
     }
+
+
+def _round_robin(n: int, node_resource: str | None) -> list[Any]:
+    """One hard node affinity per storage unit, over the alive nodes (those with `node_resource`) in
+    node-id order, round-robin: each node gets floor(n / nodes) or ceil(n / nodes) units."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    nodes = sorted(
+        node["NodeID"]
+        for node in ray.nodes()
+        if node.get("Alive") and (node_resource is None or node.get("Resources", {}).get(node_resource, 0) > 0)
+    )
+    if not nodes:
+        raise RuntimeError(
+            f"no alive Ray node {'has the resource ' + repr(node_resource) if node_resource else 'is up'}"
+            " for a TransferQueue storage unit"
+        )
+    return [NodeAffinitySchedulingStrategy(node_id=nodes[i % len(nodes)], soft=False) for i in range(n)]
+
+
+#: server -> (module, class) of the TransferQueue actor it is
+_SERVERS = {
+    "controller": ("transfer_queue.controller", "TransferQueueController"),
+    "storage": ("transfer_queue.storage.simple_storage", "SimpleStorageUnit"),
+}
+
+
+class _ServerHost:
+    """A TransferQueue server built in the actor's own process from the constructor's keywords: the
+    process that starts the servers (the node) never imports TransferQueue, which pulls in torch,
+    tensordict and torch._dynamo (~2.7 s of CPU per attempt on these machines). The actor's process
+    takes TransferQueue with one thread (TQ_NUM_THREADS) and, as a Ray worker of ours, its imports
+    with the cyclic collector paused (vlmrun/startup.py) until the server is built. Ray's calls on it
+    (`address`, `shutdown`, `__ray_call__`) reach the server; its clients talk ZMQ."""
+
+    server: str
+
+    def __init__(self, **kwargs):
+        import importlib
+
+        from vlmrun.startup import freeze_heap
+
+        os.environ["TQ_NUM_THREADS"] = "1"  # read when TransferQueue is imported: before it, here
+        module, name = _SERVERS[self.server]
+        actor_class = getattr(importlib.import_module(module), name)
+        cls = actor_class.__ray_actor_class__  # the class under TransferQueue's @ray.remote
+        if self.server == "controller":
+            from transfer_queue.sampler import SequentialSampler
+
+            kwargs.setdefault("sampler", SequentialSampler())
+        self.inner = cls(**kwargs)
+        freeze_heap()
+
+    def address(self) -> ServerAddress:
+        """The server's ZMQ address as plain data: the caller unpickles nothing of TransferQueue's."""
+        return ServerAddress.of(self.inner.get_zmq_server_info())
+
+    def shutdown(self):
+        return self.inner.shutdown()
+
+
+def _server_host(server: str) -> type:
+    """The actor class of `server`, named as TransferQueue's own (Ray's process titles and failure
+    headers read `ray::TransferQueueController`, `ray::SimpleStorageUnit` as before)."""
+    name = _SERVERS[server][1]
+    return type(name, (_ServerHost,), {"server": server, "__doc__": _ServerHost.__doc__})
 
 
 def _located(actor: Any, what: str) -> ServerActor:
@@ -175,7 +233,7 @@ def _ready(actor: Any, what: str, deadline_s: float) -> Any:
     import ray
 
     try:
-        return ServerAddress.of(ray.get(actor.get_zmq_server_info.remote(), timeout=deadline_s))
+        return ray.get(actor.address.remote(), timeout=deadline_s)
     except ray.exceptions.GetTimeoutError:
         raise TimeoutError(
             f"{what} did not start within {deadline_s:.0f} s (is Ray short of nodes or memory?)"

@@ -1,0 +1,149 @@
+"""Policy load cost: the sharded load (each rank reads only its rows of the safetensors files,
+vlmrun/models/sharded_load.py) against the whole load it replaced (`from_pretrained` of the whole
+model on every rank, then FSDP2 shards it), side by side in one run, as JSON.
+
+    .venv/bin/python tools/bench_load.py --size mid --ranks 2 --rounds 3 --json
+
+The model is random-init from a config (the Qwen2.5-VL layout; `mid`: ~0.27B parameters, `tiny`: for
+the tests), saved once with `save_pretrained` as safetensors in `--disk-dtype` (bf16, as published
+checkpoints are), and loaded as the GPU recipes load it: fp32 master weights, FSDP2 over `--ranks`
+gloo ranks, through vlmrun's hf policy (`open_policy(...).setup`). Each round starts a fresh set of
+ranks per variant, interleaved (sharded, whole, sharded, ...); each rank takes its peak resident
+memory during `setup` beyond what it held before (VmHWM after resetting it through
+/proc/self/clear_refs, less VmRSS before; the family's modules imported first) and the seconds
+`setup` took (the process group, the model, the optimizer). The whole variant is the
+product's own fallback (the path a directory the reader cannot map takes). Ratios are against the
+bytes of the whole model in the policy's dtype (what `from_pretrained` held per rank).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+import torch.multiprocessing as mp
+from bench_refit import SIZES
+from gpu.workload import TRAIN, free_port, model_config
+
+
+def save_model(size: str, out: Path, disk_dtype: str) -> int:
+    """The random-init model of `size` saved under `out`; returns its parameter count."""
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    values = dict(model_config(SIZES[size]))
+    config = AutoConfig.for_model(values.pop("model_type"), **values)
+    torch.manual_seed(0)
+    model = AutoModelForImageTextToText.from_config(config, dtype=getattr(torch, disk_dtype))
+    model.save_pretrained(out)
+    return sum(p.numel() for p in model.parameters())
+
+
+def _status_kb(key: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(key + ":"):
+            return int(line.split()[1])
+    raise KeyError(key)
+
+
+def _rank(rank: int, world: int, model_dir: str, variant: str, port: int, out: str) -> None:
+    import os
+
+    import vlmrun.policy.hf as hf
+    from vlmrun.models.spec import ModelSpec
+    from vlmrun.policy import open_policy
+
+    torch.set_num_threads(1)
+    if variant == "whole":  # the product's fallback: every rank loads the whole model, then shards it
+        hf.plan_load = lambda model, directory: (None, "bench_load: the whole load")
+    parallel = SimpleNamespace(
+        fsdp=True,
+        mixed_precision="none",
+        activation_checkpointing=False,
+        cpu_offload=False,
+        reduce_every_micro_batch=False,
+    )
+    policy = open_policy(
+        "hf", model=ModelSpec(directory=model_dir), rank=rank, world_size=world, train=TRAIN, parallel=parallel
+    )
+    import gc
+
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    with torch.device("meta"):  # imports the family's modules before the measurement starts
+        AutoModelForImageTextToText.from_config(AutoConfig.from_pretrained(model_dir))
+    gc.collect()
+    Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS from here on
+    before = _status_kb("VmRSS")
+    t0 = time.perf_counter()
+    info = policy.setup(master_addr="127.0.0.1", master_port=port, max_steps=1)
+    seconds = time.perf_counter() - t0
+    peak = _status_kb("VmHWM") - before
+    Path(f"{out}.{rank}").write_text(
+        json.dumps({"peak_extra_bytes": peak << 10, "seconds": seconds, "load": info["load"]})
+    )
+    policy.shutdown()
+    os._exit(0)  # skip interpreter teardown: gloo's threads sometimes abort in C++ destructors at exit
+
+
+def one(model_dir: Path, variant: str, ranks: int, work: Path) -> list[dict]:
+    out = work / f"{variant}-{time.monotonic_ns()}"
+    mp.start_processes(
+        _rank, args=(ranks, str(model_dir), variant, free_port(), str(out)), nprocs=ranks, start_method="spawn"
+    )
+    return [json.loads(Path(f"{out}.{r}").read_text()) for r in range(ranks)]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--size", choices=sorted(SIZES), default="mid")
+    parser.add_argument("--ranks", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--disk-dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    parser.add_argument("--json", action="store_true", help="print only the JSON object")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="vlmrun-bench-load-") as tmp:
+        work = Path(tmp)
+        params = save_model(args.size, work / "model", args.disk_dtype)
+        rows: dict[str, list[list[dict]]] = {"sharded": [], "whole": []}
+        for _ in range(args.rounds):  # interleaved rounds, a fresh set of ranks each time
+            for variant in rows:
+                rows[variant].append(one(work / "model", variant, args.ranks, work))
+    model_bytes = params * 4  # fp32 master weights: what `from_pretrained` held on every rank
+
+    def summary(variant: str) -> dict:
+        peaks = [max(r["peak_extra_bytes"] for r in rnd) for rnd in rows[variant]]  # the worst rank per round
+        secs = [max(r["seconds"] for r in rnd) for rnd in rows[variant]]
+        return {
+            "peak_extra_bytes_max": max(peaks),
+            "peak_over_model": round(max(peaks) / model_bytes, 3),
+            "seconds_median": round(statistics.median(secs), 3),
+            "seconds": [round(s, 3) for s in secs],
+            "load": rows[variant][0][0]["load"],
+        }
+
+    sharded, whole = summary("sharded"), summary("whole")
+    report = {
+        "size": args.size,
+        "params": params,
+        "ranks": args.ranks,
+        "rounds": args.rounds,
+        "disk_dtype": args.disk_dtype,
+        "model_bytes": model_bytes,
+        "sharded": sharded,
+        "whole": whole,
+        "sharded_over_whole_peak": round(sharded["peak_extra_bytes_max"] / max(whole["peak_extra_bytes_max"], 1), 3),
+        "sharded_over_whole_s": round(sharded["seconds_median"] / whole["seconds_median"], 3),
+    }
+    print(json.dumps(report, indent=None if args.json else 2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
