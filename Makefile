@@ -25,11 +25,9 @@ system-libs:
 	  echo "make setup: libibverbs.so.1 is missing (Debian: sudo apt-get install libibverbs1); the Mooncake tests will skip"; \
 	fi
 
-# --no-compile: pip would byte-compile every module it installs (torch's thousands among them), ~30 s of
-# the install measured here (103 s -> 70 s); Python compiles the few a run imports on first use instead.
 $(VENV)/.installed: pyproject.toml requirements/tested.txt
 	$(PYTHON) -m venv $(VENV)
-	$(PIP) install -q --disable-pip-version-check --no-compile -c requirements/tested.txt $(TORCH) -e '.[test]'
+	$(PIP) install -q --disable-pip-version-check -c requirements/tested.txt $(TORCH) -e '.[test]'
 	touch $@
 
 demo: setup

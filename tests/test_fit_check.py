@@ -101,6 +101,23 @@ def test_omni_1n8g_offloads_its_state_to_the_hosts_memory():
         check_memory_fit(load_recipe(OMNI, ["cluster.mem_gb=400"]))
 
 
+def test_host_memory_at_load_counts_a_share_per_sharded_rank_and_the_whole_model_per_replica():
+    """Sharded, each rank reads only its rows of the files (models/sharded_load.py): its share plus the
+    staging buffer and its largest shard on the way to the GPU; replicated, `from_pretrained` holds the
+    whole model on every rank. A node whose ranks cannot load within cluster.mem_gb is refused."""
+    qwen3b = RECIPES / "qwen2.5-vl-3b-clevr-1n2g.yaml"
+    sharded = check_memory_fit(load_recipe(qwen3b)).estimate
+    replicated = ["parallel.fsdp=false", "model.dtype=bfloat16", "parallel.mixed_precision=none"]
+    whole = check_memory_fit(load_recipe(qwen3b, replicated)).estimate
+    assert whole.load_host == whole.params * 2 and not whole.load_sharded  # bf16 weights, whole, on each rank
+    assert sharded.load_sharded and sharded.weights + (64 << 20) < sharded.load_host < 0.6 * sharded.params * 4
+    with pytest.raises(InputError, match=r"cluster.mem_gb: loading the model .*each the whole model\).*fsdp=true"):
+        check_memory_fit(load_recipe(qwen3b, [*replicated, "cluster.mem_gb=12"]))
+    check_memory_fit(load_recipe(qwen3b, ["cluster.mem_gb=20"]))  # 2 x ~7.7 GiB: each rank its share
+    with pytest.raises(InputError, match=r"cluster.mem_gb: loading the model .*each its share"):
+        check_memory_fit(load_recipe(qwen3b, ["cluster.mem_gb=10"]))
+
+
 def test_within_10_percent_warns_and_the_dry_run_shows_it(tmp_path):
     estimate = check_memory_fit(load_recipe(OMNI)).estimate.device_total
     tight = next(gb for gb in range(1, 4097) if device_bytes(gb) >= estimate)  # the smallest GPU it fits on

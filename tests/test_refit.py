@@ -138,3 +138,27 @@ def test_an_engine_opened_for_refits_reads_no_weights_and_answers_as_one_loaded_
     with pytest.raises(ValueError, match="weights='disk'.*allowed: load, refit"):
         open_generator("hf", model=spec, weights="disk")
     policy.shutdown()
+
+
+def test_a_tied_weight_is_gathered_and_sent_once_and_fills_every_name_of_it(tiny_dirs):
+    """The 3B layout ties its embedding and head (the largest tensor): one tensor under two names. The
+    policy sends it once, under its first name; the engine's both names hold it, and sending both is
+    no error (a whole state dict), sending one name twice is."""
+    config = json.loads((Path(tiny_dirs["qwen2_5_vl"]) / "config.json").read_text())
+    config["tie_word_embeddings"] = True
+    config.setdefault("text_config", {})["tie_word_embeddings"] = True
+    policy = open_policy("hf", model=ModelSpec(config=config, seed=5), rank=0, world_size=1, train=TRAIN)
+    policy.setup(master_addr="127.0.0.1", master_port=0, max_steps=4)
+    engine = open_generator("hf", model=ModelSpec(config=config, seed=9, dtype="bfloat16"))
+    engine.setup()
+    names = list(policy.model.state_dict())
+    assert "lm_head.weight" in names and policy.model.lm_head.weight is policy.model.get_input_embeddings().weight
+    streamed = [n for b in policy.weights_for_refit(bucket_bytes=32 << 10) for n in b]
+    assert "lm_head.weight" not in streamed and sorted(streamed) == sorted(n for n in names if n != "lm_head.weight")
+    refit(engine, policy, bucket_bytes=32 << 10)
+    head, embed = engine.model.lm_head.weight, engine.model.get_input_embeddings().weight
+    assert head is embed and torch.equal(head, policy.model.lm_head.weight.detach().to(torch.bfloat16))
+    engine.load_weights(policy.model.state_dict())  # both names: the second finds it filled
+    with pytest.raises(KeyError, match="came twice"):
+        engine.load_weights([{"lm_head.weight": head.detach().clone()}, {"lm_head.weight": head.detach().clone()}])
+    policy.shutdown()

@@ -86,6 +86,16 @@ def test_bench_refit_streamed_holds_less_than_a_whole_model_gather():
     assert 0 < streamed["peak_extra_bytes"] < whole["peak_extra_bytes"]  # a bf16 bucket, not the fp32 model
 
 
+@pytest.mark.slow
+def test_measure_memory_grpo_phases_against_their_estimates():
+    d = run_tool("tools/measure_memory.py", "--recipe", "recipes/tiny-grpo-cpu.yaml", "--family", "qwen2_5_vl")
+    (row,) = d["families"]
+    assert set(row["phases"]) == {"refit", "generation", "training"}
+    assert all(p["measured_bytes"] > 0 and finite(p["ratio"]) for p in row["phases"].values())
+    assert row["measured_peak_bytes"] == max(p["measured_bytes"] for p in row["phases"].values())
+    assert 0.5 < row["ratio_estimate_to_measured"] < 2  # the estimate and the measurement describe one step
+
+
 def test_measure_memory_estimate_against_the_measured_step():
     d = run_tool("tools/measure_memory.py", "--family", "qwen2_5_vl")
     (row,) = d["families"]

@@ -97,7 +97,11 @@ def _rank(rank: int, world: int, size: str, rounds: int, bucket_mb: int, port: i
         n: t.clone() for b in policy.weights_for_refit(dtype="bfloat16", bucket_bytes=1 << 40) for n, t in b.items()
     }
     t0 = time.perf_counter()
-    engine.model.load_state_dict(gathered, strict=True)
+    missing, unexpected = engine.model.load_state_dict(gathered, strict=False)
+    tied = {n for n, p in engine.model.named_parameters(remove_duplicate=False)} - {
+        n for n, _ in engine.model.named_parameters()
+    }
+    assert not unexpected and set(missing) <= tied, (missing, unexpected)  # a tied weight comes once, by its first name
     plain = time.perf_counter() - t0
     report = {"rows": rows, "plain_load_s": plain, "engine_bytes": engine_bytes, "largest_tensor_bytes": largest}
     reports = [None] * world

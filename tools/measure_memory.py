@@ -14,6 +14,14 @@ the peak of the bytes allocated during that step by the CPU allocator, counted e
 and free (RSS moves in pages and keeps freed memory, too coarse at these sizes). Measured peak = that +
 the bytes alive before the step (the policy's checkpoint state: weights and optimizer state). Single
 process, so the CPU recipes' replicas, not FSDP.
+
+A GRPO recipe (`--recipe recipes/tiny-grpo-cpu.yaml`) is measured per phase of its step, each against
+the estimate of that phase (resident terms + the phase's own): the refit (the rank's engine, opened as
+a training rank opens it, `weights="refit"`, filled from the policy in `generation.refit_bucket_mb`
+buckets), the generation (`grpo.num_generations` responses to each of `train.micro_batch_size` one-image
+prompts, to `grpo.max_new_tokens`: a random tiny model stops only there), and the training step (as
+above, its sequences the prompt plus the responses). The bytes alive before a phase are the policy's
+state, its gradients from the step before, the reference model's weights and the engine's.
 """
 
 from __future__ import annotations
@@ -36,9 +44,9 @@ RECIPE = ROOT / "recipes" / "tiny-clevr-cpu.yaml"
 FILLER = "The small red cube is left of the large blue sphere and behind the green cylinder. "
 
 
-def padded_batch(processor, sequences: int, seq_len: int, image_size: int, dtype: torch.dtype):
-    """`sequences` one-image conversations, each extended with plain text to exactly `seq_len` tokens, as a
-    `Batch` (every token labelled; pixels in the weights' `dtype`)."""
+def padded_batch(processor, sequences: int, seq_len: int | None, image_size: int, dtype: torch.dtype):
+    """`sequences` one-image conversations, each extended with plain text to exactly `seq_len` tokens (None:
+    the prompt alone), as a `Batch` (every token labelled; pixels in the weights' `dtype`)."""
     import numpy as np
     from PIL import Image
 
@@ -51,9 +59,12 @@ def padded_batch(processor, sequences: int, seq_len: int, image_size: int, dtype
         [turn] * sequences, tokenize=True, return_dict=True, return_tensors="pt", add_generation_prompt=True
     )
     ids = batch["input_ids"]
+    seq_len = ids.shape[1] if seq_len is None else seq_len
     if ids.shape[1] > seq_len:
         raise SystemExit(f"the prompt alone is {ids.shape[1]} tokens, more than data.max_seq_len={seq_len}")
-    filler = torch.tensor(processor.tokenizer(FILLER * (seq_len // 4 + 1))["input_ids"][: seq_len - ids.shape[1]])
+    filler = torch.tensor(
+        processor.tokenizer(FILLER * (seq_len // 4 + 1))["input_ids"][: seq_len - ids.shape[1]], dtype=ids.dtype
+    )
     extended = {"input_ids": torch.cat([ids, filler.expand(sequences, -1)], dim=1)}
     for key, value in batch.items():  # per-token fields (attention mask, token types) grow with the text
         if key != "input_ids" and torch.is_tensor(value) and value.shape == ids.shape:
@@ -113,6 +124,112 @@ def measure_family(family: str, recipe, cache: Path | None = None) -> dict:
     }
 
 
+def measure_grpo_phases(family: str, recipe, cache: Path | None = None) -> dict:
+    """Estimated and measured bytes of each phase of a GRPO step of `family`'s tiny model under `recipe`."""
+    if cache is None:
+        with tempfile.TemporaryDirectory(prefix="vlmrun-measure-memory-") as tmp:
+            return measure_grpo_phases(family, recipe, Path(tmp))
+    from transformers import AutoProcessor
+
+    from vlmrun.algorithms.common.refit import refit
+    from vlmrun.config.dtype import compute_dtype, torch_dtype
+    from vlmrun.data.batch import PromptBatch
+    from vlmrun.generation import open_generator
+    from vlmrun.generation.interface import SamplingParams
+    from vlmrun.models.architecture import load_architecture
+    from vlmrun.models.fit import training_shape
+    from vlmrun.models.source import ensure_model
+    from vlmrun.models.spec import ModelSpec
+    from vlmrun.policy import open_policy
+
+    shape, assumption = training_shape(recipe)
+    g, t = recipe.grpo, recipe.train
+    model_dir = str(ensure_model(recipe.model, cache, seed=0))
+    policy = open_policy(
+        recipe.model.backend,
+        model=ModelSpec(directory=model_dir, dtype=recipe.model.dtype),
+        rank=0,
+        world_size=1,
+        train=t,
+        parallel=recipe.parallel,
+    )
+    policy.setup(master_addr="127.0.0.1", master_port=_free_port(), max_steps=t.max_steps)
+    engine_dtype = compute_dtype(recipe.model.dtype, recipe.parallel.mixed_precision)
+    engine = open_generator(
+        recipe.generation.backend, model=ModelSpec(directory=model_dir, dtype=engine_dtype), weights="refit"
+    )
+    engine.setup()
+    try:
+        processor = AutoProcessor.from_pretrained(model_dir)
+        dtype = torch_dtype(recipe.model.dtype)
+        train = [padded_batch(processor, shape.sequences, shape.seq_len, shape.image_size, dtype)]
+        one = padded_batch(processor, t.micro_batch_size, None, shape.image_size, dtype)
+        prompts = PromptBatch(
+            [f"p{i}" for i in range(t.micro_batch_size)],
+            one.input_ids,
+            one.attention_mask,
+            ["3"] * t.micro_batch_size,
+            media=one.media,
+            token_inputs=one.token_inputs,
+        )
+        sampling = SamplingParams(temperature=g.temperature, top_p=g.top_p, max_new_tokens=g.max_new_tokens)
+        policy.train_step(train * shape.micro_batches)  # AdamW's state, and the gradients a next step starts with
+        if g.kl_coef > 0:
+            policy.reference_logprobs(train[0])  # builds the reference model
+        measured = {}
+
+        def alive() -> int:
+            grads = _state_bytes([p.grad for p in policy.params if p.grad is not None])
+            reference = getattr(policy, "_reference", None)
+            ref = _state_bytes(dict(reference.state_dict())) if reference is not None else 0
+            return _state_bytes(policy.checkpoint_state().parts) + grads + ref + _state_bytes(engine.model.state_dict())
+
+        bucket = recipe.generation.refit_bucket_mb << 20
+        measured["refit"] = alive() + profiled_peak(lambda: refit(engine, policy, bucket_bytes=bucket))
+        measured["generation"] = alive() + profiled_peak(
+            lambda: engine.generate(prompts, sampling, n=g.num_generations)
+        )
+        if recipe.generation.release_weights:
+            engine.release_weights()
+        before = alive()
+        policy.optimizer.zero_grad(set_to_none=True)  # the step starts so: its gradients are made in it
+        measured["training"] = (
+            before - _grad_bytes(policy) + profiled_peak(lambda: policy.train_step(train * shape.micro_batches))
+        )
+    finally:
+        policy.shutdown()
+        engine.shutdown()
+    estimate = estimate_memory(load_architecture(recipe.model).architecture, shape)
+    resident = sum(estimate.resident_terms().values()) + estimate.overhead
+    phases = estimate.phase_terms()
+    estimated = {
+        "refit": resident + sum(phases["refit"].values()),
+        "generation": resident + sum(phases["generation"].values()),
+        "training": resident + max(sum(phases["forward"].values()), sum(phases["backward"].values())),
+    }
+    return {
+        "family": family,
+        "params": estimate.params,
+        "assumption": assumption,
+        "estimate_bytes": estimate.device_total,
+        "estimate_peak_phase": estimate.peak_phase,
+        "measured_peak_bytes": max(measured.values()),
+        "phases": {
+            k: {
+                "estimate_bytes": estimated[k],
+                "measured_bytes": measured[k],
+                "ratio": round(estimated[k] / measured[k], 3),
+            }
+            for k in measured
+        },
+        "ratio_estimate_to_measured": round(estimate.device_total / max(measured.values()), 3),
+    }
+
+
+def _grad_bytes(policy) -> int:
+    return _state_bytes([p.grad for p in policy.params if p.grad is not None])
+
+
 def _state_bytes(value, seen: set | None = None) -> int:
     """Bytes of the distinct tensors in a (nested) state: a tied weight counts once."""
     seen = set() if seen is None else seen
@@ -163,7 +280,7 @@ def main() -> None:
     rows = []
     for family in args.family or FAMILIES:  # an unknown family is refused by the recipe
         recipe = load_recipe(args.recipe, [*args.set, f"model.family={family}", f"data.family={family}"])
-        rows.append(measure_family(family, recipe))
+        rows.append((measure_grpo_phases if recipe.train.algorithm == "grpo" else measure_family)(family, recipe))
     print(json.dumps({"recipe": str(args.recipe), "overrides": args.set, "families": rows}, indent=2))
 
 

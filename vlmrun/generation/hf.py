@@ -127,11 +127,16 @@ class HfGenerator(GenerationBackend):
             param.data = torch.empty(shape, dtype=param.dtype, device=param.device)
         self._released = None
         own = self.model.state_dict()
+        aliases: dict[int, list[str]] = {}  # a tied weight: one tensor under several names, filled once
+        for name, p in self.model.named_parameters(remove_duplicate=False):
+            aliases.setdefault(id(p), []).append(name)
+        alias_of = {n: names for names in aliases.values() for n in names}
+        came: set[str] = set()
         filled: set[str] = set()
         for bucket in [weights] if isinstance(weights, Mapping) else weights:
             for name, tensor in bucket.items():
                 target = own.get(name)
-                if target is None or name in filled:
+                if target is None or name in came:
                     raise KeyError(
                         f"refit: {name!r} {'came twice' if target is not None else 'is not a weight of the engine'}"
                     )
@@ -139,8 +144,12 @@ class HfGenerator(GenerationBackend):
                     raise ValueError(
                         f"refit: {name!r} has shape {tuple(tensor.shape)}, the engine's {tuple(target.shape)}"
                     )
+                came.add(name)
+                if name in filled:  # another name of the same tied tensor filled it already
+                    continue
                 target.copy_(tensor)
-                filled.add(name)
+                filled.update(alias_of.get(name, [name]))
+            del bucket  # before the next is drawn: the policy gathers it with this one freed
         if missing := sorted(set(own) - filled):
             raise KeyError(f"refit: {len(missing)} weights never came, e.g. {missing[:3]}")
 

@@ -16,7 +16,8 @@ runs any backend as replicas in Ray actors behind the same interface.
 4. `load_weights` takes the policy's weights by parameter name: one mapping, or the buckets of
    `PolicyBackend.weights_for_refit` as they are drawn, copied into the engine's own tensors (in its
    dtype, on its device) bucket by bucket, so a refit holds one bucket beyond the engine's weights.
-   Every weight of the engine must come exactly once; `weights_dtype` is the dtype it holds them in.
+   Every weight of the engine must come exactly once (a tied weight, one tensor under several names,
+   under any one of them: the policy sends it once); `weights_dtype` is the dtype it holds them in.
 5. `release_weights` frees the weights' memory between uses (`generation.release_weights`); the next
    `load_weights` allocates them again, and `generate` before it is refused.
 """

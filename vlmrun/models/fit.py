@@ -1,7 +1,8 @@
 """The memory-fit check at submit: refuse a GPU recipe whose estimate exceeds the GPU, warn near it.
 
-Only GPU recipes (cluster.gpus_per_node > 0) are checked against `cluster.gpu_memory_gb`, and, with
-parallel.cpu_offload, the node's host memory against `cluster.mem_gb` when it is set. A CPU recipe's
+Only GPU recipes (cluster.gpus_per_node > 0) are checked against `cluster.gpu_memory_gb`, and the
+node's host memory at its peak (the ranks loading the model, or with parallel.cpu_offload the state
+it keeps there) against `cluster.mem_gb` when it is set. A CPU recipe's
 estimate (host memory per rank) is reported and never refused. A refusal names only the changes that
 lower this estimate: each candidate is applied to the recipe and estimated again (`_remedies`).
 """
@@ -36,7 +37,7 @@ class MemoryFit:
 
     @property
     def host_per_node(self) -> int:
-        return self.estimate.host_per_rank * self.ranks_per_node if self.estimate else 0
+        return self.estimate.host_peak_per_rank * self.ranks_per_node if self.estimate else 0
 
     def to_json(self) -> dict:
         """For `--json` output: bytes per rank of every term, the limit and the verdict."""
@@ -58,9 +59,8 @@ class MemoryFit:
         lines += [f"  {name:<22} {_size(value):>10}" for name, value in e.peak_terms().items()]
         verdict = f"of {_size(self.limit)} (cluster.gpu_memory_gb)" if self.limit else ""
         lines.append(f"  {'total':<22} {_size(e.device_total):>10} {verdict}".rstrip())
-        if e.offloaded:
-            held = f"weights, gradients and optimizer state of {self.ranks_per_node} rank(s)"
-            lines.append(f"  {'host, per node':<22} {_size(self.host_per_node):>10} ({held})")
+        if self.limit is not None:
+            lines.append(f"  {'host, per node':<22} {_size(self.host_per_node):>10} ({_host_words(self)})")
         lines.append(f"  assuming {self.assumption}")
         return lines + ([f"warning: {self.warning}"] if self.warning else [])
 
@@ -141,7 +141,7 @@ def training_shape(recipe) -> tuple[TrainingShape, str]:
 def _fit(recipe, found: ArchitectureSource, limit: int | None) -> MemoryFit:
     shape, said = training_shape(recipe)
     c = recipe.cluster
-    host_limit = c.mem_gb * GIB if (c.mem_gb and shape.cpu_offload and shape.on_gpu) else None
+    host_limit = c.mem_gb * GIB if (c.mem_gb and shape.on_gpu) else None
     estimate = estimate_memory(found.architecture, shape)
     ranks = max(1, c.gpus_per_node)
     return MemoryFit(
@@ -155,7 +155,7 @@ def _with_warning(fit: MemoryFit) -> MemoryFit:
         why = f"the estimate {_gib(e.device_total)} is within 10% of cluster.gpu_memory_gb ({_gib(fit.limit)})"
         near = f"{why}: the run may run out of GPU memory"
     elif fit.host_limit and fit.host_per_node > WARN_FRACTION * fit.host_limit:
-        why = f"offloaded state {_gib(fit.host_per_node)} per node is within 10% of cluster.mem_gb"
+        why = f"host memory {_gib(fit.host_per_node)} per node ({_host_words(fit)}) is within 10% of cluster.mem_gb"
         near = f"{why} ({_gib(fit.host_limit)})"
     return replace(fit, warning="; ".join(w for w in (fit.warning, near) if w) or None)
 
@@ -172,12 +172,30 @@ def _refusal(recipe, fit: MemoryFit, found: ArchitectureSource) -> str:
     )
 
 
+def _host_words(fit: MemoryFit) -> str:
+    """What the node's host memory peak is, in words."""
+    e, n = fit.estimate, fit.ranks_per_node
+    if e.offloaded and e.host_per_rank >= e.load_host:
+        return f"weights, gradients and optimizer state of {n} rank(s), offloaded"
+    how = "each its share of the weights' files" if e.load_sharded else "each the whole model"
+    return f"{n} rank(s) loading the model, {how}" + (", with the offloaded state" if e.offloaded else "")
+
+
 def _host_refusal(recipe, fit: MemoryFit) -> str:
+    e = fit.estimate
+    if e.offloaded and e.host_per_rank >= e.load_host:
+        return (
+            f"cluster.mem_gb: parallel.cpu_offload keeps ~{_gib(fit.host_per_node)} of weights, gradients and "
+            f"optimizer state in host memory per node ({fit.ranks_per_node} ranks x {_gib(e.host_per_rank)}), "
+            f"more than cluster.mem_gb={recipe.cluster.mem_gb}; raise cluster.mem_gb, or raise parallel.dp "
+            "(more nodes), or model.dtype=bfloat16 (halves it, at the cost of bf16 master weights)"
+        )
+    sharded = recipe.parallel.sharded
+    fix = "raise parallel.dp (more nodes)" if sharded else "parallel.fsdp=true (each rank reads only its share)"
     return (
-        f"cluster.mem_gb: parallel.cpu_offload keeps ~{_gib(fit.host_per_node)} of weights, gradients and "
-        f"optimizer state in host memory per node ({fit.ranks_per_node} ranks x {_gib(fit.estimate.host_per_rank)}), "
-        f"more than cluster.mem_gb={recipe.cluster.mem_gb}; raise cluster.mem_gb, or raise parallel.dp "
-        "(more nodes), or model.dtype=bfloat16 (halves it, at the cost of bf16 master weights)"
+        f"cluster.mem_gb: loading the model takes ~{_gib(fit.host_per_node)} of host memory per node "
+        f"({fit.ranks_per_node} ranks x {_gib(e.host_peak_per_rank)}: {_host_words(fit)}), more than "
+        f"cluster.mem_gb={recipe.cluster.mem_gb}; raise cluster.mem_gb, or {fix}"
     )
 
 

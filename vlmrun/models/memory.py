@@ -68,6 +68,8 @@ class MemoryEstimate:
     engine_weights: int = 0
     refit_bucket: int = 0
     engine_resident: bool = False
+    load_host: int = 0  # host bytes per rank while the policy loads (item 16)
+    load_sharded: bool = False  # each rank reads only its share of the files (item 16)
 
     @property
     def sharded_state(self) -> int:
@@ -77,6 +79,11 @@ class MemoryEstimate:
     @property
     def host_per_rank(self) -> int:
         return self.sharded_state + self.reference if self.offloaded else 0
+
+    @property
+    def host_peak_per_rank(self) -> int:
+        """Host memory per rank at its peak: while loading (16), or the offloaded state after (4)."""
+        return max(self.load_host, self.host_per_rank + (self.load_host if self.offloaded and self.reference else 0))
 
     def resident_terms(self) -> dict[str, int]:
         """Device bytes held through the whole step (the overhead is added last, in `peak_terms`)."""
@@ -130,6 +137,7 @@ class MemoryEstimate:
     def to_json(self) -> dict:
         out = asdict(self)
         out.update(device_total=self.device_total, host_per_rank=self.host_per_rank, peak_phase=self.peak_phase)
+        out["host_peak_per_rank"] = self.host_peak_per_rank
         return out
 
 
@@ -179,6 +187,11 @@ def estimate_memory(arch: Architecture, shape: TrainingShape) -> MemoryEstimate:
     15. Refit bucket: the whole tensors the policy streams to the engine at once
         (`generation.refit_bucket_mb`; a tensor larger than that alone).
     13. Overhead: CUDA context, NCCL buffers and allocator slack, 2 GiB on a GPU; none on CPU.
+    16. Host memory at load, per rank: sharded (FSDP), the rank reads only its rows of the files
+        (models/sharded_load.py): its share of the weights (1) plus the 64 MB staging buffer, and
+        on a GPU the largest of its tensor shards staged on the way to the device; replicated, the
+        whole model in the master dtype (`from_pretrained` on every rank). The reference (10) loads
+        the same way after the policy; with cpu_offload its load adds to the policy's offloaded state.
     """
     compute = 2 if shape.mixed_precision == "bf16" or shape.master_dtype == "bfloat16" else 4
     master = 2 if shape.master_dtype == "bfloat16" else 4
@@ -204,7 +217,21 @@ def estimate_memory(arch: Architecture, shape: TrainingShape) -> MemoryEstimate:
         engine_weights=arch.total * compute if shape.engine else 0,
         refit_bucket=min(shape.refit_bucket, arch.total * compute) if shape.engine else 0,
         engine_resident=shape.engine and shape.engine_resident,
+        load_host=_load_host(arch, shape, sharded * master, master),
+        load_sharded=shape.fsdp,
     )
+
+
+#: The sharded load's staging buffer (models/sharded_load.py CHUNK_BYTES).
+LOAD_BUFFER = 64 << 20
+
+
+def _load_host(arch: Architecture, shape: TrainingShape, share: int, master: int) -> int:
+    """Item 16 of `estimate_memory`."""
+    if not shape.fsdp:
+        return arch.total * master
+    staged = math.ceil(arch.vocab * arch.hidden / shape.dp) * master if shape.on_gpu else 0
+    return share + LOAD_BUFFER + staged
 
 
 def _upcast(shape: TrainingShape) -> int:

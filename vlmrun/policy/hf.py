@@ -267,22 +267,33 @@ class HfPolicy(PolicyBackend):
         want = None if dtype is None else torch_dtype(dtype)
         bucket: dict[str, torch.Tensor] = {}
         size = 0
-        for name, t in self.model.state_dict().items():
+        for name, t in self._refit_tensors():
             t = t.detach()
+            nbytes = t.numel() * (want.itemsize if want is not None and t.is_floating_point() else t.element_size())
+            if bucket and size + nbytes > bucket_bytes:  # before this one is gathered: one bucket alive at a time
+                yield bucket
+                bucket, size = {}, 0
             if want is not None and t.is_floating_point() and t.dtype != want:
                 t = t.to(want)
             if hasattr(t, "full_tensor"):
                 if t.device.type != t.device_mesh.device_type:  # offloaded shards: gathered on the mesh's device
                     t = t.to(t.device_mesh.device_type)
                 t = t.full_tensor()
-            nbytes = t.numel() * t.element_size()
-            if bucket and size + nbytes > bucket_bytes:
-                yield bucket
-                bucket, size = {}, 0
             bucket[name] = t
             size += nbytes
+            del t
         if bucket:
             yield bucket
+
+    def _refit_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The state dict's tensors, a tied weight once (under its first name: one gather, not one per name)."""
+        tied = {}
+        for name, p in self.model.named_parameters(remove_duplicate=False):
+            tied.setdefault(id(p), []).append(name)
+        later = {n for names in tied.values() for n in names[1:]}
+        for name, t in self.model.state_dict().items():
+            if name not in later:
+                yield name, t
 
     def export(self, read: Callable[[PolicyState], PolicyState], out: Path) -> None:
         """A Hugging Face model directory: config, generation config and safetensors weights in the spec's
