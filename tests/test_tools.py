@@ -151,3 +151,4 @@ def test_bench_load_sharded_against_the_whole_load():
     assert sharded["load"] == "each rank read only its own rows of the weights' files"
     assert whole["load"].startswith("whole on every rank")  # the product's fallback, forced
     assert finite(sharded["seconds_median"]) and finite(whole["seconds_median"]) and sharded["peak_extra_bytes_max"] > 0
+    assert set(d["sharded_over_whole_s"]) == SPREAD_KEYS and d["sharded_over_whole_s"]["rounds"] == 1
