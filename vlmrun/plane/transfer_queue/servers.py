@@ -35,7 +35,6 @@ from vlmrun.plane.transfer_queue.endpoint import (
 
 log = logging.getLogger(__name__)
 
-#: Storage units and the controller deserialize with one thread (TransferQueue's default 8 warns on small nodes).
 _SHUTDOWN_S = 15.0
 _PING_S = 5.0
 
@@ -188,10 +187,12 @@ class _ServerHost:
 
         from vlmrun.startup import freeze_heap
 
-        os.environ["TQ_NUM_THREADS"] = "1"  # read when TransferQueue is imported: before it, here
+        # one deserializing thread (TransferQueue's default 8 warns on small nodes), read at its import
+        os.environ["TQ_NUM_THREADS"] = "1"
         module, name = _SERVERS[self.server]
         actor_class = getattr(importlib.import_module(module), name)
-        cls = actor_class.__ray_actor_class__  # the class under TransferQueue's @ray.remote
+        cls = actor_class.__ray_actor_class__  # the class under TransferQueue's @ray.remote (Ray 2.60's
+        # ActorClass attribute: every TransferQueue test starts its servers through here)
         if self.server == "controller":
             from transfer_queue.sampler import SequentialSampler
 
