@@ -1,5 +1,6 @@
 """Plain functions the data-path tests share (the fixtures are in tests/conftest.py): the size of the
-session's CLEVR set, a tiny recipe over a data set, batches as plain data, and raw and damaged samples.
+session's CLEVR set, a tiny recipe over a data set, batches as plain data, and raw and damaged samples;
+and one rank of the recipe's policy on a layout (the spawned-rank tests of FSDP2).
 """
 
 from __future__ import annotations
@@ -129,3 +130,30 @@ def text_only(members: dict) -> dict:
         message["content"] = [part for part in message["content"] if part["type"] == "text"]
     record["media"] = []
     return {k: v for k, v in members.items() if k != "jpg"} | {"json": json.dumps(record).encode()}
+
+
+def free_port() -> int:
+    """A loopback port nothing listens on now (a process group's rendezvous)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def rank_policy(recipe, rank: int, world: int, model_dir: str, layout: dict, port: int, max_steps: int = 20):
+    """Rank `rank` of `world` of the recipe's policy over `model_dir`, its `parallel` section updated with
+    `layout` (e.g. {"fsdp": True}) and dp=world, set up; returns (policy, what `setup` said)."""
+    from vlmrun.models.spec import ModelSpec
+    from vlmrun.policy import open_policy
+
+    policy = open_policy(
+        recipe.model.backend,
+        model=ModelSpec(directory=model_dir, dtype=recipe.model.dtype),
+        rank=rank,
+        world_size=world,
+        train=recipe.train,
+        parallel=recipe.parallel.model_copy(update={"dp": world, **layout}),
+    )
+    info = policy.setup(master_addr="127.0.0.1", master_port=port, max_steps=max_steps)
+    return policy, info

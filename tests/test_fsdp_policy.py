@@ -9,21 +9,14 @@ the 2-rank checkpoint (DCP reshards).
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
 import torch
 import torch.multiprocessing as mp
-from data_samples import make_recipe
+from data_samples import free_port, make_recipe, rank_policy
 
 pytestmark = pytest.mark.slow  # two spawned ranks per layout import torch and build FSDP2: ~15 s a test
 STEPS = 4
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _text_only_batch(tokenizer, rank: int):
@@ -33,28 +26,11 @@ def _text_only_batch(tokenizer, rank: int):
     return Batch([f"text-{rank}"], ids, torch.ones_like(ids), ids.clone())
 
 
-def _policy(recipe, rank: int, world: int, model_dir: str, layout: dict, port: int):
-    from vlmrun.models.spec import ModelSpec
-    from vlmrun.policy import open_policy
-
-    parallel = recipe.parallel.model_copy(update={"dp": world, **layout})
-    policy = open_policy(
-        recipe.model.backend,
-        model=ModelSpec(directory=model_dir, dtype=recipe.model.dtype),
-        rank=rank,
-        world_size=world,
-        train=recipe.train,
-        parallel=parallel,
-    )
-    policy.setup(master_addr="127.0.0.1", master_port=port, max_steps=20)
-    return policy
-
-
 def _rank_main(rank, world, recipe, model_dir, batches, layout, port, out, all_text):
     """One rank: STEPS steps (rank 0's last micro-batch is text-only, or all of them with `all_text`);
     rank 0 writes rows and weights."""
     torch.set_num_threads(1)
-    policy = _policy(recipe, rank, world, model_dir, layout, port)
+    policy, _ = rank_policy(recipe, rank, world, model_dir, layout, port)
     mine = batches[rank::world]
     if rank == 0:  # ranks take the same number of micro-batches (FSDP2 gathers per forward)
         from transformers import AutoTokenizer
@@ -71,7 +47,7 @@ def _rank_main(rank, world, recipe, model_dir, batches, layout, port, out, all_t
 
 def _run(tmp_path, name, recipe, model_dir, batches, *, layout, all_text=False):
     out = tmp_path / f"{name}.pt"
-    args = (2, recipe, model_dir, batches, layout, _free_port(), str(out), all_text)
+    args = (2, recipe, model_dir, batches, layout, free_port(), str(out), all_text)
     mp.start_processes(_rank_main, args=args, nprocs=2, start_method="spawn")
     return torch.load(out, weights_only=False)
 

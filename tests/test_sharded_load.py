@@ -9,7 +9,6 @@ the tensors `from_pretrained` loads, rotary buffers included, and job.json's `po
 from __future__ import annotations
 
 import os
-import socket
 from pathlib import Path
 
 import pytest
@@ -101,26 +100,11 @@ def test_the_plan_places_every_tensor_of_the_model(tiny_dirs, family):
         assert chunks and sorted({s.offset // (plan.files[s.keys[0]].shape[0] // 3) for s in chunks}) == [0, 1, 2]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _rank_main(rank, world, recipe, model_dir, port, out):
-    from vlmrun.models.spec import ModelSpec
-    from vlmrun.policy import open_policy
+    from data_samples import rank_policy
 
     torch.set_num_threads(1)
-    policy = open_policy(
-        recipe.model.backend,
-        model=ModelSpec(directory=model_dir, dtype=recipe.model.dtype),
-        rank=rank,
-        world_size=world,
-        train=recipe.train,
-        parallel=recipe.parallel.model_copy(update={"dp": world, "fsdp": True}),
-    )
-    info = policy.setup(master_addr="127.0.0.1", master_port=port, max_steps=2)
+    policy, info = rank_policy(recipe, rank, world, model_dir, {"fsdp": True}, port, max_steps=2)
     full = {}
     for name, t in policy.model.state_dict().items():  # every rank joins each gather
         full[name] = t.full_tensor() if hasattr(t, "full_tensor") else t
@@ -134,13 +118,13 @@ def _rank_main(rank, world, recipe, model_dir, port, out):
 @pytest.mark.slow
 @pytest.mark.parametrize("family", ["qwen2_5_vl", "nemotron_omni"])
 def test_fsdp_ranks_read_their_rows_and_hold_what_from_pretrained_loads(tmp_path, clevr_set, tiny_dirs, family):
-    from data_samples import make_recipe
+    from data_samples import free_port, make_recipe
     from transformers import AutoModelForImageTextToText
 
     recipe = make_recipe(clevr_set, family=family)
     out = tmp_path / "state"
     mp.start_processes(
-        _rank_main, args=(2, recipe, tiny_dirs[family], _free_port(), str(out)), nprocs=2, start_method="spawn"
+        _rank_main, args=(2, recipe, tiny_dirs[family], free_port(), str(out)), nprocs=2, start_method="spawn"
     )
     got = [torch.load(f"{out}.{r}", weights_only=False) for r in range(2)]
     want = AutoModelForImageTextToText.from_pretrained(tiny_dirs[family], dtype=torch.float32)

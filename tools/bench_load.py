@@ -26,12 +26,11 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 import torch.multiprocessing as mp
 from bench_refit import SIZES
-from gpu.workload import TRAIN, free_port, model_config
+from gpu.workload import TRAIN, free_port, model_config, sharded_parallel
 
 from vlmrun.observe.ratios import ratio_spread, round_ratios
 
@@ -65,13 +64,7 @@ def _rank(rank: int, world: int, model_dir: str, variant: str, port: int, out: s
     torch.set_num_threads(1)
     if variant == "whole":  # the product's fallback: every rank loads the whole model, then shards it
         hf.plan_load = lambda model, directory: (None, "bench_load: the whole load")
-    parallel = SimpleNamespace(
-        fsdp=True,
-        mixed_precision="none",
-        activation_checkpointing=False,
-        cpu_offload=False,
-        reduce_every_micro_batch=False,
-    )
+    parallel = sharded_parallel()
     policy = open_policy(
         "hf", model=ModelSpec(directory=model_dir), rank=rank, world_size=world, train=TRAIN, parallel=parallel
     )

@@ -23,11 +23,10 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 import torch.multiprocessing as mp
-from gpu.workload import TINY_OVERRIDES, TRAIN, free_port, model_config
+from gpu.workload import TINY_OVERRIDES, TRAIN, free_port, model_config, sharded_parallel
 from measure_memory import profiled_peak
 
 #: The Qwen2.5-VL-3B layout narrowed to ~0.27B parameters (vocabulary kept: its tied embedding is the
@@ -68,13 +67,7 @@ def _rank(rank: int, world: int, size: str, rounds: int, bucket_mb: int, port: i
 
     torch.set_num_threads(1)
     config = model_config(SIZES[size])
-    parallel = SimpleNamespace(
-        fsdp=True,
-        mixed_precision="none",
-        activation_checkpointing=False,
-        cpu_offload=False,
-        reduce_every_micro_batch=False,
-    )
+    parallel = sharded_parallel()
     policy = open_policy(
         "hf", model=ModelSpec(config=config, seed=1), rank=rank, world_size=world, train=TRAIN, parallel=parallel
     )

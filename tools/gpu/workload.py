@@ -150,18 +150,24 @@ def model_config(overrides: dict) -> dict:
     return merged(json.loads(REFERENCE_CONFIG.read_text()), overrides)
 
 
-def open_check_policy(
-    config: dict, scale: Scale, *, seed: int, mixed_precision: str = "bf16", activation_checkpointing: bool = False
-):
-    """vlmrun's hf policy, set up as the one rank of a sharded (FSDP2) layout on `scale.device`: fp32
-    master weights random-init from `seed`, `mixed_precision` compute. Call `shutdown()` after it."""
-    parallel = SimpleNamespace(
+def sharded_parallel(mixed_precision: str = "none", activation_checkpointing: bool = False) -> SimpleNamespace:
+    """The recipe's `parallel` section as the policy reads it, for an FSDP2 layout (no offload, gradients
+    reduced once per step)."""
+    return SimpleNamespace(
         fsdp=True,
         mixed_precision=mixed_precision,
         activation_checkpointing=activation_checkpointing,
         cpu_offload=False,
         reduce_every_micro_batch=False,
     )
+
+
+def open_check_policy(
+    config: dict, scale: Scale, *, seed: int, mixed_precision: str = "bf16", activation_checkpointing: bool = False
+):
+    """vlmrun's hf policy, set up as the one rank of a sharded (FSDP2) layout on `scale.device`: fp32
+    master weights random-init from `seed`, `mixed_precision` compute. Call `shutdown()` after it."""
+    parallel = sharded_parallel(mixed_precision, activation_checkpointing)
     policy = open_policy(
         "hf",
         model=ModelSpec(config=config, seed=seed),

@@ -157,8 +157,7 @@ def plan_load(model: torch.nn.Module, directory: str | Path) -> tuple[LoadPlan |
     transforms = get_model_conversion_mapping(model)
     converters = [t for t in transforms if isinstance(t, WeightConverter)]
     renamings = [t for t in transforms if not isinstance(t, WeightConverter)]
-    wanted = dict(model.state_dict(keep_vars=True))
-    meta = {name: t for name, t in wanted.items()}
+    meta = dict(model.state_dict(keep_vars=True))
     fused: dict[str, list[tuple[int, str]]] = {}
     sources: dict[str, Source] = {}
     for key in files:
@@ -192,23 +191,30 @@ def plan_load(model: torch.nn.Module, directory: str | Path) -> tuple[LoadPlan |
         if [i for i, _ in experts] != list(range(len(experts))):
             return None, f"{target}: experts {[i for i, _ in experts]} are not 0..{len(experts) - 1}"
         sources[target] = Source(tuple(k for _, k in experts), fused=True)
-    missing = [name for name in _unique_tensors(model) if name not in sources and name in wanted]
+    missing = [name for name, names in _unique_tensors(model).items() if _source(names, sources) is None]
     if missing:
         return None, f"{len(missing)} tensor(s) of the model are not in its files, e.g. {missing[0]}"
     return LoadPlan(sources, files), ""
 
 
-def _unique_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Parameters (a tied one once, under the name a file holds it by: the caller asks for it by
-    any of its names) and persistent buffers, by name."""
-    out: dict[str, torch.Tensor] = {}
-    for name, p in model.named_parameters():
-        out[name] = p
+def _unique_tensors(model: torch.nn.Module) -> dict[str, list[str]]:
+    """Each parameter (a tied one once, under its first name) and persistent buffer, with every name it
+    goes by (a file holds a tied weight under any one of them)."""
+    out: dict[str, list[str]] = {}
+    aliases: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        aliases.setdefault(id(p), []).append(name)
+    for names in aliases.values():
+        out[names[0]] = names
     persistent = model.state_dict(keep_vars=True)
-    for name, b in model.named_buffers():
+    for name, _ in model.named_buffers():
         if name in persistent:
-            out[name] = b
+            out[name] = [name]
     return out
+
+
+def _source(names: list[str], sources: dict[str, Source]) -> Source | None:
+    return next((sources[n] for n in map(plan_name, names) if n in sources), None)
 
 
 #: what activation checkpointing's wrapper adds to the names under it (torch's checkpoint_wrapper)
@@ -223,15 +229,13 @@ def plan_name(name: str) -> str:
 def load_shards(model: torch.nn.Module, plan: LoadPlan, *, chunk_bytes: int = CHUNK_BYTES) -> int:
     """Fill every parameter and persistent buffer of `model` (materialized: `to_empty`) from the
     plan's files, each rank reading only its own rows; returns the bytes read from disk."""
-    aliases: dict[int, list[str]] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        aliases.setdefault(id(p), []).append(name)
+    tensors = dict(model.named_parameters()) | dict(model.named_buffers())
     read = 0
-    for name, tensor in _unique_tensors(model).items():  # under no autograd: shards are written in place
-        names = [plan_name(n) for n in aliases.get(id(tensor), [name])]
-        source = next((plan.sources[n] for n in names if n in plan.sources), None)
+    for name, names in _unique_tensors(model).items():  # under no autograd: shards are written in place
+        source = _source(names, plan.sources)
         if source is None:
             raise KeyError(f"{name}: not in the load plan")
+        tensor = tensors[name]
         local, first = _local_rows(tensor)
         with torch.no_grad():
             read += _fill(local, first, tensor.shape, source, plan.files, chunk_bytes)
