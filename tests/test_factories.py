@@ -158,3 +158,13 @@ def test_a_gpu_rank_grows_cuda_segments_unless_the_environment_says_otherwise(mo
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:512")
     open_policy("hf", model=spec, rank=0, world_size=1, train=TRAIN, gpus=True)
     assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:512"  # the user's own wins
+
+
+def test_the_attention_kernel_of_the_spec_is_the_one_the_model_runs(tiny_dirs):
+    from vlmrun.models.build import build_model
+
+    config = _config(tiny_dirs)
+    for source in ({"config": config}, {"directory": tiny_dirs["qwen2_5_vl"]}):
+        for attn in ("eager", "sdpa"):
+            model = build_model(ModelSpec(**source, attn_implementation=attn))
+            assert model.config._attn_implementation == attn, (source.keys(), attn)

@@ -1,5 +1,7 @@
 """FSDP2 runs through the CLI on CPU (dp=2, gloo): SIGKILLed and resumed with `vlmrun resume` from
-sharded DCP checkpoints, the same numbers as the session's replicated `sft_baseline` at every step;
+sharded DCP checkpoints, written in the step (the first attempt) and in the background while the next
+steps train (`checkpoint.async_save`, the second), the same numbers as the session's replicated
+`sft_baseline` at every step;
 an export from them equal to the replicated export; a resume at another dp only with
 --restart-data-order. (Text-only micro-batches under FSDP2, bitwise: tests/test_fsdp_policy.py.)
 """
@@ -21,17 +23,21 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 @pytest.fixture(scope="module")
 def sharded(tmp_path_factory, sft_sets) -> Path:
-    """An FSDP2 run SIGKILLed once it sealed its checkpoint of step 6, then resumed to the end."""
+    """An FSDP2 run SIGKILLed once it sealed its checkpoint of step 6; resumed with async saves and
+    SIGKILLed again once it sealed step 12's; then resumed to the end (from a checkpoint written in
+    the background)."""
     folder = tmp_path_factory.mktemp("sharded")
     run = folder / "run"
-    args = ["submit", TINY, "--cluster", "local", "--run-dir", str(run), *sft_sets, *sets("parallel.fsdp=true")]
-    launcher = Launcher(folder, *args, "--wait")
-    try:
-        wait_for(lambda: 6 in sealed(run) or launcher.proc.poll() is not None, 300, "the checkpoint of step 6")
-        assert 6 in sealed(run), launcher.stderr()[-3000:]
-    finally:
-        launcher.kill_group()
-        launcher.proc.wait()
+    submit = ["submit", TINY, "--cluster", "local", "--run-dir", str(run), *sft_sets, *sets("parallel.fsdp=true")]
+    for n, (args, step) in enumerate([(submit, 6), (["resume", str(run), *sets("checkpoint.async_save=true")], 12)]):
+        launcher = Launcher(folder, *args, "--wait", name=f"attempt-{n}")
+        try:
+            ended = launcher.proc.poll
+            wait_for(lambda s=step, e=ended: s in sealed(run) or e() is not None, 300, f"the checkpoint of step {step}")
+            assert step in sealed(run), launcher.stderr()[-3000:]
+        finally:
+            launcher.kill_group()
+            launcher.proc.wait()
     out = vlmrun("resume", str(run), "--wait")
     assert out.returncode == 0, out.stderr[-3000:]
     return run
@@ -43,7 +49,10 @@ def test_sharded_run_killed_and_resumed_equals_the_replicated_run(sft_baseline, 
     d = json.loads(cmp.stdout)
     assert d["verdict"] == "match" and d["max_abs_diff"]["loss"] == 0.0 and d["max_abs_diff"]["grad_norm"] == 0.0
     assert d["steps_compared"] == SFT_STEPS
-    assert states(sharded) == ["KILLED", "COMPLETED"] and job(sharded)["attempts"][1]["resumed_from"] >= 6
+    attempts = job(sharded)["attempts"]
+    assert states(sharded) == ["KILLED", "KILLED", "COMPLETED"] and attempts[2]["resumed_from"] >= 12
+    assert len(attempts[2]["checkpoint_write_s"]) >= 1  # its saves were written in the background too
+    assert attempts[2]["policy_load"] == "from the checkpoint it resumed (the model's own weights not read)"
     shards = sorted(p.name for p in (sharded / "checkpoints" / f"step_{SFT_STEPS}" / "policy" / "sharded").iterdir())
     assert shards == [".metadata", "__0_0.distcp", "__1_0.distcp"]  # each rank wrote its own
     a, b = history(sharded / "metrics.jsonl"), history(sft_baseline / "metrics.jsonl")

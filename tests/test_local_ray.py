@@ -5,7 +5,7 @@ Inside a node Ray's processes start with the stop signals blocked (the node's ma
 `ray.shutdown()` waited a second per process for a SIGTERM they never took before its SIGKILL;
 `stop_local_ray` goes to SIGKILL at once. Ray's dashboard agent listens on the fixed port 52365 by
 default; a second Ray on the machine then waited ~3.3 s for it at start: ours lets the OS pick (and
-starts no autoscaler monitor).
+starts no autoscaler monitor and no API server: nothing of vlmrun uses them).
 """
 
 from __future__ import annotations
@@ -41,12 +41,13 @@ def test_the_private_api_stop_local_ray_relies_on_is_there():
 
 
 def test_the_private_api_start_local_ray_relies_on_is_there():
-    from ray._private import parameter, worker
+    from ray._private import node, parameter, worker
 
     assert {"dashboard_agent_listen_port", "no_monitor"} <= set(
         inspect.signature(parameter.RayParams.__init__).parameters
     )
     assert "parameter.RayParams(" in inspect.getsource(worker.init)  # looked up when ray.init runs
+    assert "self.start_api_server(" in inspect.getsource(node.Node.start_head_processes)
 
 
 HOLDER = """
@@ -60,16 +61,18 @@ except OSError:
     pass  # held by something else already: taken either way
 from vlmrun.cluster.ray.local import start_local_ray, stop_local_ray
 temp = start_local_ray("test-port", 1)
+import ray
 from ray._private import worker
-monitor = "monitor" in worker._global_node.all_processes
+processes = sorted(worker._global_node.all_processes)
+ray.get(ray.remote(lambda: 1).remote())  # a task still runs without them
 stop_local_ray()
 logs = [p.read_text() for p in temp.glob("session_*/logs/dashboard_agent.log")]
-print(json.dumps({"agent_log": " | ".join(logs), "monitor": monitor}))
+print(json.dumps({"agent_log": " | ".join(logs), "processes": processes}))
 """
 
 
 @pytest.mark.slow
-def test_a_second_ray_on_the_machine_does_not_wait_for_the_agent_port_the_first_holds():
+def test_a_second_ray_on_the_machine_does_not_wait_for_the_agent_port_the_first_holds_and_starts_no_extras():
     with tempfile.TemporaryDirectory(prefix="vlmrun-", dir="/tmp") as temp:  # Ray's socket paths: short
         env = dict(ENV, TMPDIR=temp)
         out = subprocess.run(
@@ -79,7 +82,8 @@ def test_a_second_ray_on_the_machine_does_not_wait_for_the_agent_port_the_first_
     log = json.loads(out.stdout.strip().splitlines()[-1])["agent_log"]
     assert "Dashboard agent grpc address" in log  # the agent started and logged
     assert "Failed to bind" not in log and "failed to bind" not in log, log[-2000:]
-    assert json.loads(out.stdout.strip().splitlines()[-1])["monitor"] is False
+    processes = json.loads(out.stdout.strip().splitlines()[-1])["processes"]
+    assert "monitor" not in processes and "dashboard" not in processes, processes  # Ray's own names
 
 
 @pytest.mark.slow
@@ -89,7 +93,7 @@ def test_a_ray_that_ignores_sigterm_ends_at_once_and_wholly(tmp_path):
     out = subprocess.run([sys.executable, "-c", CHILD], capture_output=True, text=True, env=ENV, cwd=ROOT, timeout=120)
     assert out.returncode == 0, out.stderr[-3000:]
     d = json.loads(out.stdout.strip().splitlines()[-1])
-    assert len(d["pids"]) >= 4  # raylet, GCS, log monitor, dashboard (no autoscaler monitor)
+    assert len(d["pids"]) >= 3  # raylet, GCS, log monitor (no autoscaler monitor, no API server)
     assert d["stop_s"] < 2.5, d  # ray.shutdown() alone: about 1 s per process
     alive = [p for p in d["pids"] if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
     assert alive == []

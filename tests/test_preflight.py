@@ -14,6 +14,8 @@ import pytest
 from vlmrun_cli import ROOT, TINY, refused, vlmrun
 
 from vlmrun.cluster import preflight
+from vlmrun.config.load import load_recipe
+from vlmrun.errors import InputError
 
 OMNI = str(ROOT / "recipes" / "omni-clevr-1n8g.yaml")
 DRY = pytest.mark.parametrize("dry", [[], ["--dry-run"]], ids=["submit", "dry-run"])
@@ -266,6 +268,18 @@ def test_resume_is_refused_before_it_starts(tmp_path):
     out = vlmrun("resume", str(rd), cwd=tmp_path, env={"PATH": f"{stubs}:{os.environ['PATH']}"})
     assert "has no config.json" in refused(out, "model.path")
     assert not (rd / "job.json").exists() and not (tmp_path / "data").exists()
+
+
+def test_flash_attention_needs_bf16_compute_and_the_package_where_the_ranks_run(monkeypatch):
+    gpu = ["cluster.gpus_per_node=2", "model.attn_implementation=flash_attention_2"]
+    with pytest.raises(InputError, match=r"model.attn_implementation.*bf16 or fp16.*here float32"):
+        load_recipe(TINY, gpu)
+    recipe = load_recipe(TINY, [*gpu, "parallel.mixed_precision=bf16"])  # bf16 compute on GPUs: a valid recipe
+    assert recipe.model.attn_implementation == "flash_attention_2"
+    monkeypatch.setattr("importlib.util.find_spec", lambda name: None)  # flash-attn is not installed
+    with pytest.raises(InputError, match=r"flash-attn package.*vlmrun\[gpu\].*attn_implementation: sdpa"):
+        preflight.check_local_attention("flash_attention_2")
+    preflight.check_local_attention("sdpa")  # needs nothing
 
 
 # ---------------------------------------------------------------- GPU detection without torch

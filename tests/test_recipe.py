@@ -106,6 +106,8 @@ def test_overrides_coerce_types():
         ("model.backend=megatron", "model.backend", "'hf'"),
         ("generation.backend=vllm", "generation.backend", "'hf'"),
         ("generation.engine=hf", "generation.engine", "valid keys are backend"),
+        ("model.attn_implementation=flash", "model.attn_implementation", "'flash_attention_2'"),
+        ("model.attn_implementation=flash_attention_2", "model.attn_implementation", "needs GPUs"),
     ],
 )
 def test_bad_values_name_field_value_and_allowed(override, field, words):

@@ -143,6 +143,67 @@ def test_fsdp_ranks_read_their_rows_and_hold_what_from_pretrained_loads(tmp_path
             assert rows == -(-shape[name].shape[0] // 2), name
 
 
+def _resume_rank_main(rank, world, recipe, model_dir, unread_dir, folder, ports, out):
+    import torch.distributed as dist
+    from data_samples import rank_policy
+
+    from vlmrun.algorithms.common.checkpoint import Checkpoint, PendingCheckpoint
+    from vlmrun.models.spec import ModelSpec
+    from vlmrun.policy import open_policy
+
+    torch.set_num_threads(1)
+    trained, _ = rank_policy(recipe, rank, world, model_dir, {"fsdp": True}, ports[0], max_steps=2)
+    with torch.no_grad():  # weights no file of the model directory holds
+        for p in trained.model.parameters():
+            p.add_(0.5)
+    files = PendingCheckpoint(1, folder).write_policy(trained.checkpoint_state(), rank=rank)
+    want = {n: t.full_tensor() for n, t in trained.model.state_dict().items()}
+    trained.shutdown()
+    resumed = open_policy(
+        "hf",
+        model=ModelSpec(directory=unread_dir, dtype=recipe.model.dtype),
+        rank=rank,
+        world_size=world,
+        train=recipe.train,
+        parallel=recipe.parallel.model_copy(update={"dp": world, "fsdp": True}),
+    )
+    info = resumed.setup(master_addr="127.0.0.1", master_port=ports[1], max_steps=2, weights="checkpoint")
+    names = [None] * world
+    dist.all_gather_object(names, files)
+    found = Checkpoint(1, Path(folder), {"format": 2, "files": {n: d for f in names for n, d in f.items()}})
+    resumed.load_checkpoint_state(found.read_policy(resumed.checkpoint_state()))
+    got = {n: t.full_tensor() for n, t in resumed.model.state_dict().items()}
+    buffers = {n: b.clone() for n, b in resumed.model.named_buffers()}
+    torch.save({"info": info, "got": got, "want": want, "buffers": buffers}, f"{out}.{rank}")
+    resumed.shutdown()
+    os._exit(0)
+
+
+@pytest.mark.slow
+def test_a_resumed_policy_reads_no_weights_of_its_model_directory(tmp_path, clevr_set, tiny_dirs):
+    """A resume's ranks allocate the model unread and the checkpoint fills every tensor (the weights'
+    files here are gone: only config, tokenizer and processor remain)."""
+    import shutil
+
+    from data_samples import free_port, make_recipe
+    from transformers import AutoModelForImageTextToText
+
+    unread = tmp_path / "model"
+    shutil.copytree(tiny_dirs["qwen2_5_vl"], unread, ignore=shutil.ignore_patterns("*.safetensors"))
+    out, folder = tmp_path / "state", tmp_path / "checkpoint"
+    recipe = make_recipe(clevr_set)
+    args = (2, recipe, tiny_dirs["qwen2_5_vl"], str(unread), str(folder), (free_port(), free_port()), str(out))
+    mp.start_processes(_resume_rank_main, args=args, nprocs=2, start_method="spawn")
+    got = torch.load(f"{out}.0", weights_only=False)
+    assert got["info"]["load"] == "from the checkpoint it resumed (the model's own weights not read)"
+    assert got["got"].keys() == got["want"].keys()
+    for name, t in got["want"].items():
+        assert torch.equal(got["got"][name], t), name
+    original = AutoModelForImageTextToText.from_pretrained(tiny_dirs["qwen2_5_vl"], dtype=torch.float32)
+    for name, b in original.named_buffers():  # the buffers no checkpoint holds, computed (rotary frequencies)
+        assert torch.equal(got["buffers"][name], b), name
+
+
 def test_the_model_on_disk_is_found_by_name(tiny_dirs):
     """The tiny families save under other names than the model's (the reason for the plan)."""
     from vlmrun.models.sharded_load import safetensors_index

@@ -44,6 +44,7 @@ class Ranks:
     def __init__(self, world_size: int = 2, score: ValidationScore | None = None):
         self.world_size, self.weight, self.calls, self.loaded = world_size, torch.zeros(1), [], None
         self.score = score or ValidationScore(nll=3.0, tokens=6, correct=1, answered=2)
+        self.writes: dict = {}  # rank -> its background policy write (checkpoint.async_save)
 
     def all_ranks(self, method: str, *args, **kwargs) -> list:
         self.calls.append(method)
@@ -56,9 +57,20 @@ class Ranks:
     def shutdown(self) -> None:
         self.calls.append("shutdown")
 
-    def _save(self, rank, pending):
-        state = PolicyState(Storage.REPLICATED, {"model": {"w": self.weight.clone()}, "optimizer": {}})
-        return pending.write_policy(state, rank=rank) | pending.write("rng", {"rank": rank}, index=rank)
+    def _save(self, rank, pending, background=False):
+        state = PolicyState(Storage.REPLICATED, {"model": {"w": self.weight}, "optimizer": {}})  # the live tensor
+        if background:
+            self.writes[rank] = pending.start_policy_write(state, rank=rank)
+            written = {}
+        else:
+            written = pending.write_policy(state, rank=rank)
+        return written | pending.write("rng", {"rank": rank}, index=rank)
+
+    def _save_done(self, rank, wait=False):
+        write = self.writes.get(rank)
+        if write is None:
+            return {}
+        return write.result() if wait or write.done() else None
 
     def _load(self, rank, found, restart_data=False):
         self.weight = found.read("model")["w"].clone()
@@ -267,3 +279,51 @@ def test_once_the_node_process_is_gone_nothing_more_is_written(tmp_path, clevr_s
     with pytest.raises(DriverLost, match="this attempt writes nothing more"):
         run_loop(rd, lost_at=3)
     assert sorted(history(rd.metrics_file())) == [1, 2] and sealed_steps(rd) == [2]  # not step 3's row, nor more
+
+
+# ---------------------------------------------------------------- checkpoint.async_save
+
+
+@pytest.fixture
+def held_writes(monkeypatch):
+    """The background policy writes of the steps put in the returned set wait until the test ends."""
+    from vlmrun.algorithms.common import checkpoint
+
+    held, release = set(), __import__("threading").Event()
+    write_parts = checkpoint.PendingCheckpoint._write_parts
+
+    def slow(pending, parts):
+        if pending.step in held:
+            release.wait(30)
+        return write_parts(pending, parts)
+
+    monkeypatch.setattr(checkpoint.PendingCheckpoint, "_write_parts", slow)
+    yield held
+    release.set()
+
+
+def test_async_save_gives_the_checkpoints_and_numbers_of_sync_saves(tmp_path, clevr_set):
+    straight = make_run(tmp_path / "straight", clevr_set)
+    run_loop(straight)
+    rd = make_run(tmp_path / "async", clevr_set, "checkpoint.async_save=true")
+    loop, outcome = run_loop(rd, stop_at=4)  # the weight changes in place after each save began: copied first
+    _, outcome = run_loop(rd, attempt=1)
+    assert outcome.state is State.COMPLETED and outcome.resumed_from == 4 and losses(rd) == losses(straight)
+    assert sealed_steps(rd) == sealed_steps(straight) == [4, 6]
+    for step in (4, 6):
+        got, want = (run_checkpoints(r, r.load_recipe(), assign=False).root / f"step_{step}" for r in (rd, straight))
+        assert torch.equal(torch.load(got / "policy" / "model.pt")["w"], torch.load(want / "policy" / "model.pt")["w"])
+    assert len(outcome.checkpoint_write_s) == 1 and len(outcome.checkpoint_save_s) == 1  # step 6: began, sealed
+
+
+def test_a_kill_during_an_async_save_leaves_the_previous_checkpoint_the_newest(tmp_path, clevr_set, held_writes):
+    straight = make_run(tmp_path / "straight", clevr_set)
+    run_loop(straight)
+    rd = make_run(tmp_path / "run", clevr_set, "checkpoint.async_save=true")
+    held_writes.add(4)  # step 4's write is still going when the node process dies in step 5
+    with pytest.raises(DriverLost):
+        run_loop(rd, lost_at=5)
+    assert sealed_steps(rd) == [2] and (rd.path / "checkpoints" / "tmp_step_4").is_dir()  # never sealed
+    loop, outcome = run_loop(rd, attempt=1)
+    assert loop.started_from.step == 2 and outcome.state is State.COMPLETED and losses(rd) == losses(straight)
+    assert not (rd.path / "checkpoints" / "tmp_step_4").exists()

@@ -75,6 +75,7 @@ def test_bench_checkpoint_sharded_against_plain():
     assert d["ranks"] == 2 and len(d["sharded_dcp"]["per_rank"]) == 2
     assert finite(d["plain_torch_save"]["seconds"]) and finite(d["sharded_dcp"]["seconds"])
     assert finite(d["sharded_over_plain"]) and d["sharded_dcp"]["bytes"] > 16e6  # parameters and AdamW state
+    assert 0 < d["sharded_dcp"]["async_stall_s"] <= d["sharded_dcp"]["async_total_s"]  # the copy, then the files
 
 
 def test_bench_refit_streamed_holds_less_than_a_whole_model_gather():
@@ -152,3 +153,7 @@ def test_bench_load_sharded_against_the_whole_load():
     assert whole["load"].startswith("whole on every rank")  # the product's fallback, forced
     assert finite(sharded["seconds_median"]) and finite(whole["seconds_median"]) and sharded["peak_extra_bytes_max"] > 0
     assert set(d["sharded_over_whole_s"]) == SPREAD_KEYS and d["sharded_over_whole_s"]["rounds"] == 1
+    resume = d["resume"]  # the policy's start from a checkpoint: nothing of the directory read
+    assert resume["load"] == "from the checkpoint it resumed (the model's own weights not read)"
+    assert resume["checkpoint_bytes"] > 3 * d["model_bytes"] and finite(resume["verify_s"][0])  # model + AdamW
+    assert set(d["resume_over_cold_s"]) == SPREAD_KEYS

@@ -7,9 +7,12 @@ The model is a stack of Linear layers of `--mb` MB of fp32 parameters, sharded w
 `--ranks` gloo ranks (one unit per layer); one AdamW step gives it optimizer state (2x the
 parameters). Prints one JSON object: seconds for the plain save and for the sharded save (the slowest
 rank; its checksums included), their ratio, `readback_hash_s`: what hashing the rank's files by
-reading them back (as saves did before, here from a warm page cache) would add, and a resume's check of
-the sealed checkpoint (`verify`) on its threads against one thread (`verify_threads_over_one`). Files go under --dir (default: a temp dir on
-the same filesystem as /tmp) and are removed.
+reading them back (as saves did before, here from a warm page cache) would add, a resume's check of
+the sealed checkpoint (`verify`) on its threads against one thread (`verify_threads_over_one`), and a
+background save (`checkpoint.async_save`: DCP's async_save over a process group of its own): what it
+holds the step up (`async_stall_s`, the copy into host memory) and its start to the files written
+(`async_total_s`). Files go under --dir (default: a temp dir on the same filesystem as /tmp) and are
+removed.
 """
 
 from __future__ import annotations
@@ -73,9 +76,9 @@ def _rank(rank: int, world: int, mb: int, folder: str, rendezvous: str, out: str
     fully_shard(model, mesh=mesh)
     optimizer = step(model)
     model_state, optim_state = get_state_dict(model, optimizer)
-    store = CheckpointStore(Path(folder) / "sharded", keep=1)
-    pending = store.begin(1) if rank == 0 else None
-    box = [pending]
+    background = dist.new_group(backend="gloo")  # what a rank with checkpoint.async_save makes at setup
+    store = CheckpointStore(Path(folder) / "sharded", keep=2)
+    box = [store.begin(1), store.begin(2)] if rank == 0 else [None, None]
     dist.broadcast_object_list(box, src=0)
     dist.barrier()
     t0 = time.perf_counter()
@@ -88,8 +91,17 @@ def _rank(rank: int, world: int, mb: int, folder: str, rendezvous: str, out: str
             raise SystemExit(f"rank {rank}: {name}'s digest, taken while writing, differs from the file's")
     hashing = time.perf_counter() - t0  # a read-back hash, from a warm page cache
     size = sum(d["size"] for d in files.values())
+    dist.barrier()
+    t0 = time.perf_counter()
+    write = box[1].start_policy_write(state, rank=rank, group=background)
+    stall = time.perf_counter() - t0
+    async_files = write.result()
+    async_total = time.perf_counter() - t0
+    if {n: d["size"] for n, d in async_files.items()} != {n: d["size"] for n, d in files.items()}:
+        raise SystemExit(f"rank {rank}: the background save wrote other files than the save in the step")
     results, written = [None] * world, [None] * world
-    dist.all_gather_object(results, {"total": total, "hash": hashing, "bytes": size})
+    row = {"total": total, "hash": hashing, "bytes": size, "async_stall": stall, "async_total": async_total}
+    dist.all_gather_object(results, row)
     dist.all_gather_object(written, files)
     if rank == 0:
         seal_and_time_verify(store, box[0], written, results)
@@ -132,6 +144,8 @@ def sharded_save(mb: int, ranks: int, folder: Path) -> dict:
     slowest = max(per_rank, key=lambda r: r["total"])
     return {
         "seconds": slowest["total"],
+        "async_stall_s": max(r["async_stall"] for r in per_rank),
+        "async_total_s": max(r["async_total"] for r in per_rank),
         "readback_hash_s": slowest["hash"],
         "verify_s": per_rank[0].pop("verify_s"),
         "verify_one_thread_s": per_rank[0].pop("verify_one_thread_s"),
@@ -160,6 +174,7 @@ def main() -> int:
         "sharded_over_plain": round(sharded["seconds"] / plain["seconds"], 3),
         "readback_hash_over_save": round(sharded["readback_hash_s"] / max(sharded["seconds"], 1e-9), 3),
         "verify_threads_over_one": round(sharded["verify_s"] / max(sharded["verify_one_thread_s"], 1e-9), 3),
+        "async_stall_over_save": round(sharded["async_stall_s"] / max(sharded["seconds"], 1e-9), 3),
     }
     print(json.dumps(report, indent=None if args.json else 2))
     return 0

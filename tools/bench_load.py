@@ -15,6 +15,13 @@ memory during `setup` beyond what it held before (VmHWM after resetting it throu
 product's own fallback (the path a directory the reader cannot map takes). Peaks are against the
 bytes of the whole model in the policy's dtype (what `from_pretrained` held per rank); the time ratio
 is the median of the per-round ratios with their spread.
+
+A third variant, `resume`, is a resume's policy start: `setup(weights="checkpoint")` (the model
+allocated, nothing of the directory read), then the checkpoint's model, optimizer and LR schedule read
+into it (`Checkpoint.read_policy`, `load_checkpoint_state`), from a sealed checkpoint the ranks wrote
+once before the rounds (model and AdamW state); its time adds the job's check of that checkpoint
+(`verify`: every file hashed, on the store's threads) and is set against the cold start's `setup`
+(`resume_over_cold_s`). The rest of an attempt's start (Ray, the loaders) is the same in both.
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ import torch.multiprocessing as mp
 from bench_refit import SIZES
 from gpu.workload import TRAIN, free_port, model_config, sharded_parallel
 
+from vlmrun.algorithms.common.checkpoint import verify
 from vlmrun.observe.ratios import ratio_spread, round_ratios
 
 
@@ -54,7 +62,7 @@ def _status_kb(key: str) -> int:
     raise KeyError(key)
 
 
-def _rank(rank: int, world: int, model_dir: str, variant: str, port: int, out: str) -> None:
+def _rank(rank: int, world: int, model_dir: str, variant: str, port: int, out: str, checkpoint: str = "") -> None:
     import os
 
     import vlmrun.policy.hf as hf
@@ -78,22 +86,56 @@ def _rank(rank: int, world: int, model_dir: str, variant: str, port: int, out: s
     Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS from here on
     before = _status_kb("VmRSS")
     t0 = time.perf_counter()
-    info = policy.setup(master_addr="127.0.0.1", master_port=port, max_steps=1)
+    if variant == "resume":
+        from vlmrun.algorithms.common.checkpoint import Checkpoint, read_manifest
+
+        info = policy.setup(master_addr="127.0.0.1", master_port=port, max_steps=1, weights="checkpoint")
+        found = Checkpoint(1, Path(checkpoint), read_manifest(Path(checkpoint)))
+        t1 = time.perf_counter()
+        state = found.read_policy(policy.checkpoint_state())
+        t2 = time.perf_counter()
+        policy.load_checkpoint_state(state)
+        info["parts_s"] = {"setup": t1 - t0, "read": t2 - t1, "apply": time.perf_counter() - t2}
+    else:
+        info = policy.setup(master_addr="127.0.0.1", master_port=port, max_steps=1)
     seconds = time.perf_counter() - t0
     peak = _status_kb("VmHWM") - before
+    if variant == "write":  # the checkpoint the resume rounds read: model and AdamW state
+        import torch.distributed as dist
+
+        from vlmrun.algorithms.common.checkpoint import PendingCheckpoint
+
+        folder = Path(checkpoint)
+        files = PendingCheckpoint(1, str(folder)).write_policy(policy.checkpoint_state(), rank=rank)
+        every = [None] * world
+        dist.all_gather_object(every, files)
+        if rank == 0:
+            (folder / "files.json").write_text(json.dumps({n: d for f in every for n, d in f.items()}))
     Path(f"{out}.{rank}").write_text(
-        json.dumps({"peak_extra_bytes": peak << 10, "seconds": seconds, "load": info["load"]})
+        json.dumps({"peak_extra_bytes": peak << 10, "seconds": seconds, "load": info["load"], **info})
     )
     policy.shutdown()
     os._exit(0)  # skip interpreter teardown: gloo's threads sometimes abort in C++ destructors at exit
 
 
-def one(model_dir: Path, variant: str, ranks: int, work: Path) -> list[dict]:
+def one(model_dir: Path, variant: str, ranks: int, work: Path, checkpoint: Path | None = None) -> list[dict]:
     out = work / f"{variant}-{time.monotonic_ns()}"
-    mp.start_processes(
-        _rank, args=(ranks, str(model_dir), variant, free_port(), str(out)), nprocs=ranks, start_method="spawn"
-    )
+    args = (ranks, str(model_dir), variant, free_port(), str(out), str(checkpoint or ""))
+    mp.start_processes(_rank, args=args, nprocs=ranks, start_method="spawn")
     return [json.loads(Path(f"{out}.{r}").read_text()) for r in range(ranks)]
+
+
+def write_checkpoint(model_dir: Path, ranks: int, work: Path) -> Path:
+    """A sealed checkpoint of the model (its policy parts and a controller part), as a run's save leaves it."""
+    from vlmrun.algorithms.common.checkpoint_store import CheckpointStore
+
+    store = CheckpointStore(work / "checkpoints", keep=1)
+    pending = store.begin(1)
+    one(model_dir, "write", ranks, work, Path(pending.path))
+    files = json.loads((Path(pending.path) / "files.json").read_text())
+    (Path(pending.path) / "files.json").unlink()
+    files |= pending.write("controller", {"step": 1})
+    return store.finish(pending, files, {})
 
 
 def main() -> int:
@@ -107,10 +149,17 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="vlmrun-bench-load-") as tmp:
         work = Path(tmp)
         params = save_model(args.size, work / "model", args.disk_dtype)
-        rows: dict[str, list[list[dict]]] = {"sharded": [], "whole": []}
+        checkpoint = write_checkpoint(work / "model", args.ranks, work)
+        rows: dict[str, list[list[dict]]] = {"sharded": [], "whole": [], "resume": []}
+        verify_s: list[float] = []
         for _ in range(args.rounds):  # interleaved rounds, a fresh set of ranks each time
             for variant in rows:
-                rows[variant].append(one(work / "model", variant, args.ranks, work))
+                if variant == "resume":
+                    t0 = time.perf_counter()
+                    verify(checkpoint)
+                    verify_s.append(time.perf_counter() - t0)
+                rows[variant].append(one(work / "model", variant, args.ranks, work, checkpoint))
+        checkpoint_bytes = sum(p.stat().st_size for p in checkpoint.rglob("*") if p.is_file())
     model_bytes = params * 4  # fp32 master weights: what `from_pretrained` held on every rank
 
     def summary(variant: str) -> dict:
@@ -122,9 +171,17 @@ def main() -> int:
             "seconds_median": round(statistics.median(secs), 3),
             "seconds": [round(s, 3) for s in secs],
             "load": rows[variant][0][0]["load"],
+            **(
+                {"parts_s": [{k: round(v, 3) for k, v in rnd[0]["parts_s"].items()} for rnd in rows[variant]]}
+                if "parts_s" in rows[variant][0][0]
+                else {}
+            ),
         }
 
-    sharded, whole = summary("sharded"), summary("whole")
+    sharded, whole, resume = summary("sharded"), summary("whole"), summary("resume")
+    resume["verify_s"] = [round(s, 3) for s in verify_s]
+    resume["checkpoint_bytes"] = checkpoint_bytes
+    resume_total = [v + s for v, s in zip(verify_s, resume["seconds"], strict=True)]
     report = {
         "size": args.size,
         "params": params,
@@ -136,6 +193,8 @@ def main() -> int:
         "whole": whole,
         "sharded_over_whole_peak": round(sharded["peak_extra_bytes_max"] / max(whole["peak_extra_bytes_max"], 1), 3),
         "sharded_over_whole_s": ratio_spread(round_ratios(sharded["seconds"], whole["seconds"])),  # per round
+        "resume": resume,
+        "resume_over_cold_s": ratio_spread(round_ratios(resume_total, sharded["seconds"])),  # verify + load
     }
     print(json.dumps(report, indent=None if args.json else 2))
     return 0

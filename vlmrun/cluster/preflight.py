@@ -40,6 +40,21 @@ def preflight_run(recipe, *, runs_here: bool, dry_run: bool = False) -> None:
     if runs_here:
         check_local_gpus(recipe.cluster.gpus_per_node)
         check_local_mooncake(recipe.data_plane)
+        check_local_attention(recipe.model.attn_implementation)
+
+
+def check_local_attention(attn_implementation: str) -> None:
+    """flash_attention_2 needs the flash-attn package where the ranks run (found, not imported)."""
+    import importlib.util
+
+    if attn_implementation == "flash_attention_2" and importlib.util.find_spec("flash_attn") is None:
+        raise InputError(
+            "model.attn_implementation",
+            attn_implementation,
+            message="model.attn_implementation: flash_attention_2 needs the flash-attn package on the nodes, "
+            "and it is not installed here (pip install 'vlmrun[gpu]' on a CUDA machine, or the container); "
+            "or set model.attn_implementation: sdpa",
+        )
 
 
 def check_local_mooncake(data_plane) -> None:

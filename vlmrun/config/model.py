@@ -21,6 +21,12 @@ class ModelConfig(Section):
         "hf", description="the policy backend (vlmrun.policy.open_policy): hf (transformers)"
     )
     dtype: Literal[DTYPES] = "float32"  # torch dtypes: config/dtype.py
+    attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = Field(
+        "sdpa",
+        description="transformers' attention kernel for the policy, its reference and the hf engine: sdpa "
+        "(torch's), eager, or flash_attention_2 (needs GPUs, bf16 compute and the flash-attn package on "
+        "the nodes: the `gpu` extra)",
+    )
     reference_config: str | None = Field(
         None,
         pattern=r"^[a-z0-9_]+$",

@@ -7,6 +7,7 @@ from pydantic import Field, model_validator
 from vlmrun.config.cluster import ClusterConfig
 from vlmrun.config.data import DataConfig
 from vlmrun.config.data_plane import DataPlaneConfig
+from vlmrun.config.dtype import compute_dtype
 from vlmrun.config.generation import GenerationConfig
 from vlmrun.config.grpo import GrpoConfig
 from vlmrun.config.logger import LoggerConfig
@@ -77,6 +78,15 @@ class Recipe(Section):
                         f"parallel.{field}", value, "needs parallel.fsdp: true (an FSDP2 setting; replicas hold it all)"
                     )
         c = self.cluster
+        if self.model.attn_implementation == "flash_attention_2":
+            computes = compute_dtype(self.model.dtype, p.mixed_precision)
+            if not c.gpus_per_node or computes not in ("bfloat16", "float16"):
+                raise CrossFieldError(
+                    "model.attn_implementation",
+                    "flash_attention_2",
+                    "needs GPUs (cluster.gpus_per_node > 0) computing in bf16 or fp16 (model.dtype, or "
+                    f"parallel.mixed_precision: bf16; here {computes}); sdpa runs everywhere",
+                )
         if c.gpus_per_node and p.world_size != c.gpus:
             raise CrossFieldError(
                 "parallel.dp",

@@ -55,3 +55,9 @@ class CheckpointConfig(Section):
         description="resume from a checkpoint of another parallel.dp: keep model, optimizer and counters, "
         "start the data order over (set by `vlmrun resume --restart-data-order`)",
     )
+    async_save: bool = Field(
+        False,
+        description="write the policy's state in the background while the next steps train: a step waits "
+        "only for a copy of it in host memory; the checkpoint is sealed (and counts) once every rank's "
+        "files are written, so a kill before that leaves the previous one the newest valid",
+    )

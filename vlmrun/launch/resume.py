@@ -42,6 +42,7 @@ RESUMABLE = (
     "checkpoint.save_period",
     "checkpoint.keep",
     "checkpoint.requeue",
+    "checkpoint.async_save",
     "cluster",
     "logger",
 )

@@ -34,11 +34,15 @@ def build_model(spec: ModelSpec, *, device: torch.device | str = "cpu", on_meta:
 
     dtype = torch_dtype(spec.dtype)
     if spec.directory is not None and not on_meta:
-        return AutoModelForImageTextToText.from_pretrained(spec.directory, dtype=dtype)
+        return AutoModelForImageTextToText.from_pretrained(
+            spec.directory, dtype=dtype, attn_implementation=spec.attn_implementation
+        )
     config = _config(spec)
     target = torch.device("meta") if on_meta else torch.device(device)
     with _seeded(spec.seed, target), target:
-        model = AutoModelForImageTextToText.from_config(config, dtype=dtype)
+        model = AutoModelForImageTextToText.from_config(
+            config, dtype=dtype, attn_implementation=spec.attn_implementation
+        )
     if spec.directory is not None:
         _directory_generation_config(model, spec.directory)
     return model

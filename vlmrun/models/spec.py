@@ -20,12 +20,14 @@ class ModelSpec:
     """Exactly one of `directory` (a local Hugging Face model directory: its weights are loaded) or
     `config` (the content of a config.json: the architecture, random-init from `seed`; the backend
     builds it on the meta device and materializes only its own shards where it shards the model).
-    `dtype` is the weights' dtype (a `model.dtype` name)."""
+    `dtype` is the weights' dtype (a `model.dtype` name), `attn_implementation` transformers' attention
+    kernel (`model.attn_implementation`)."""
 
     directory: str | None = None
     config: Mapping[str, Any] | None = None
     seed: int = 0
     dtype: str = "float32"
+    attn_implementation: str = "sdpa"  # transformers' name: sdpa, eager, flash_attention_2
 
     def __post_init__(self):
         if (self.directory is None) == (self.config is None):

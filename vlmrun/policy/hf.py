@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from vlmrun.config.dtype import torch_dtype
-from vlmrun.models.build import build_model, materialize
+from vlmrun.models.build import build_model, materialize, materialize_buffers
 from vlmrun.models.sharded_load import plan_load
 from vlmrun.models.spec import ModelSpec
 from vlmrun.policy import rng
@@ -83,7 +83,9 @@ class HfPolicy(PolicyBackend):
         if gpus:  # before anything in this rank's process touches CUDA (its generation engine too)
             prepare_cuda_allocator()
 
-    def setup(self, *, master_addr: str, master_port: int, max_steps: int) -> dict[str, Any]:
+    def setup(self, *, master_addr: str, master_port: int, max_steps: int, weights: str = "load") -> dict[str, Any]:
+        if weights not in ("load", "checkpoint"):
+            raise ValueError(f"weights {weights!r}: 'load' or 'checkpoint'")
         t = self.train
         self.device = rank_device(self.gpus)
         if self.world_size > 1 or self.sharded:
@@ -95,7 +97,7 @@ class HfPolicy(PolicyBackend):
                 timeout=timedelta(minutes=10),
             )
         rng.seed_all(t.seed + self.rank)
-        self.model = self._build_model()
+        self.model = self._build_unread() if weights == "checkpoint" else self._build_model()
         self.model.train()
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer, self.scheduler = self._build_optimizer(max_steps)
@@ -146,6 +148,22 @@ class HfPolicy(PolicyBackend):
         if self.sharding.activation_checkpointing and trainable:
             checkpoint_layers(model, decoder_layers(model))
         return model.to(self.device)
+
+    def _build_unread(self) -> torch.nn.Module:
+        """The policy's model for a resume: built on the meta device, sharded like `_build_model`'s, its
+        tensors allocated on this rank's device and only the buffers no checkpoint holds computed
+        (rotary frequencies); every parameter and persistent buffer comes from the checkpoint loaded
+        next, so nothing of the model's own files is read (a strict load refuses a checkpoint that
+        lacks one)."""
+        model = build_model(self.spec, device=self.device, on_meta=True)
+        self.weights_load = "from the checkpoint it resumed (the model's own weights not read)"
+        if self.sharded:
+            mesh = shard_mesh(self.device.type, self.world_size, self.dp_shard)
+            model = shard_model(model, mesh, self.sharding)
+            return materialize_buffers(model, torch.device("cpu") if self.sharding.cpu_offload else self.device)
+        if self.sharding.activation_checkpointing:
+            checkpoint_layers(model, decoder_layers(model))
+        return materialize_buffers(model, self.device)
 
     def _build_optimizer(self, max_steps: int):
         from vlmrun.policy.lr_schedule import lr_factor

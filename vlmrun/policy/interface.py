@@ -112,8 +112,10 @@ class PolicyBackend(abc.ABC):
     on_phase: Callable[[str], None] | None = None
 
     @abc.abstractmethod
-    def setup(self, *, master_addr: str, master_port: int, max_steps: int) -> dict[str, Any]:
-        """Join the process group and build model, optimizer and schedule; returns {rank, params}."""
+    def setup(self, *, master_addr: str, master_port: int, max_steps: int, weights: str = "load") -> dict[str, Any]:
+        """Join the process group and build model, optimizer and schedule; returns {rank, params}.
+        `weights`: "load" (from the model's source) or "checkpoint" (allocated, not read: the caller
+        fills every parameter and persistent buffer from a checkpoint next, `load_checkpoint_state`)."""
 
     @abc.abstractmethod
     def train_step(self, micro_batches: list, loss: TokenLoss | None = None) -> StepResult:

@@ -75,6 +75,7 @@ class Attempt(_Record):
     first_step_s: float | None = None
     max_steps: int | None = None
     checkpoint_save_s: list[float] | None = None
+    checkpoint_write_s: list[float] | None = None
     skipped_checkpoints: list[str] | None = None
     final_val: dict[str, float | int] | None = None
     worker_nodes: list[str] | None = None

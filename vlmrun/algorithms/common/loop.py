@@ -81,7 +81,10 @@ class StepLoop:
         self.worker_threads = worker_threads
         self._stop = threading.Event()
         self.stop_reason = ""
-        self.save_times: list[float] = []
+        self.save_times: list[float] = []  # what each save held the loop up (with async_save: the copy)
+        self.write_times: list[float] = []  # async_save: each checkpoint's start to its seal
+        self._in_flight: tuple | None = None  # async_save: (pending, files, meta, t0) of the one being written
+        self._resuming = False  # a checkpoint is loaded after the workers' setup
         self.started_at = started_at or time.time()
         self.driver = driver  # the node process that runs this attempt; none of our writes outlive it
         self.worker_nodes: list[str] = []
@@ -122,7 +125,8 @@ class StepLoop:
         )
         self.worker_nodes = self.group.node_addresses()
         addr, port = self.group.rendezvous()
-        info = self.group.all_ranks("setup", addr, port, optimizer_steps)[0]
+        weights = "checkpoint" if self._resuming else "load"  # a resume's checkpoint fills every weight
+        info = self.group.all_ranks("setup", addr, port, optimizer_steps, weights)[0]
         self.policy_layout = info.get("layout")  # job.json's attempt records both
         self.policy_load = info.get("load")
 
@@ -133,9 +137,11 @@ class StepLoop:
             lambda shard: dict(shard=shard, num_shards=self.plan.layout.dp, placement_hash=self.plan.placement_hash),
         )
 
-    def _save_parts(self, pending: PendingCheckpoint) -> dict[str, dict]:
-        """Every rank's parts (the workers' `save`) and the loader shards this process owns."""
-        files = {f: d for written in self.group.all_ranks("save", pending) for f, d in written.items()}
+    def _save_parts(self, pending: PendingCheckpoint, background: bool = False) -> dict[str, dict]:
+        """Every rank's parts (the workers' `save`) and the loader shards this process owns; with
+        `background` the policy's files come later (`_seal_in_flight`)."""
+        written = self.group.all_ranks("save", pending, background)
+        files = {f: d for w in written for f, d in w.items()}
         for shard, loader in self.loaders.items():
             files |= pending.write("loader", loader.state_dict(), index=shard)
         return files
@@ -186,6 +192,7 @@ class StepLoop:
         self.restart_data = False
         if found is not None:  # before any worker starts: a refused resume costs nothing
             self.restart_data = self._check_belongs(found)
+        self._resuming = found is not None
         self._start(found)
         start_step, counters, notes = self._resume(found, skipped)
         freeze_heap()  # set-up is done: no full collection walks it again, here or in a rank
@@ -199,6 +206,7 @@ class StepLoop:
             if self._stop.is_set():
                 step -= 1
                 self._save(step, counters)
+                self._seal_in_flight(wait=True)
                 return self._outcome(State.STOPPED, step, self._stopped_at(step), notes)
             row = self._train_step(step, counters)
             if first_step_at is None:
@@ -210,8 +218,10 @@ class StepLoop:
             self._check_driver()
             self.metrics.append(row)
             self.wandb.log(row.to_json())
+            self._seal_in_flight(wait=False)
             if self._due(step, r.checkpoint.save_period) or self._stop.is_set():
                 self._save(step, counters)
+        self._seal_in_flight(wait=True)
         if self._stop.is_set() and step < self.steps.max_steps:
             return self._outcome(State.STOPPED, step, self._stopped_at(step), notes)
         planned = self.steps.max_steps
@@ -241,6 +251,7 @@ class StepLoop:
             stop_signal=signal,
             max_steps=self.steps.max_steps,
             checkpoint_save_s=self.save_times,
+            checkpoint_write_s=self.write_times,
             worker_nodes=self.worker_nodes,
             ray_alive_nodes=self._ray_alive_nodes(),
             policy_layout=self.policy_layout,
@@ -337,11 +348,16 @@ class StepLoop:
         return f"stop requested ({self.stop_reason}) before the first step; nothing trained, no checkpoint"
 
     def _save(self, step: int, counters: dict) -> None:
+        """The checkpoint of `step`: written and sealed here, or, with `checkpoint.async_save`, begun
+        here (every rank's copy of the policy's state taken, the small parts written) and sealed by
+        `_seal_in_flight` once every rank's files are written. One is in flight at a time."""
+        self._seal_in_flight(wait=True)
         if step <= 0 or self.store.holds(step):  # already saved, valid: the one resumed from, or just sealed
             return
         t0 = time.perf_counter()
+        background = self.recipe.checkpoint.async_save
         pending = self.store.begin(step)
-        files = self._save_parts(pending)
+        files = self._save_parts(pending, background)
         files |= pending.write("controller", {"rng": rng.rng_state(), "counters": counters})
         meta = {
             "placement_hash": self.plan.placement_hash,
@@ -352,10 +368,35 @@ class StepLoop:
             "attempt": self.attempt,
             "counters": counters,
         }
+        self.save_times.append(round(time.perf_counter() - t0, 4))
+        if background:
+            self._in_flight = (pending, files, meta, t0)
+            log.info(
+                "checkpoint of step %d: writing in the background (the step waited %.2fs)", step, self.save_times[-1]
+            )
+            return
         self._check_driver()
         path = self.store.finish(pending, files, meta)
-        self.save_times.append(round(time.perf_counter() - t0, 4))
+        self.save_times[-1] = round(time.perf_counter() - t0, 4)
         log.info("saved %s in %.2fs", path, self.save_times[-1])
+
+    def _seal_in_flight(self, *, wait: bool) -> None:
+        """Seal the checkpoint being written in the background once every rank's files are written
+        (`wait`: wait for them); until then it is tmp_step_<N>, which no resume reads."""
+        if self._in_flight is None:
+            return
+        pending, files, meta, t0 = self._in_flight
+        written = self.group.all_ranks("save_done", wait)
+        if any(w is None for w in written):
+            return
+        self._in_flight = None
+        files = dict(files)
+        for w in written:
+            files |= w
+        self._check_driver()
+        path = self.store.finish(pending, files, meta)
+        self.write_times.append(round(time.perf_counter() - t0, 4))
+        log.info("saved %s in %.2fs, in the background", path, self.write_times[-1])
 
 
 def wandb_id(run_dir: Path) -> str:

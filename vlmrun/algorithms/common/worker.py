@@ -62,7 +62,7 @@ class RankWorker(RankActor):
         self.model_dir = model_dir
         self.policy: PolicyBackend = open_policy(
             r.model.backend,
-            model=ModelSpec(directory=model_dir, dtype=r.model.dtype),
+            model=ModelSpec(directory=model_dir, dtype=r.model.dtype, attn_implementation=r.model.attn_implementation),
             rank=rank,
             world_size=world_size,
             train=r.train,
@@ -72,26 +72,39 @@ class RankWorker(RankActor):
         self.generator: GenerationBackend | None = self._open_engine() if self.needs_generator else None
         self.refit_bytes = r.generation.refit_bucket_mb << 20
         self.loader = None
+        self._writing = None  # the policy's checkpoint write in the background (checkpoint.async_save)
+        self._checkpoint_group = None
 
     def _open_engine(self) -> GenerationBackend:
         """A generation engine of this rank's replica, on the rank's GPU (Ray made it cuda:0) when it has one."""
         r = self.recipe
         return open_generator(
             r.generation.backend,
-            model=ModelSpec(directory=self.model_dir, dtype=compute_dtype(r.model.dtype, r.parallel.mixed_precision)),
+            model=ModelSpec(
+                directory=self.model_dir,
+                dtype=compute_dtype(r.model.dtype, r.parallel.mixed_precision),
+                attn_implementation=r.model.attn_implementation,
+            ),
             replica=self.replica,
             device="cuda" if r.cluster.gpus_per_node else "cpu",
             threads=self.threads,
             weights="refit",  # every use refits first: nothing of the directory's weights is read twice
         )
 
-    def setup(self, master_addr: str, master_port: int, max_steps: int) -> dict:
+    def setup(self, master_addr: str, master_port: int, max_steps: int, weights: str = "load") -> dict:
+        """`weights`: "checkpoint" when a checkpoint's load follows (a resume): the policy reads none of
+        the model directory's weights."""
         from transformers import AutoTokenizer
 
-        info = self.policy.setup(master_addr=master_addr, master_port=master_port, max_steps=max_steps)
+        info = self.policy.setup(master_addr=master_addr, master_port=master_port, max_steps=max_steps, weights=weights)
         self.image_token_id = self.generator.setup()["image_token_id"] if self.generator is not None else None
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
         self.pad_token_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        if self.recipe.checkpoint.async_save and self.policy.checkpoint_state().storage is Storage.SHARDED:
+            import torch.distributed as dist
+
+            # collective, every rank at once: the background write's collectives go over a group of their own
+            self._checkpoint_group = dist.new_group(backend="gloo")
         return info
 
     def attach_loader(self, shard: int, num_shards: int, placement_hash: str) -> None:
@@ -135,15 +148,31 @@ class RankWorker(RankActor):
         return self.tokenizer.batch_decode(ids, skip_special_tokens=True)
 
     # ---- checkpoints ------------------------------------------------------------------------------
-    def save(self, pending: PendingCheckpoint) -> dict[str, dict]:
+    def save(self, pending: PendingCheckpoint, background: bool = False) -> dict[str, dict]:
         """Write this rank's parts into `pending` (collective when the policy is sharded); returns
-        {file: digest} of what this rank wrote."""
-        written = pending.write_policy(self.policy.checkpoint_state(), rank=self.rank)
+        {file: digest} of what this rank wrote. With `background` the policy's state is copied and
+        written on a thread while the next steps train: its digests come from `save_done`."""
+        state = self.policy.checkpoint_state()
+        if background:
+            self._writing = pending.start_policy_write(state, rank=self.rank, group=self._checkpoint_group)
+            written = {}
+        else:
+            self._writing = None
+            written = pending.write_policy(state, rank=self.rank)
         written |= pending.write("rng", rng.rng_state(), index=self.rank)
         written |= self._save_own(pending)
         if self.loader is not None:
             written |= pending.write("loader", self.loader.state_dict(), index=self.loader.shard)
         return written
+
+    def save_done(self, wait: bool = False) -> dict[str, dict] | None:
+        """{file: digest} of the background policy write `save` began, once it is written (None while it
+        runs, unless `wait`); raises what the write raised. Asked again, the same answer."""
+        if self._writing is None:
+            return {}
+        if not wait and not self._writing.done():
+            return None
+        return self._writing.result()
 
     def load(self, checkpoint: Checkpoint, restart_data: bool = False) -> None:
         """Restore this rank's parts; with `restart_data` (another dp wrote it) only the policy's.

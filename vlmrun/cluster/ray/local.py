@@ -57,8 +57,8 @@ def start_local_ray(job_id: str, num_cpus: int) -> Path:
 
 @contextlib.contextmanager
 def _local_node_params() -> Iterator[None]:
-    """`ray.init` in the block starts a node whose dashboard agent takes an HTTP port the OS picks, and
-    no autoscaler monitor.
+    """`ray.init` in the block starts a node whose dashboard agent takes an HTTP port the OS picks, with
+    no autoscaler monitor and no API server.
 
     - The agent's port: Ray's default is the fixed port 52365, and `ray.init` has no argument for it.
       With a second Ray on the machine (another local job, a SLURM job's Ray on a shared node, a
@@ -67,14 +67,19 @@ def _local_node_params() -> Iterator[None]:
       against 3.1-4.3 s with this, two Rays started a second apart). Nothing of ours talks to that port.
     - The monitor is the autoscaler's: a one-machine Ray of a fixed size has nothing to scale, and its
       process cost ~0.4 s of CPU at every attempt's start.
+    - The API server (`dashboard.py`, started even with `include_dashboard=False`, then without the
+      dashboard's pages) serves Ray's job-submission and state APIs over HTTP; vlmrun uses neither
+      (the node talks to its actors through the GCS), and the process cost ~0.7 s of CPU at every
+      attempt's start (docs/measurements.md).
 
-    `RayParams` (its `dashboard_agent_listen_port` and `no_monitor`) is Ray's private API (2.60):
-    tests/test_local_ray.py names it, so an upgrade that changes it fails there. The SLURM path gives
-    the agent a port of the job's block (nodes.py).
+    `RayParams` (its `dashboard_agent_listen_port` and `no_monitor`) and `Node.start_api_server` are
+    Ray's private API (2.60): tests/test_local_ray.py names them, so an upgrade that changes them
+    fails there. The SLURM path gives the agent a port of the job's block (nodes.py).
     """
-    from ray._private import parameter
+    from ray._private import node, parameter
 
     params = parameter.RayParams
+    api_server = node.Node.start_api_server
 
     class LocalNodeParams(params):
         def __init__(self, *args, **kwargs):
@@ -83,10 +88,12 @@ def _local_node_params() -> Iterator[None]:
             super().__init__(*args, **kwargs)
 
     parameter.RayParams = LocalNodeParams
+    node.Node.start_api_server = lambda self, **kw: None
     try:
         yield
     finally:
         parameter.RayParams = params
+        node.Node.start_api_server = api_server
 
 
 def stop_local_ray() -> None:
