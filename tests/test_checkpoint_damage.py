@@ -141,7 +141,7 @@ def test_export_while_the_run_saves_every_step_with_keep_1(finished_run, tmp_pat
     exported = []
     try:
         wait_for(lambda: max(history(run / "metrics.jsonl")) >= 6 or launcher.proc.poll() is not None, 300, "step 6")
-        for k in range(4):
+        for k in range(2):  # each one races the run's save and deletion of the checkpoint it reads
             answer, _ = export(run, tmp_path / f"export-{k}")
             exported.append(answer["step"])
         assert launcher.proc.poll() is None, "the run ended before the exports did"

@@ -113,7 +113,7 @@ class MemoryEstimate:
         }
         phases = {"forward": forward, "backward": backward}
         if self.engine_weights:  # the engine's weights, when they are not resident, come back at refit
-            engine = {"gradients": grads, "generation engine": 0 if self.engine_resident else self.engine_weights}
+            engine = {"generation engine": 0 if self.engine_resident else self.engine_weights}  # no gradients (2)
             phases["refit"] = engine | {"refit bucket": self.refit_bucket}
             if self.generation:
                 phases["generation"] = engine | {"generation": self.generation}
@@ -149,7 +149,8 @@ def estimate_memory(arch: Architecture, shape: TrainingShape) -> MemoryEstimate:
     1. Weights: every parameter (vision, projector, audio and all MoE experts included) in the
        master dtype (model.dtype), divided by dp under FSDP, whole on every rank otherwise.
     2. Gradients: same dtype and sharding as the weights; they exist from the step's reduce-scatter
-       (FSDP) or first backward (replicas) on: the step starts with `zero_grad(set_to_none=True)`.
+       (FSDP) or first backward (replicas) until its optimizer step, which frees them
+       (`zero_grad(set_to_none=True)` at the step's start and right after the update).
     3. Optimizer: AdamW keeps 2 states per parameter in the parameter's dtype (torch.optim.AdamW
        allocates them like the parameter: fp32 for fp32 master weights); SGD without momentum, none.
     4. cpu_offload moves 1-3 to host memory (FSDP2 CPUOffloadPolicy); `host_per_rank` reports them.
@@ -180,7 +181,8 @@ def estimate_memory(arch: Architecture, shape: TrainingShape) -> MemoryEstimate:
     12. The peak: what stays resident (1 and 3 unless offloaded, 10, 13, and 14 when the engine keeps
         its weights) plus the largest of four moments: the end of the last micro-batch's forward (5,
         6, 7, 8, 9; and 2 for replicas that accumulate), the end of the backward (2, 5, 6 with
-        gradients), the refit (2, 14 unless resident, 15) and generation (2, 11, 14 unless resident).
+        gradients), the refit (14 unless resident, 15) and generation (11, 14 unless resident): the
+        gradients are freed by then.
         A validation pass (SFT's engine, opened for it) is a refit moment too.
     14. Generation engine: its own whole copy of the model in the compute dtype, on every rank
         (sharding does not reach it); resident through the step unless `generation.release_weights`.

@@ -210,6 +210,9 @@ class HfPolicy(PolicyBackend):
         lr = self.optimizer.param_groups[0]["lr"]
         self.optimizer.step()
         self.scheduler.step()
+        # the gradients are spent: freed now, not at the next step, so a rollout, refit or validation
+        # between steps has their memory (the fit check counts none there)
+        self.optimizer.zero_grad(set_to_none=True)
         self._phase_done("optimizer")
         (total_loss,) = all_reduce_sum([local_loss])
         return StepResult(
