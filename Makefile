@@ -8,7 +8,7 @@ TORCH  := torch==2.14.1 torchvision==0.29.1
 export HF_HUB_OFFLINE := 1
 export WANDB_MODE ?= offline
 
-.PHONY: setup system-libs demo lint test test-fast clean
+.PHONY: setup system-libs demo lint test test-fast clean vllm-classes
 
 setup: system-libs $(VENV)/.installed
 
@@ -46,7 +46,17 @@ lint: setup
 # pytest exits 5 when it collected no tests: that is a failure here, said in words.
 PYTEST := $(VENV)/bin/python -m pytest -n 3 --dist loadscope --no-loadscope-reorder
 
-test: lint
+# vLLM's model classes for the refit naming test (tests/test_vllm_classes.py), beside the venv:
+# vllm pins another torch than the project's (requirements/vllm-classes.txt says why).
+VLLM_CLASSES := .vllm-classes
+$(VLLM_CLASSES)/.installed: requirements/vllm-classes.txt | $(VENV)/.installed
+	rm -rf $(VLLM_CLASSES)
+	$(PIP) install -q --disable-pip-version-check --no-deps --target $(VLLM_CLASSES) -r requirements/vllm-classes.txt
+	touch $@
+
+vllm-classes: $(VLLM_CLASSES)/.installed
+
+test: lint vllm-classes
 	@$(PYTEST) -q -ra --durations=15; rc=$$?; \
 	if [ $$rc = 5 ]; then echo "make test: pytest collected no tests"; fi; exit $$rc
 
@@ -54,4 +64,4 @@ test-fast: lint
 	$(PYTEST) -q -m "not slow and not slurm"
 
 clean:
-	rm -rf $(VENV) runs data .pytest_cache
+	rm -rf $(VENV) $(VLLM_CLASSES) runs data .pytest_cache

@@ -3,8 +3,8 @@ weights from the policy.
 
 `interface.py` is the seam (`GenerationBackend`, `SamplingParams`); `rollouts.py` the record it returns;
 `prompts.py` selects prompts of a `PromptBatch` with their media; `hf.py` the transformers backend (one
-replica in this process) and `group.py` replicas of any backend in Ray actors. `measure.py` prints
-throughput as JSON.
+replica in this process) and `group.py` replicas of any backend in Ray actors. `vllm_weights.py` is the
+refit half of the coming `vllm` backend: the policy's buckets into a vLLM model class's `load_weights`.
 
 `open_generator` is the one way to get a backend (keyed on the recipe's `generation.backend`); no
 module outside `vlmrun.generation` imports a backend module (an import-linter contract in

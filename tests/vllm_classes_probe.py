@@ -1,0 +1,76 @@
+"""Run by tests/test_vllm_classes.py in a process of its own, with vLLM's classes on PYTHONPATH
+(.vllm-classes/): the tiny model's policy refits vLLM's own model class of its family on the CPU.
+Prints one JSON line. vLLM's attention kernels are never run: its platform on a CPU-only machine
+names no attention backend, so the probe names the CPU one, which only has to construct."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+
+os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
+
+import torch
+
+from vlmrun.config.train import TrainConfig
+from vlmrun.generation.vllm_weights import engine_targets, refit_model
+from vlmrun.models.spec import ModelSpec
+from vlmrun.policy import open_policy
+
+
+def main(model_dir: str) -> None:
+    import vllm
+    from vllm.config import DeviceConfig, ModelConfig, VllmConfig, set_current_vllm_config
+    from vllm.distributed.parallel_state import init_distributed_environment, initialize_model_parallel
+    from vllm.model_executor.model_loader.utils import get_model_architecture
+    from vllm.platforms import current_platform
+
+    policy = open_policy("hf", model=ModelSpec(directory=model_dir), rank=0, world_size=1, train=TrainConfig())
+    policy.setup(master_addr="127.0.0.1", master_port=1, max_steps=1)
+    buckets = list(policy.weights_for_refit(dtype="float32", bucket_bytes=1 << 16))
+    tensors = {name: t for bucket in buckets for name, t in bucket.items()}
+    cpu_attention = "vllm.v1.attention.backends.cpu_attn.CPUAttentionBackend"
+    type(current_platform).get_attn_backend_cls = classmethod(lambda cls, *a, **k: cpu_attention)
+    config = ModelConfig(
+        model=model_dir, tokenizer=model_dir, dtype="float32", skip_tokenizer_init=True, enforce_eager=True
+    )
+    vc = VllmConfig(model_config=config, device_config=DeviceConfig(device="cpu"))
+    with set_current_vllm_config(vc):
+        rendezvous = f"file://{tempfile.mktemp(prefix='vlmrun-vllm-')}"
+        init_distributed_environment(
+            world_size=1, rank=0, local_rank=0, distributed_init_method=rendezvous, backend="gloo"
+        )
+        initialize_model_parallel(1, 1)
+        cls, arch = get_model_architecture(config)
+        engine = cls(vllm_config=vc, prefix="")
+        targets = engine_targets(engine, tensors)
+        params = dict(engine.named_parameters())
+        for p in params.values():  # filled again by the bucketed refit the product runs
+            p.data.zero_()
+        filled = refit_model(engine, buckets)
+        same = [
+            n for n, t in tensors.items() if len(targets[n]) == 1 and params[next(iter(targets[n]))].shape == t.shape
+        ]
+        equal = all(torch.equal(params[next(iter(targets[n]))], tensors[n]) for n in same)
+    print(
+        json.dumps(
+            {
+                "vllm": vllm.__version__,
+                "torch": torch.__version__,
+                "architecture": arch,
+                "policy_tensors": len(tensors),
+                "engine_params": len(params),
+                "targets": {n: sorted(t) for n, t in targets.items()},
+                "filled": sorted(filled),
+                "unfused_equal": equal,
+                "unfused": len(same),
+                "buckets": len(buckets),
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
