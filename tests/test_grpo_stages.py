@@ -217,9 +217,14 @@ def test_the_row_of_a_step_averages_the_inner_steps_and_takes_each_stage_s_slowe
 
 def test_a_row_is_one_flat_json_object_with_the_contract_s_keys():
     grpo = GrpoStats(
-        **{f: 0.5 for f in GrpoStats.__dataclass_fields__ if f not in ("accuracy_by_template", "plane_stage_s")},
+        **{
+            f: 0.5
+            for f in GrpoStats.__dataclass_fields__
+            if f not in ("accuracy_by_template", "plane_stage_s", "reward_parts")
+        },
         accuracy_by_template={"count_all": 0.25},
         plane_stage_s={"rollout": 0.1},
+        reward_parts={"brief": 0.75, "brief/words": 3.0},
     )
     row = StepRow(
         step=3,
@@ -241,6 +246,7 @@ def test_a_row_is_one_flat_json_object_with_the_contract_s_keys():
     val = Validation(val_loss=None, val_accuracy=0.5, val_samples=2, val_tokens=0, val_majority_baseline=0.5)
     out = json.loads(json.dumps(row.with_validation(val).to_json()))
     assert out["accuracy/count_all"] == 0.25 and out["time_plane_rollout_s"] == 0.1 and out["val_loss"] is None
+    assert out["reward/brief"] == 0.75 and out["reward/brief/words"] == 3.0 and "reward_parts" not in out
     assert "grpo" not in out and "validation" not in out and "accuracy_by_template" not in out
     assert list(out)[-7:-6] == ["time"] and list(out)[:2] == ["step", "attempt"]  # time after GRPO's, before val
     assert {"step", "attempt", "loss", "val_loss", "reward", "plane_bytes"} <= set(NUMBER_KEYS)

@@ -178,7 +178,10 @@ def _leaves(model=None, prefix=""):
         args = typing.get_args(info.annotation) or (info.annotation,)
         sub = next((a for a in args if isinstance(a, type) and issubclass(a, BaseModel)), None)
         if sub is not None:
-            yield from _leaves(sub, f"{prefix}{name}.")
+            # a list of sections (grpo.rewards): its items' fields, set through a one-item list
+            yield from _leaves(
+                sub, f"{prefix}{name}[]." if typing.get_origin(info.annotation) is list else f"{prefix}{name}."
+            )
             continue
         is_tuple = typing.get_origin(info.annotation) is tuple
         flat = {typing.get_args(a)[0] if typing.get_origin(a) is typing.Annotated else a for a in args}
@@ -201,6 +204,10 @@ def test_the_field_walk_sees_every_kind():
 
 
 def _refused(override: str) -> InputError:
+    if "[]." in override:  # an item's field: the item alone, its other required fields given
+        listed, rest = override.split("[].", 1)
+        leaf, value = rest.split("=", 1)
+        override = f"{listed}=[{{fn: clevr_exact, {leaf}: {value}}}]"
     with pytest.raises(InputError) as e:
         load_recipe(TINY, [override])
     assert len(str(e.value).splitlines()) <= 2
@@ -211,14 +218,14 @@ def _refused(override: str) -> InputError:
 @pytest.mark.parametrize("bad", [".inf", "-.inf", ".nan", "1e400"])
 def test_every_float_is_finite(dotted, is_tuple, bad):
     e = _refused(f"{dotted}=[{bad}, 0.5]" if is_tuple else f"{dotted}={bad}")
-    assert e.field.startswith(dotted) and "finite" in str(e)
+    assert e.field.startswith(dotted.split("[]")[0]) and "finite" in str(e)
 
 
 @pytest.mark.parametrize("dotted, is_tuple", NUMBERS, ids=[n for n, _ in NUMBERS])
 @pytest.mark.parametrize("bad", ["true", "false"])
 def test_booleans_are_not_numbers(dotted, is_tuple, bad):
     e = _refused(f"{dotted}=[0.5, {bad}]" if is_tuple else f"{dotted}={bad}")
-    assert e.field.startswith(dotted)
+    assert e.field.startswith(dotted.split("[]")[0])
 
 
 @pytest.mark.parametrize("dotted, is_tuple", BOOLS, ids=[n for n, _ in BOOLS])

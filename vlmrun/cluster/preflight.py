@@ -37,10 +37,21 @@ def preflight_run(recipe, *, runs_here: bool, dry_run: bool = False) -> None:
     check_data(recipe.data, val=recipe.train.val_samples > 0)
     check_data_size(recipe)
     check_checkpoint_dir(recipe.checkpoint.dir)
+    check_rewards(recipe)
     if runs_here:
         check_local_gpus(recipe.cluster.gpus_per_node)
         check_local_mooncake(recipe.data_plane)
         check_local_attention(recipe.model.attn_implementation)
+
+
+def check_rewards(recipe) -> None:
+    """GRPO's reward functions (grpo.rewards) import here and can be called as fn(response, sample, ended);
+    the ranks import them again on their nodes (InputError naming grpo.rewards[i].fn)."""
+    if recipe.train.algorithm != "grpo" or not recipe.grpo.rewards:
+        return
+    from vlmrun.algorithms.grpo.rewards import reward_terms
+
+    reward_terms(recipe.grpo)
 
 
 def check_local_attention(attn_implementation: str) -> None:

@@ -9,7 +9,7 @@ from vlmrun.config.data import DataConfig
 from vlmrun.config.data_plane import DataPlaneConfig
 from vlmrun.config.dtype import compute_dtype
 from vlmrun.config.generation import GenerationConfig
-from vlmrun.config.grpo import GrpoConfig
+from vlmrun.config.grpo import BUILTIN_REWARDS, GrpoConfig
 from vlmrun.config.logger import LoggerConfig
 from vlmrun.config.model import ModelConfig
 from vlmrun.config.parallel import ParallelConfig
@@ -139,6 +139,21 @@ def _check_sft(r: Recipe) -> None:
 
 def _check_grpo(r: Recipe) -> None:
     t, g = r.train, r.grpo
+    seen: dict[str, int] = {}
+    for i, term in enumerate(g.rewards):
+        if ":" not in term.fn and term.fn not in BUILTIN_REWARDS:
+            raise CrossFieldError(
+                f"grpo.rewards[{i}].fn",
+                term.fn,
+                f"a built-in reward ({', '.join(BUILTIN_REWARDS)}) or 'package.module:function'",
+            )
+        if term.label in seen:
+            raise CrossFieldError(
+                f"grpo.rewards[{i}].name",
+                term.label,
+                f"grpo.rewards[{seen[term.label]}] has the same name: give each term its own `name`",
+            )
+        seen[term.label] = i
     micro = t.global_batch_size // (r.parallel.dp * t.micro_batch_size)
     if micro % g.inner_steps:
         raise CrossFieldError(

@@ -30,7 +30,8 @@ class Validation:
 @dataclass(frozen=True, kw_only=True)
 class GrpoStats:
     """GRPO's keys (algorithms/grpo/metrics.py says how each is computed). `accuracy_by_template` goes
-    out as `accuracy/<template>`, `plane_stage_s` as `time_plane_<stage>_s`."""
+    out as `accuracy/<template>`, `plane_stage_s` as `time_plane_<stage>_s`, `reward_parts` (the mean of
+    each of grpo.rewards' terms and their named numbers) as `reward/<name>`."""
 
     reward: float
     accuracy: float
@@ -60,6 +61,7 @@ class GrpoStats:
     data_plane_fraction: float
     plane_bytes: int
     generation_tokens_per_s: float
+    reward_parts: dict[str, float] = field(default_factory=dict)  # grpo.rewards' terms: reward/<name>
 
     def to_json(self) -> dict:
         out: dict = {}
@@ -69,6 +71,8 @@ class GrpoStats:
                 out |= {f"accuracy/{t}": v for t, v in value.items()}
             elif f.name == "plane_stage_s":
                 out |= {f"time_plane_{k}_s": v for k, v in value.items()}
+            elif f.name == "reward_parts":
+                out |= {f"reward/{k}": v for k, v in value.items()}
             else:
                 out[f.name] = value
         return out

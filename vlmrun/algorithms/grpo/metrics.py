@@ -94,7 +94,15 @@ def _stats(record: StepRecord, results: list[StepResult], tokens: int, step_s: f
         data_plane_fraction=round(plane_s / step_s, 4),
         plane_bytes=plane_bytes,
         generation_tokens_per_s=round(sum(r.generated_tokens for r in record.rollouts) / max(gen_s, 1e-9), 1),
+        reward_parts=_reward_parts(record),
     )
+
+
+def _reward_parts(record: StepRecord) -> dict[str, float]:
+    """The mean over the step's responses of each reward term and named number (grpo.rewards)."""
+    parts = [p for r in record.rollouts for p in r.reward_parts]
+    keys = sorted({k for p in parts for k in p})
+    return {k: sum(p[k] for p in parts if k in p) / max(1, sum(k in p for p in parts)) for k in keys}
 
 
 def _mean_name(key: str) -> str:

@@ -30,6 +30,7 @@ class RolloutReport:
     loader_counts: SampleCounts | None = None  # the owned loader shard's totals (None: the driver's)
     plane: dict[str, float] = field(default_factory=dict)
     rows: RolloutRows | None = None  # the driver path: the rollout itself
+    reward_parts: list[dict[str, float]] = field(default_factory=list)  # each response's terms (grpo.rewards)
 
 
 @dataclass

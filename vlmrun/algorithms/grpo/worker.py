@@ -38,7 +38,7 @@ from vlmrun.algorithms.grpo.partition import (
     stage_fields,
 )
 from vlmrun.algorithms.grpo.reports import RolloutReport, ScoreReport, TrainReport
-from vlmrun.algorithms.grpo.rewards import score_responses
+from vlmrun.algorithms.grpo.rewards import reward_terms, score_responses
 from vlmrun.algorithms.grpo.rollout_rows import (
     RolloutRows,
     ended_with,
@@ -70,6 +70,7 @@ class GrpoWorker(RankWorker):
             seed=r.train.seed,
         )
         self.loss = ClippedPgLoss(r.grpo)
+        self.reward_terms = reward_terms(r.grpo)  # imported and checked again here, on the rank's node
         self.rows_per_micro = r.train.micro_batch_size * r.grpo.num_generations
         self.plane = StagePlane.open(plane_endpoint, pixel_dtype=self.dtype) if plane_enabled else None
         self._advantages = StepGate()
@@ -109,6 +110,7 @@ class GrpoWorker(RankWorker):
             rewards=[s.reward for s in scored],
             correct=[s.correct for s in scored],
             well_formed=[s.well_formed for s in scored],
+            reward_parts=[s.parts for s in scored],
             lengths=response_lengths(rollouts),
             generated_tokens=rollouts.response_ids.numel(),
             times=times,
@@ -126,7 +128,9 @@ class GrpoWorker(RankWorker):
         """Every response's reward (rewards.py), from its text and whether it ended its turn."""
         g = self.recipe.grpo
         ended = ended_with(rollouts, self.generator.eos_ids)
-        return score_responses(g.reward, self._decode(rollouts), rollouts.answers, ended, format_reward=g.format_reward)
+        samples = [{"answer": a, "sample_id": s} for a, s in zip(rollouts.answers, rollouts.sample_ids, strict=True)]
+        texts = self._decode(rollouts)
+        return score_responses(self.reward_terms, texts, samples, ended, format_reward=g.format_reward)
 
     def score(self, step: int, sample_ids: list[str], rows: RolloutRows | None = None) -> ScoreReport:
         """Stage 2: prev (and, with KL, ref) logprobs of the replica's samples."""
