@@ -79,6 +79,9 @@ class Ranks:
     def _freeze_heap(self, rank):
         pass
 
+    def _load_model_weights(self, rank):
+        self.weight = torch.zeros(1)  # what a cold start's ranks hold
+
     def _validate(self, rank, share):
         return self.score
 
@@ -327,3 +330,72 @@ def test_a_kill_during_an_async_save_leaves_the_previous_checkpoint_the_newest(t
     loop, outcome = run_loop(rd, attempt=1)
     assert loop.started_from.step == 2 and outcome.state is State.COMPLETED and losses(rd) == losses(straight)
     assert not (rd.path / "checkpoints" / "tmp_step_4").exists()
+
+
+# ---------------------------------------------------------------- the node's verdict on the checkpoint
+
+
+def verdict_loop(rd: RunDirectory, attempt: int, candidate, verdict, delay_s: float = 0.3) -> tuple[Loop, object]:
+    """A loop that starts from `candidate` while "the node" hashes it: its verdict (checkpoint, skipped)
+    comes `delay_s` after the loop started."""
+    import threading
+
+    recipe = rd.load_recipe()
+    loop = Loop(
+        recipe_json=recipe.model_dump_json(),
+        run_dir=str(rd.path),
+        attempt=attempt,
+        model_dir="/unused",
+        chosen=(candidate, []),
+        awaits_verdict=True,
+    )
+    loop.ranks = ranks = Ranks()
+    timer = threading.Timer(delay_s, lambda: (ranks.calls.append("verdict"), loop.checkpoint_verified(*verdict, None)))
+    timer.start()
+    try:
+        return loop, loop.run()
+    finally:
+        timer.cancel()
+
+
+def candidates(rd: RunDirectory) -> dict:
+    """step -> the sealed checkpoint of it, unverified (as the node's stat-only choice gives it)."""
+    from vlmrun.algorithms.common.checkpoint import Checkpoint, read_manifest
+
+    return {
+        s: Checkpoint(s, p, read_manifest(p)) for s, p in run_checkpoints(rd, rd.load_recipe(), assign=False).complete()
+    }
+
+
+def test_the_loop_loads_nothing_before_the_nodes_verdict_and_loads_what_it_names(tmp_path, clevr_set):
+    straight = make_run(tmp_path / "straight", clevr_set)
+    run_loop(straight)
+    rd = make_run(tmp_path / "run", clevr_set)
+    run_loop(rd, stop_at=4)  # checkpoints at 2 and 4
+    found = candidates(rd)
+    loop, outcome = verdict_loop(rd, 1, found[4], (found[4], []))
+    assert loop.group.calls.index("verdict") < loop.group.calls.index("load")  # waited for it
+    assert outcome.resumed_from == 4 and losses(rd) == losses(straight)
+
+
+def test_a_verdict_of_an_older_checkpoint_resumes_that_one(tmp_path, clevr_set):
+    straight = make_run(tmp_path / "straight", clevr_set)
+    run_loop(straight)
+    rd = make_run(tmp_path / "run", clevr_set)
+    run_loop(rd, stop_at=4)
+    found = candidates(rd)  # the node found step 4 damaged, moved it aside and took step 2
+    loop, outcome = verdict_loop(rd, 1, found[4], (found[2], ["skipped step_4: policy/model.pt checksum mismatch"]))
+    assert loop.group.loaded == (2, False) and outcome.resumed_from == 2
+    assert outcome.skipped_checkpoints == ["skipped step_4: policy/model.pt checksum mismatch"]
+    assert losses(rd) == losses(straight)  # steps 3 and 4 trained again to the same numbers
+
+
+def test_a_verdict_of_no_valid_checkpoint_trains_from_step_0_on_the_models_own_weights(tmp_path, clevr_set):
+    straight = make_run(tmp_path / "straight", clevr_set)
+    run_loop(straight)
+    rd = make_run(tmp_path / "run", clevr_set)
+    run_loop(rd, stop_at=4)
+    found = candidates(rd)
+    loop, outcome = verdict_loop(rd, 1, found[4], (None, ["skipped step_4: ...", "skipped step_2: ..."]))
+    assert "load_model_weights" in loop.group.calls and "load" not in loop.group.calls
+    assert outcome.resumed_from is None and losses(rd) == losses(straight)  # all 6 steps again, from 0

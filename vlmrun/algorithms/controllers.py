@@ -26,7 +26,7 @@ def controller_class(algorithm: str) -> type:
 
 class _ControllerHost:
     """The controller of `algorithm`, built in the actor's process from the constructor's keywords;
-    `run` and `request_stop` (what the driver calls) go to it."""
+    `run`, `request_stop` and `checkpoint_verified` (what the driver calls) go to it."""
 
     algorithm: str
 
@@ -38,6 +38,9 @@ class _ControllerHost:
 
     def request_stop(self, reason: str = "signal") -> None:
         self.loop.request_stop(reason)
+
+    def checkpoint_verified(self, found, skipped, error) -> None:
+        self.loop.checkpoint_verified(found, skipped, error)
 
 
 def controller_host(algorithm: str) -> type:

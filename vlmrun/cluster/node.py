@@ -19,6 +19,7 @@ import argparse
 import logging
 import os
 import sys
+import threading
 import time
 import traceback
 
@@ -201,20 +202,21 @@ def _run(rd: RunDirectory, attempt: int, job_id: str, started_at: float, alloc, 
     from vlmrun.data.components import check_components
 
     check_components(recipe)
-    chosen = _choose_checkpoint(rd, recipe, attempt)
+    chosen, verdict = _choose_checkpoint(rd, recipe, attempt)
     if stop.is_set():
-        return _stopped_before_training(rd, recipe, stop, chosen)
+        return _stopped_before_training(rd, recipe, stop, _verified(chosen, verdict))
     cpus = max(recipe.parallel.world_size, os.cpu_count() or 1)
     route_ray_logs()  # before Ray starts: its start-up and the workers' lines are levelled down too
     with _ray(job_id, cpus, alloc, rd):
         if stop.is_set():
-            return _stopped_before_training(rd, recipe, stop, chosen)
+            return _stopped_before_training(rd, recipe, stop, _verified(chosen, verdict))
         from vlmrun.algorithms.common.steps import plan_steps
         from vlmrun.data.splits import split_size
 
         # The same step count the controller uses (train.max_steps capped by epochs), so the ETA is right.
         progress = ProgressLine(plan_steps(recipe, split_size(recipe.data.path, recipe.data.split)).max_steps)
         run = dict(attempt=attempt, model_dir=model_dir, stop=stop, started_at=started_at, chosen=chosen)
+        run["verdict"] = verdict
         run["on_row"] = lambda row: log.info("%s", progress(row))
         return _run_controller(rd, recipe, job_id, run)
 
@@ -242,21 +244,46 @@ def _run_controller(rd: RunDirectory, recipe, job_id: str, run: dict) -> RunOutc
 
 
 def _choose_checkpoint(rd: RunDirectory, recipe, attempt: int):
-    """The newest checkpoint of this run that verifies (verified once, here; the controller resumes
-    from it) and the newer, damaged ones, moved aside. Claims the checkpoint folder for the run first:
-    one that belongs to another run is refused (InputError, exit 2) before anything is read. When every
-    checkpoint is invalid, say so plainly, on the console and in job.json, before training starts from
-    step 0."""
+    """The checkpoint this attempt starts from: the newest of this run whose files are all there at
+    their sizes (a stat each; newer ones that are not, moved aside), and a Future of the verdict on it
+    (`CheckpointStore.verify_candidate` on a thread: every file hashed while Ray and the workers start;
+    damaged, the newest older one that verifies instead). The controller waits for the verdict before
+    it loads anything. Claims the checkpoint folder for the run first: one that belongs to another run
+    is refused (InputError, exit 2) before anything is read. When no valid checkpoint is left, say so
+    plainly, on the console and in job.json, before training starts from step 0."""
+    from concurrent.futures import Future
+
     from vlmrun.algorithms.common.checkpoint_store import run_checkpoints
 
     store = run_checkpoints(rd, recipe)
     store.claim()
-    found, skipped = store.latest(set_aside=True)
-    if found is None and skipped:
-        notice = f"no valid checkpoint left ({'; '.join(skipped)}): training from step 0"
-        log.warning("%s", notice)
-        job_record.note_attempt(rd, attempt, notice)
-    return found, skipped
+    candidate, skipped = store.latest(set_aside=True, checksums=False)
+    verdict: Future = Future()
+
+    def check() -> None:
+        try:
+            found, more = store.verify_candidate(candidate) if candidate is not None else (None, [])
+            if found is None and (skipped or more):
+                notice = f"no valid checkpoint left ({'; '.join(skipped + more)}): training from step 0"
+                log.warning("%s", notice)
+                job_record.note_attempt(rd, attempt, notice)
+            verdict.set_result((found, skipped + more))
+        except BaseException as e:  # noqa: BLE001 - handed to whoever waits on the verdict
+            verdict.set_exception(e)
+
+    if candidate is None:  # nothing to hash: no verdict to wait for
+        check()
+        return verdict.result(), None
+    threading.Thread(target=check, name="checkpoint-verify", daemon=True).start()
+    return (candidate, skipped), verdict
+
+
+def _verified(chosen, verdict):
+    """What the node knows to be valid now: `chosen` when there is no verdict to wait for, the verdict
+    once it is in (the stop's message may then name the checkpoint), else None."""
+    if verdict is None:
+        return chosen
+    return verdict.result() if verdict.done() and verdict.exception() is None else None
 
 
 def _stopped_before_training(rd: RunDirectory, recipe, stop: StopFlag, chosen=None) -> RunOutcome:

@@ -86,7 +86,6 @@ class HfPolicy(PolicyBackend):
     def setup(self, *, master_addr: str, master_port: int, max_steps: int, weights: str = "load") -> dict[str, Any]:
         if weights not in ("load", "checkpoint"):
             raise ValueError(f"weights {weights!r}: 'load' or 'checkpoint'")
-        t = self.train
         self.device = rank_device(self.gpus)
         if self.world_size > 1 or self.sharded:
             dist.init_process_group(
@@ -96,11 +95,8 @@ class HfPolicy(PolicyBackend):
                 world_size=self.world_size,
                 timeout=timedelta(minutes=10),
             )
-        rng.seed_all(t.seed + self.rank)
-        self.model = self._build_unread() if weights == "checkpoint" else self._build_model()
-        self.model.train()
-        self.params = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer, self.scheduler = self._build_optimizer(max_steps)
+        self.max_steps = max_steps
+        self._build(unread=weights == "checkpoint")
         return {
             "rank": self.rank,
             "params": sum(p.numel() for p in self.params),
@@ -108,6 +104,17 @@ class HfPolicy(PolicyBackend):
             "layout": self.layout(),
             "load": self.weights_load,
         }
+
+    def _build(self, *, unread: bool) -> None:
+        rng.seed_all(self.train.seed + self.rank)
+        self.model = self._build_unread() if unread else self._build_model()
+        self.model.train()
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer, self.scheduler = self._build_optimizer(self.max_steps)
+
+    def load_model_weights(self) -> None:
+        self.model = self.params = self.optimizer = self.scheduler = None  # the unread build goes first
+        self._build(unread=False)
 
     def layout(self) -> str:
         """How the ranks hold the model, in words (the run's log says it once)."""

@@ -118,6 +118,11 @@ class PolicyBackend(abc.ABC):
         fills every parameter and persistent buffer from a checkpoint next, `load_checkpoint_state`)."""
 
     @abc.abstractmethod
+    def load_model_weights(self) -> None:
+        """After `setup(weights="checkpoint")` when no checkpoint is loaded after all: the model,
+        optimizer and schedule as `setup(weights="load")` makes them."""
+
+    @abc.abstractmethod
     def train_step(self, micro_batches: list, loss: TokenLoss | None = None) -> StepResult:
         """Forward/backward over this rank's micro-batches with `loss` (None: the NLL of `labels`),
         reduce gradients across ranks, step."""

@@ -140,23 +140,39 @@ class CheckpointStore:
         """Count `checkpoint` (verified by another process of the run: the node) as valid, unread."""
         self._valid[checkpoint.step] = checkpoint.path
 
-    def latest(self, *, set_aside: bool = False) -> tuple[Checkpoint | None, list[str]]:
+    def latest(self, *, set_aside: bool = False, checksums: bool = True) -> tuple[Checkpoint | None, list[str]]:
         """The newest checkpoint of this run that verifies, and a line for each newer, damaged one.
 
-        `set_aside`: move the damaged ones aside (only the run's job, its one writer, does). Raises
-        ForeignCheckpoints when the folder is another run's.
+        `set_aside`: move the damaged ones aside (only the run's job, its one writer, does).
+        `checksums=False`: every file present at its size is enough (a stat each): the candidate a job
+        starts from while `verify_candidate` hashes it. Raises ForeignCheckpoints when the folder is
+        another run's.
         """
         self.check_owner()
         skipped = []
         for step, path in reversed(self.complete()):
             try:
-                manifest = verify(path)
+                manifest = verify(path, checksums=checksums)
             except CorruptCheckpoint as e:
                 skipped.append(self._skip(path, e, set_aside=set_aside))
                 continue
-            self._valid[step] = path
+            if checksums:
+                self._valid[step] = path
             return Checkpoint(step, path, manifest), skipped
         return None, skipped
+
+    def verify_candidate(self, candidate: Checkpoint) -> tuple[Checkpoint | None, list[str]]:
+        """`candidate` (from `latest(checksums=False)`) once its files hash to their recorded sums;
+        damaged, it is moved aside and the newest older one that verifies is taken instead (a line for
+        each damaged one)."""
+        try:
+            verify(candidate.path)
+        except CorruptCheckpoint as e:
+            skipped = [self._skip(candidate.path, e, set_aside=True)]
+            found, more = self.latest(set_aside=True)
+            return found, skipped + more
+        self._valid[candidate.step] = candidate.path
+        return candidate, []
 
     def newest_manifest(self) -> tuple[int, dict] | None:
         """(step, manifest) of this run's newest sealed checkpoint, read without verifying its files

@@ -12,6 +12,7 @@ import logging
 import os
 import threading
 from collections.abc import Callable
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -37,17 +38,20 @@ def run_controller(
     on_row: Callable[[dict], None] | None = None,
     worker_threads: int = 1,
     started_at: float | None = None,
+    verdict: Future | None = None,
     **controller_kwargs: Any,
 ):
     """Run (or continue) `controller_cls`'s loop (a `StepLoop`) of `recipe` in the Ray instance this
     process is connected to; returns the attempt's RunOutcome. `controller_kwargs` go to its constructor
-    (`chosen`: the checkpoint the node verified; `plane_endpoint`: the job's data-plane servers)."""
+    (`chosen`: the checkpoint the node starts from; `plane_endpoint`: the job's data-plane servers).
+    `verdict`: a Future of (checkpoint, skipped) the node is still hashing; handed to the controller
+    when it is in (the controller loads nothing before)."""
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
     controller = (
         ray.remote(controller_cls)
-        .options(num_cpus=0, max_concurrency=2, scheduling_strategy=here)  # beside us: it checks our pid
+        .options(num_cpus=0, max_concurrency=3, scheduling_strategy=here)  # beside us: it checks our pid
         .remote(
             recipe_json=recipe.model_dump_json(),
             run_dir=str(rd.path),
@@ -56,10 +60,13 @@ def run_controller(
             worker_threads=worker_threads,
             started_at=started_at,
             driver=Holder.of(os.getpid()),
+            awaits_verdict=verdict is not None,
             **controller_kwargs,
         )
     )
     ref = controller.run.remote()
+    if verdict is not None:
+        verdict.add_done_callback(lambda done: _hand_verdict(done, controller))
     follower = RowFollower(rd.metrics_file(recipe))
     done = threading.Event()
     threading.Thread(target=_forward_stop, args=(stop, done, controller), daemon=True, name="stop-forwarder").start()
@@ -79,6 +86,13 @@ def run_controller(
         raise
     finally:
         done.set()
+
+
+def _hand_verdict(done: Future, controller) -> None:
+    """The node's verdict on the checkpoint, to the controller (its result, or what checking it raised)."""
+    error = done.exception()
+    found, skipped = done.result() if error is None else (None, [])
+    controller.checkpoint_verified.remote(found, skipped, error)
 
 
 def _forward_stop(stop: StopFlag, done: threading.Event, controller) -> None:

@@ -12,7 +12,10 @@ algorithm; a subclass supplies the algorithm's part:
    steps the loop adds the pass's keys (validation.py), every rank scoring its share.
 3. Checkpoints: every worker's `save(pending)` / `load(found, restart_data=...)` writes and reads its
    rank's parts; this class writes the controller's own (its RNG and counters) and the loader shards
-   a driver-fed loop owns (`self.loaders`, shard -> loader).
+   a driver-fed loop owns (`self.loaders`, shard -> loader). The checkpoint it resumes is the one the
+   node chose by a stat of its files; the node hashes them meanwhile, while the workers start, and
+   hands its verdict in (`checkpoint_verified`) before anything is loaded: the candidate, an older
+   one in place of a damaged candidate, or none.
 4. `_close()` releases workers and loaders (a subclass adds what else it holds).
 
 A stop request (signal -> flag -> `request_stop`, or `train.stop_after` reached) is acted on at the
@@ -72,6 +75,7 @@ class StepLoop:
         driver: Holder | None = None,
         chosen: tuple[Checkpoint | None, list[str]] | None = None,
         plane_endpoint=None,
+        awaits_verdict: bool = False,
     ):
         from vlmrun.config.recipe import Recipe
 
@@ -90,9 +94,18 @@ class StepLoop:
         self.worker_nodes: list[str] = []
         self.policy_layout: str | None = None
         self.policy_load: str | None = None
-        self.chosen = chosen  # (checkpoint, skipped) the node verified; None: pick here (store.latest)
+        self.chosen = chosen  # (checkpoint, skipped) the node chose; None: pick here (store.latest)
+        # the node is still hashing `chosen` (`checkpoint_verified` brings its verdict): load nothing before
+        self._verdict = threading.Event() if awaits_verdict else None
+        self._verdict_value: tuple | None = None
         self.loaders: dict = {}  # shard -> loader, for a loop whose driver builds the batches
         self.plane_endpoint = plane_endpoint  # the job's data-plane servers (TransferQueue); None: local
+
+    def checkpoint_verified(self, found: Checkpoint | None, skipped: list[str], error: BaseException | None) -> None:
+        """The node's verdict on the checkpoint it chose (module doc, 3): the one to load, possibly an
+        older one, or none; `error` what checking it raised."""
+        self._verdict_value = (found, skipped, error)
+        self._verdict.set()
 
     def request_stop(self, reason: str = "signal") -> None:
         self.stop_reason = self.stop_reason or reason
@@ -194,6 +207,7 @@ class StepLoop:
             self.restart_data = self._check_belongs(found)
         self._resuming = found is not None
         self._start(found)
+        found, skipped = self._take_verdict(found, skipped)
         start_step, counters, notes = self._resume(found, skipped)
         freeze_heap()  # set-up is done: no full collection walks it again, here or in a rank
         self.group.all_ranks("freeze_heap")
@@ -272,9 +286,31 @@ class StepLoop:
         self.store = run_checkpoints(self.rd, self.recipe)
         self.identity = run_identity(self.recipe, model_contents=model_contents(self.recipe.model))
         found, skipped = self.chosen if self.chosen is not None else self.store.latest(set_aside=True)
-        if found is not None:
+        if found is not None and self._verdict is None:
             self.store.mark_verified(found)
         return found, skipped
+
+    def _take_verdict(self, found: Checkpoint | None, skipped: list[str]) -> tuple[Checkpoint | None, list[str]]:
+        """The checkpoint to load once the node's verdict is in (the workers started meanwhile, their
+        policies allocated for a checkpoint's load when there was a candidate). An older one instead of a
+        damaged candidate is checked like the candidate was; none at all: the ranks read the model's
+        own weights after all, and the run trains from step 0."""
+        if self._verdict is None:
+            return found, skipped
+        while not self._verdict.wait(timeout=1.0):
+            self._check_driver()  # the node that hashes is gone: nothing more to wait for
+        verified, skipped, error = self._verdict_value
+        if error is not None:
+            raise error
+        if verified is not None:
+            if verified.step != getattr(found, "step", None):
+                self.restart_data = self._check_belongs(verified)
+            self.store.mark_verified(verified)
+        elif found is not None:
+            self.group.all_ranks("load_model_weights")
+            self.restart_data = False
+        self._resuming = verified is not None
+        return verified, skipped
 
     def _check_belongs(self, found: Checkpoint) -> bool:
         """Refuse a checkpoint written by another run definition or layout (InputError, exit 2).

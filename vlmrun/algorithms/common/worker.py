@@ -165,6 +165,11 @@ class RankWorker(RankActor):
             written |= pending.write("loader", self.loader.state_dict(), index=self.loader.shard)
         return written
 
+    def load_model_weights(self) -> None:
+        """The policy's weights from the model itself after all (setup allocated them for a checkpoint
+        that turned out damaged, with no valid one left): as a cold start has them."""
+        self.policy.load_model_weights()
+
     def save_done(self, wait: bool = False) -> dict[str, dict] | None:
         """{file: digest} of the background policy write `save` began, once it is written (None while it
         runs, unless `wait`); raises what the write raised. Asked again, the same answer."""
