@@ -242,6 +242,7 @@ JSON_ERRORS = {  # for each command that has --json: an error, and the field it 
     "bench-loader": (["bench-loader", TINY, "--workers", "x"], "--workers"),
     "bench-plane": (["bench-plane", "--adapters", "local,nfs"], "--adapters"),
     "data clevr": (["data", "clevr", "/nonexistent/out", "--train", "0"], "--train"),  # a usage error (click's)
+    "data prepare": (["data", "prepare", "/nonexistent/src", "/nonexistent/out", "--format", "llava"], "src"),
 }
 
 

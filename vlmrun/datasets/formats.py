@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from types import MappingProxyType
 
-#: One-image (or text-only) conversations with the answer as the assistant turn (datasets/clevr.py writes
-#: them; the `conversation` cooker in vlmrun/data/cookers.py reads them).
+#: Conversations with their images (none, one or several) and the answers as assistant turns
+#: (datasets/clevr.py and datasets/user_data.py write them; the `conversation` cooker in
+#: vlmrun/data/cookers.py reads them).
 CONVERSATION_SUBFLAVORS = MappingProxyType({"format": "vlmrun-conversation"})

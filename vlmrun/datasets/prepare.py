@@ -8,9 +8,13 @@ from vlmrun.errors import InputError
 
 
 def ensure_dataset(data, progress=None) -> Path:
-    """`data` is the recipe's DataConfig. Returns the dataset path, ready for Energon."""
+    """`data` is the recipe's DataConfig. Returns the dataset path, ready for Energon.
+
+    A set that `vlmrun data prepare` wrote at data.path is used as it is, also when the recipe names a
+    synthetic one (data.synthetic makes a set only where there is none).
+    """
     path = Path(data.path)
-    if data.synthetic is not None:
+    if data.synthetic is not None and not _prepared_by_user(path):
         from vlmrun.datasets.clevr import ensure_clevr
 
         s = data.synthetic
@@ -20,6 +24,12 @@ def ensure_dataset(data, progress=None) -> Path:
             "data.path",
             str(path),
             "must be an Energon-prepared dataset folder (with .nv-meta/); "
-            "make one with `vlmrun data clevr` or `energon prepare`, or set data.synthetic",
+            "make one with `vlmrun data prepare`, `vlmrun data clevr` or `energon prepare`, or set data.synthetic",
         )
     return path
+
+
+def _prepared_by_user(path: Path) -> bool:
+    from vlmrun.datasets.user_data import read_prepared
+
+    return read_prepared(path) is not None

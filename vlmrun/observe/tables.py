@@ -33,6 +33,33 @@ def print_clevr_summary(summary, out: Path) -> None:
         console.print(table)
 
 
+def print_prepare_summary(result: dict) -> None:
+    """The summary of `vlmrun data prepare` (`PrepareSummary.to_json`): counts, then bad rows by reason."""
+    from rich.table import Table
+
+    console = _console()
+    console.print(f"wrote {result['path']} from {result['source']} ({result['format']})")
+    counts = Table()
+    counts.add_column("rows read", justify="right")
+    for col in ("train", "val", "images", "text-only", "bad rows"):
+        counts.add_column(col, justify="right")
+    counts.add_row(
+        *(str(result[k]) for k in ("rows_read", "train", "val", "images", "text_only")),
+        f"{result['bad_rows']} (at most {result['max_bad_rows']})",
+    )
+    console.print(counts)
+    if result["bad_rows_by_reason"]:
+        bad = Table(title="rows skipped")
+        for col in ("reason", "rows", "first rows", "first problem"):
+            bad.add_column(col, justify="right" if col == "rows" else "left")
+        for reason, info in result["bad_rows_by_reason"].items():
+            bad.add_row(reason, str(info["count"]), ", ".join(info["rows"]), info["first"])
+        console.print(bad)
+    if not result["val"]:
+        console.print("no val split: train with --set train.val_samples=0, or prepare again with --val-ratio")
+    console.print(f"train on it: vlmrun submit RECIPE --set data.path={result['path']}")
+
+
 def print_comparison(result: dict) -> None:
     from rich.table import Table
 
