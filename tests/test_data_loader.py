@@ -8,6 +8,7 @@ import json
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -54,7 +55,7 @@ def run_fresh_process(jobs: list[dict], tmp_path) -> None:
     spec.write_text(json.dumps(jobs))
     script = tmp_path / "restore.py"
     script.write_text(RESTORE_SCRIPT)
-    tests_dir = str(__import__("pathlib").Path(__file__).parent)
+    tests_dir = str(Path(__file__).parent)
     os = __import__("os")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [tests_dir, os.environ.get("PYTHONPATH")]))}
     subprocess.run([sys.executable, str(script), str(spec)], check=True, timeout=240, env=env)
@@ -77,34 +78,34 @@ def test_missing_split_or_unprepared_folder_is_an_input_error(clevr_set, tmp_pat
 @pytest.mark.slow
 def test_exact_resume_in_a_fresh_process(clevr_set, tiny_dirs, tmp_path):
     """Save mid-epoch (and mid transfer group), restore in a new interpreter: the next 20 batches are
-    those the saving shard produced by continuing; a fresh shard there also repeats the stream."""
+    those the saving shard produced by continuing; a fresh shard there also repeats the stream. Each
+    shard count (1, 2, 4) and each worker count (0: in process, 1, 2 forked workers) is taken once."""
     jobs, expected = [], {}
-    for num_shards in (1, 2, 4):
-        for workers in (0, 1, 2):
-            recipe = make_recipe(clevr_set, num_workers=workers)
-            rank = num_shards - 1
-            shard = open_shard(recipe, tiny_dirs, rank, num_shards)
-            head = [flat(shard.next_batch()) for _ in range(5)]
-            state = tmp_path / f"state-{num_shards}-{workers}.pt"
-            torch.save(shard.state_dict(), state)
-            name = f"{num_shards}-{workers}"
-            expected[name] = [flat(shard.next_batch()) for _ in range(CONTINUE)]
-            expected[f"{name}-fresh"] = head
-            shard.close()
-            common = {
-                "recipe": recipe.model_dump_json(),
-                "processor_dir": tiny_dirs[recipe.family],
-                "shard": rank,
-                "num_shards": num_shards,
-            }
-            jobs.append({**common, "state": str(state), "n": CONTINUE, "out": str(tmp_path / f"{name}.pt")})
-            if workers != 1:
-                jobs.append({**common, "state": None, "n": 5, "out": str(tmp_path / f"{name}-fresh.pt")})
+    for num_shards, workers in ((1, 0), (2, 2), (4, 1)):
+        recipe = make_recipe(clevr_set, num_workers=workers)
+        rank = num_shards - 1
+        shard = open_shard(recipe, tiny_dirs, rank, num_shards)
+        head = [flat(shard.next_batch()) for _ in range(5)]
+        state = tmp_path / f"state-{num_shards}-{workers}.pt"
+        torch.save(shard.state_dict(), state)
+        name = f"{num_shards}-{workers}"
+        expected[name] = [flat(shard.next_batch()) for _ in range(CONTINUE)]
+        expected[f"{name}-fresh"] = head
+        shard.close()
+        common = {
+            "recipe": recipe.model_dump_json(),
+            "processor_dir": tiny_dirs[recipe.family],
+            "shard": rank,
+            "num_shards": num_shards,
+        }
+        jobs.append({**common, "state": str(state), "n": CONTINUE, "out": str(tmp_path / f"{name}.pt")})
+        if workers != 1:
+            jobs.append({**common, "state": None, "n": 5, "out": str(tmp_path / f"{name}-fresh.pt")})
     run_fresh_process(jobs, tmp_path)
-    for name, want in expected.items():
-        if (tmp_path / f"{name}.pt").exists():
-            got = torch.load(tmp_path / f"{name}.pt", weights_only=True)
-            assert same_batches(got, want), f"stream differs after restore: shards-workers {name}"
+    for job in jobs:
+        name = Path(job["out"]).stem
+        got = torch.load(job["out"], weights_only=True)
+        assert same_batches(got, expected[name]), f"stream differs after restore: shards-workers {name}"
 
 
 def test_shards_are_disjoint_and_cover_the_split(clevr_set, tiny_dirs):

@@ -45,7 +45,7 @@ class WandbSink:
     def close(self) -> None:
         if self.run is not None:
             try:
-                self.run.finish(quiet=True)
-            except Exception:  # noqa: BLE001
-                pass
+                self.run.finish()  # writes the offline run's summary and closes its file
+            except Exception as e:  # noqa: BLE001 - logging must not end the run
+                log.warning("wandb finish failed: %s", e)
             self.run = None
