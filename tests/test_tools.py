@@ -71,10 +71,14 @@ def test_bench_plane_transfer_queue_adapters():
 
 
 def test_bench_checkpoint_sharded_against_plain():
-    d = run_tool("tools/bench_checkpoint.py", "--mb", "16", "--ranks", "2", "--json")
+    d = run_tool("tools/bench_checkpoint.py", "--mb", "16", "--ranks", "2", "--rounds", "2", "--json")
     assert d["ranks"] == 2 and len(d["sharded_dcp"]["per_rank"]) == 2
-    assert finite(d["plain_torch_save"]["seconds"]) and finite(d["sharded_dcp"]["seconds"])
-    assert finite(d["sharded_over_plain"]) and d["sharded_dcp"]["bytes"] > 16e6  # parameters and AdamW state
+    plain, sharded = d["plain_torch_save"], d["sharded_dcp"]
+    assert finite(plain["seconds"]) and plain["seconds"] <= plain["seconds_fsync"] and finite(sharded["seconds"])
+    assert plain["bytes"] > 16e6 and sharded["bytes"] > 16e6  # parameters and AdamW state, on both sides
+    for key in ("sharded_over_plain_rounds", "sharded_over_plain_fsync"):  # the same tensors, in rounds
+        assert set(d[key]) == SPREAD_KEYS and d[key]["rounds"] == 2 and finite(d[key]["median"])
+    assert d["sharded_over_plain"] == d["sharded_over_plain_rounds"]["median"]
     assert 0 < d["sharded_dcp"]["async_stall_s"] <= d["sharded_dcp"]["async_total_s"]  # the copy, then the files
 
 

@@ -186,3 +186,61 @@ def test_ranks_are_ordered_by_node_so_a_shard_group_stays_on_one():
     assert ranks_by_node(["a", "b", "a", "b"]) == [0, 2, 1, 3]  # SPREAD's round robin, put in node order
     assert ranks_by_node(["b", "a", "a", "b", "c"]) == [0, 3, 1, 2, 4]  # rank 0 keeps bundle 0
     assert ranks_by_node(["x"] * 3) == [0, 1, 2]
+
+
+# ---------------------------------------------------------------- the node's verdict, to the controller
+
+
+class VerdictTaker:
+    """A controller's side of the verdict's handoff: it takes the verdict, or refuses it."""
+
+    def __init__(self, refuse: bool):
+        self.refuse, self.got = refuse, None
+
+    def checkpoint_verified(self, found, skipped, error) -> None:
+        if self.refuse:
+            raise ValueError("cannot take this verdict")
+        self.got = (found, skipped, error)
+
+    def taken(self):
+        return self.got
+
+
+def handed(handoff, verdict) -> None:
+    """The verdict's Future completes (the node's hash is done): its callback hands it over."""
+    from concurrent.futures import Future
+
+    done = Future()
+    done.add_done_callback(handoff.hand)
+    done.set_result(verdict)
+
+
+def test_a_verdict_reaches_the_controller_and_a_failed_handoff_fails_the_driver(ray_local):
+    import time
+
+    import ray
+
+    from vlmrun.algorithms.common.driver import VerdictHandoff, VerdictNotHanded
+
+    taker = ray.remote(VerdictTaker).remote(refuse=False)
+    ok = VerdictHandoff(taker)
+    handed(ok, ("step_4", ["skipped step_6: damaged"]))
+    deadline = time.monotonic() + 30
+    while ok._sent is not None and time.monotonic() < deadline:
+        ok.check()  # delivered: nothing raised, and nothing more to watch
+        time.sleep(0.05)
+    assert ray.get(taker.taken.remote()) == ("step_4", ["skipped step_6: damaged"], None)
+
+    refusing = VerdictHandoff(ray.remote(VerdictTaker).remote(refuse=True))
+    handed(refusing, ("step_4", []))
+    with pytest.raises(VerdictNotHanded, match=r"could not be handed to the controller \(.*cannot take this verdict"):
+        while time.monotonic() < deadline:  # the driver's loop: within its polls, not when the node goes
+            refusing.check()
+            time.sleep(0.05)
+
+    import threading
+
+    unpicklable = VerdictHandoff(taker)  # handing fails on this side: the Future would swallow it
+    handed(unpicklable, (threading.Lock(), []))
+    with pytest.raises(VerdictNotHanded, match="could not be handed to the controller"):
+        unpicklable.check()

@@ -65,8 +65,9 @@ def run_controller(
         )
     )
     ref = controller.run.remote()
-    if verdict is not None:
-        verdict.add_done_callback(lambda done: _hand_verdict(done, controller))
+    handoff = VerdictHandoff(controller) if verdict is not None else None
+    if handoff is not None:
+        verdict.add_done_callback(handoff.hand)
     follower = RowFollower(rd.metrics_file(recipe))
     done = threading.Event()
     threading.Thread(target=_forward_stop, args=(stop, done, controller), daemon=True, name="stop-forwarder").start()
@@ -78,6 +79,8 @@ def run_controller(
                     on_row(row)
             if ready:
                 break
+            if handoff is not None:
+                handoff.check()
         return ray.get(ref)
     except ray.exceptions.RayTaskError as e:
         cause = getattr(e, "cause", None)
@@ -88,11 +91,43 @@ def run_controller(
         done.set()
 
 
-def _hand_verdict(done: Future, controller) -> None:
-    """The node's verdict on the checkpoint, to the controller (its result, or what checking it raised)."""
-    error = done.exception()
-    found, skipped = done.result() if error is None else (None, [])
-    controller.checkpoint_verified.remote(found, skipped, error)
+class VerdictHandoff:
+    """Hands the node's verdict on the checkpoint to the controller, which loads nothing before it: the
+    result, or what checking it raised. `check` (the driver's loop calls it) raises `VerdictNotHanded`
+    once the handing failed, here (the verdict's Future swallows what its callback raises) or in the
+    controller's `checkpoint_verified`: the attempt then fails saying so, where the controller would
+    wait for a verdict that never comes for as long as this process lives."""
+
+    def __init__(self, controller):
+        self.controller = controller
+        self._sent = None  # the ObjectRef of the checkpoint_verified call, once made
+        self._failed: BaseException | None = None
+
+    def hand(self, done: Future) -> None:
+        try:
+            error = done.exception()
+            found, skipped = done.result() if error is None else (None, [])
+            self._sent = self.controller.checkpoint_verified.remote(found, skipped, error)
+        except BaseException as e:  # noqa: BLE001 - reported by check(), on the driver's thread
+            self._failed = e
+
+    def check(self) -> None:
+        if self._failed is None and self._sent is not None and ray.wait([self._sent], timeout=0)[0]:
+            try:
+                ray.get(self._sent)
+                self._sent = None  # delivered: nothing more to watch
+            except Exception as e:  # noqa: BLE001 - the controller's side of the handoff failed
+                self._failed = e
+        if self._failed is not None:
+            e = self._failed
+            cause = getattr(e, "cause", None) or e  # a RayTaskError: what the controller's method raised
+            raise VerdictNotHanded(
+                f"the checkpoint's verdict could not be handed to the controller ({type(cause).__name__}: {cause})"
+            ) from e
+
+
+class VerdictNotHanded(RuntimeError):
+    """The node hashed the checkpoint, but the controller never got the verdict (VerdictHandoff)."""
 
 
 def _forward_stop(stop: StopFlag, done: threading.Event, controller) -> None:
