@@ -5,13 +5,13 @@ Imports of heavy libraries happen inside the commands, so `vlmrun --help` stays 
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import typer
 
+from vlmrun.cli.data import data_app
 from vlmrun.cli.exits import run
-from vlmrun.errors import InputError
+from vlmrun.cli.output import JsonOpt, print_json, print_result
 
 app = typer.Typer(
     name="vlmrun",
@@ -27,29 +27,9 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     rich_markup_mode=None,
 )
-data_app = typer.Typer(
-    help="Make data sets: a synthetic one (clevr), or yours converted (prepare). "
-    "Example: vlmrun data clevr data/clevr --train 1024 --val 128",
-    no_args_is_help=True,
-)
 app.add_typer(data_app, name="data")
 
 SetOpt = typer.Option(None, "--set", help="override a recipe field, e.g. --set train.max_steps=400 (repeatable)")
-JsonOpt = typer.Option(False, "--json", help="print one JSON object for scripts instead of text")
-
-
-def _print_json(obj) -> None:
-    typer.echo(json.dumps(obj, indent=2, sort_keys=False, default=str))
-
-
-def _print_result(result: dict, json_out: bool, table: str) -> None:
-    """`result` as one JSON object with --json, else as the table `vlmrun.observe.tables.<table>` prints."""
-    if json_out:
-        _print_json(result)
-    else:
-        from vlmrun.observe import tables
-
-        getattr(tables, table)(result)
 
 
 @app.command(no_args_is_help=True)
@@ -80,7 +60,7 @@ def submit(
         echo=None if json_out else typer.echo,
     )
     if json_out:
-        _print_json(result.summary())
+        print_json(result.summary())
     elif dry_run:
         typer.echo(result.rendered)
         if result.memory is not None:
@@ -125,7 +105,7 @@ def resume(
         echo=None if json_out else typer.echo,
     )
     if json_out:
-        _print_json(result.summary())
+        print_json(result.summary())
     raise typer.Exit(result.exit_code)
 
 
@@ -142,7 +122,7 @@ def status(
 
     result = status(target)
     if json_out:
-        _print_json(result)
+        print_json(result)
     else:
         from vlmrun.observe.tables import print_status
 
@@ -177,7 +157,7 @@ def cancel(target: str = typer.Argument(..., help="job id or run directory"), js
     from vlmrun.launch.control import cancel
 
     result = cancel(target)
-    _print_json(result) if json_out else typer.echo(_one_line(result))
+    print_json(result) if json_out else typer.echo(_one_line(result))
 
 
 @app.command(no_args_is_help=True)
@@ -189,7 +169,7 @@ def requeue(target: str = typer.Argument(..., help="job id or run directory"), j
     from vlmrun.launch.control import requeue
 
     result = requeue(target)
-    _print_json(result) if json_out else typer.echo(_one_line(result))
+    print_json(result) if json_out else typer.echo(_one_line(result))
 
 
 def _one_line(result: dict) -> str:
@@ -226,7 +206,7 @@ def compare(
     result = compare_targets(
         a, b, recipe=recipe, steps=steps, overrides=set_ or [], out=out, rtol=rtol, rounds=rounds, echo=echo
     )
-    _print_result(result, json_out, "print_comparison")
+    print_result(result, json_out, "print_comparison")
     raise typer.Exit(0 if result["verdict"] == "match" else 1)
 
 
@@ -251,7 +231,7 @@ def export(
     for line in result.skipped:  # a newer checkpoint was damaged: never pass it over in silence
         typer.echo(f"warning: {line}; exported step {result.step}, the newest that verifies", err=True)
     if json_out:
-        _print_json(result.summary())
+        print_json(result.summary())
     else:
         typer.echo(f"exported step {result.step} to {result.out} ({len(result.files)} files)")
 
@@ -277,7 +257,7 @@ def bench_loader(
     from vlmrun.bench.loader import bench_recipe
 
     result = bench_recipe(recipe, set_ or [], workers=workers, batches=batches, image_size=image_size, bar=not json_out)
-    _print_result(result, json_out, "print_bench")
+    print_result(result, json_out, "print_bench")
 
 
 @app.command("bench-plane")
@@ -297,140 +277,11 @@ def bench_plane(
     from vlmrun.bench.plane import run_bench_plane
 
     names = [a.strip() for a in adapters.split(",") if a.strip()]
-    _print_result(
+    print_result(
         run_bench_plane(samples=samples, rows=rows, dim=dim, repeats=repeats, adapters=names),
         json_out,
         "print_plane_bench",
     )
-
-
-@data_app.command("clevr", no_args_is_help=True)
-def data_clevr(
-    out: Path = typer.Argument(..., help="output directory (Energon-prepared WebDataset shards)"),
-    train: int = typer.Option(1024, "--train", min=1, help="training samples"),
-    val: int = typer.Option(128, "--val", min=1, help="validation samples"),
-    image_size: int = typer.Option(112, "--image-size", min=32, max=1024, help="square image side in pixels"),
-    seed: int = typer.Option(0, "--seed", help="same seed, same bytes"),
-    image_format: str = typer.Option("jpg", "--format", help="jpg or png"),
-    json_out: bool = JsonOpt,
-):
-    """Draw a synthetic CLEVR-style counting set with PIL and prepare it for Energon.
-
-    Example: vlmrun data clevr data/clevr-224 --train 2048 --val 256 --image-size 224 --seed 0
-    """
-    from vlmrun.datasets.clevr import generate_clevr
-    from vlmrun.observe.progress import progress_bar
-
-    if image_format not in ("jpg", "png"):
-        raise InputError("--format", image_format, "use jpg or png")
-    with progress_bar("drawing scenes", enabled=not json_out) as progress:
-        summary = generate_clevr(
-            out, train=train, val=val, image_size=image_size, seed=seed, image_format=image_format, progress=progress
-        )
-    if json_out:
-        _print_json(summary.to_json())
-    else:
-        from vlmrun.observe.tables import print_clevr_summary
-
-        print_clevr_summary(summary, out)
-
-
-@data_app.command("prepare", no_args_is_help=True)
-def data_prepare(
-    src: Path = typer.Argument(
-        ...,
-        help="a LLaVA .json or .jsonl file, a .parquet file or folder of them, or a folder of WebDataset .tar shards",
-    ),
-    out: Path = typer.Argument(..., help="new folder for the Energon data set (missing or empty; see --overwrite)"),
-    source_format: str = typer.Option(..., "--format", help="what SRC is: llava, parquet or webdataset"),
-    image_root: Path | None = typer.Option(
-        None, "--image-root", help="folder that relative image paths start from (default: SRC's folder)"
-    ),
-    image_column: str | None = typer.Option(
-        None,
-        "--image-column",
-        help="parquet: the images (bytes, {bytes, path} as Hugging Face datasets writes them, a path, or a list)",
-    ),
-    messages_column: str | None = typer.Option(
-        None, "--messages-column", help="parquet: the conversation, a list of {role, content} or {from, value}"
-    ),
-    question_column: str | None = typer.Option(
-        None, "--question-column", help="parquet: the question (instead of --messages-column)"
-    ),
-    answer_column: str | None = typer.Option(None, "--answer-column", help="parquet: the answer to --question-column"),
-    id_column: str | None = typer.Option(None, "--id-column", help="parquet: the row id (default: its position)"),
-    fields: list[str] | None = typer.Option(
-        None,
-        "--field",
-        help="webdataset: NAME=EXT, the member a field is in: image=jpg (or jpg,png: each one present), "
-        "question=txt and answer=answer.txt, or conversations=json (LLaVA turns); id=EXT (repeatable)",
-    ),
-    split_column: str | None = typer.Option(
-        None, "--split-column", help="the field or column (train or val) that splits the rows, instead of --val-ratio"
-    ),
-    val_ratio: float | None = typer.Option(
-        None, "--val-ratio", help="share of rows for val, chosen by a hash of the row id and --seed (default 0.05)"
-    ),
-    seed: int = typer.Option(0, "--seed", help="seed of the --val-ratio split: same seed, same split"),
-    max_bad_rows: str = typer.Option(
-        "16",
-        "--max-bad-rows",
-        help="rows that may be skipped (each reason's first rows are named): a count, or a fraction of the rows "
-        "read (0.01 or 1%); one more and nothing is written (exit 2)",
-    ),
-    samples_per_shard: int = typer.Option(1024, "--samples-per-shard", min=1, help="samples per .tar shard"),
-    overwrite: bool = typer.Option(
-        False,
-        "--overwrite",
-        help="replace a non-empty OUT (the new set is written beside it and swapped in at the end)",
-    ),
-    json_out: bool = JsonOpt,
-):
-    """Convert your multimodal conversations into an Energon data set that a recipe's data.path names.
-
-    LLaVA rows are {"id", "image": a path or a list of paths (none: text only), "conversations": [{"from":
-    "human" | "gpt" | "system", "value"}]} with one <image> placeholder per image in the human text (a row
-    without placeholders gets its images before the first human text). Images are stored as they are,
-    after a check that they decode; a URL is never downloaded. Rows that cannot be used (missing or
-    undecodable image, URL, no gpt answer, placeholders that do not match the images, empty text) are
-    skipped, counted and named, up to --max-bad-rows. Train with: vlmrun submit recipes/tiny-clevr-cpu.yaml
-    --set data.path=OUT
-
-    \b
-    Examples:
-      vlmrun data prepare data/llava/chat.json data/my-set --format llava --image-root data/llava/images
-      vlmrun data prepare data/vqa.parquet data/vqa-set --format parquet --image-column image --question-column question --answer-column answer
-      vlmrun data prepare data/shards data/wds-set --format webdataset --field image=jpg --field question=txt --field answer=answer.txt
-    """
-    from vlmrun.datasets.user_data import BadRowBudget, prepare_user_data
-    from vlmrun.datasets.user_readers import SourceSpec, parse_fields
-    from vlmrun.observe.progress import progress_bar
-
-    spec = SourceSpec(
-        format=source_format,
-        path=src,
-        image_root=image_root,
-        image_column=image_column,
-        messages_column=messages_column,
-        question_column=question_column,
-        answer_column=answer_column,
-        id_column=id_column,
-        fields=parse_fields(fields or []),
-        split_column=split_column,
-    )
-    budget = BadRowBudget.parse(max_bad_rows)
-    with progress_bar("converting rows", enabled=not json_out) as progress:
-        summary = prepare_user_data(
-            spec,
-            out,
-            val_ratio=val_ratio,
-            seed=seed,
-            budget=budget,
-            samples_per_shard=samples_per_shard,
-            overwrite=overwrite,
-            progress=progress,
-        )
-    _print_result(summary.to_json(), json_out, "print_prepare_summary")
 
 
 def main() -> None:

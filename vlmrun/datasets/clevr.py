@@ -32,6 +32,7 @@ from PIL import Image
 from vlmrun.datasets.clevr_scene import Question, draw_scene, sample_question, sample_scene
 from vlmrun.datasets.energon_prepare import META_FOLDER, prepare_crude_webdataset
 from vlmrun.datasets.formats import CONVERSATION_SUBFLAVORS
+from vlmrun.datasets.marker import read_marker, write_marker
 from vlmrun.errors import InputError
 
 SPLITS = ("train", "val")
@@ -204,15 +205,10 @@ def ensure_clevr(
 
 def read_complete(out: Path) -> ClevrSummary | None:
     """The summary of the complete set at `out`, or None when `out` is missing or incomplete."""
+    summary = read_marker(Path(out), MARKER, _FORMAT_VERSION)
     try:
-        data = json.loads((Path(out) / MARKER).read_text())
-        if data.get("version") != _FORMAT_VERSION:
-            return None
-        for name, size in data["files"].items():
-            if (Path(out) / name).stat().st_size != size:
-                return None
-        return ClevrSummary.from_json(data["summary"], Path(out))
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):  # missing, torn or not ours
+        return None if summary is None else ClevrSummary.from_json(summary, Path(out))
+    except (ValueError, KeyError, TypeError, AttributeError):  # not ours
         return None
 
 
@@ -304,14 +300,9 @@ def _answer_order(item: tuple[str, int]) -> tuple[bool, int, str]:
 
 
 def _write_marker(out: Path, summary: ClevrSummary) -> None:
-    files = {
-        p.relative_to(out).as_posix(): p.stat().st_size
-        for p in sorted(out.rglob("*"))
-        if p.is_file() and p.name != MARKER
-    }
-    data = {"version": _FORMAT_VERSION, "summary": summary.to_json(), "files": files}
-    data["summary"].pop("path")
-    (out / MARKER).write_text(json.dumps(data, indent=2) + "\n")
+    data = summary.to_json()
+    data.pop("path")
+    write_marker(out, MARKER, _FORMAT_VERSION, data)
 
 
 def _check_same_params(out: Path, wanted: ClevrParams, recorded: ClevrParams) -> None:

@@ -26,7 +26,6 @@ On disk (`out/`), laid out as `vlmrun data clevr` lays out its set:
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import secrets
 import shutil
@@ -39,6 +38,7 @@ from pathlib import Path
 from vlmrun.datasets.conversation_shards import SplitWriter, encode_row
 from vlmrun.datasets.energon_prepare import prepare_crude_webdataset
 from vlmrun.datasets.formats import CONVERSATION_SUBFLAVORS
+from vlmrun.datasets.marker import read_marker, write_marker
 from vlmrun.datasets.user_readers import RowSource, SourceSpec, open_source
 from vlmrun.datasets.user_rows import REASONS, BadRow, Row
 from vlmrun.errors import InputError
@@ -159,7 +159,7 @@ def prepare_user_data(
         patterns = {split: rf"{split}-[0-9]+\.tar$" for split in present}
         prepare_crude_webdataset(staging, split_patterns=patterns, subflavors=dict(CONVERSATION_SUBFLAVORS))
         data = _summary(spec, tally, budget, ratio, seed)
-        _write_marker(staging, data)
+        write_marker(staging, MARKER, _FORMAT_VERSION, data)
         _move_into_place(staging, out)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
@@ -168,16 +168,7 @@ def prepare_user_data(
 
 def read_prepared(out: Path) -> dict | None:
     """The summary of the complete set `prepare_user_data` wrote at `out`, or None (missing, torn, not ours)."""
-    try:
-        data = json.loads((Path(out) / MARKER).read_text())
-        if data.get("version") != _FORMAT_VERSION:
-            return None
-        for name, size in data["files"].items():
-            if (Path(out) / name).stat().st_size != size:
-                return None
-        return data["summary"]
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        return None
+    return read_marker(Path(out), MARKER, _FORMAT_VERSION)
 
 
 def _check_out(out: Path, spec: SourceSpec, overwrite: bool) -> None:
@@ -306,16 +297,6 @@ def _summary(spec: SourceSpec, tally: _Tally, budget: BadRowBudget, ratio: float
         "bad_rows_by_reason": tally.bad_by_reason(),
         "split": split,
     }
-
-
-def _write_marker(folder: Path, summary: dict) -> None:
-    files = {
-        p.relative_to(folder).as_posix(): p.stat().st_size
-        for p in sorted(folder.rglob("*"))
-        if p.is_file() and p.name != MARKER
-    }
-    data = {"version": _FORMAT_VERSION, "summary": summary, "files": files}
-    (folder / MARKER).write_text(json.dumps(data, indent=2) + "\n")
 
 
 def _move_into_place(staging: Path, out: Path) -> None:
