@@ -30,6 +30,7 @@ from pathlib import Path
 from PIL import Image
 
 from vlmrun.datasets.clevr_scene import Question, draw_scene, sample_question, sample_scene
+from vlmrun.datasets.conversation_shards import add_member
 from vlmrun.datasets.energon_prepare import META_FOLDER, prepare_crude_webdataset
 from vlmrun.datasets.formats import CONVERSATION_SUBFLAVORS
 from vlmrun.datasets.marker import read_marker, write_marker
@@ -232,7 +233,7 @@ def _write_split(
             for index in range(start, min(start + per_shard, count)):
                 members, question = _render_sample(split, index, params)
                 for name, data in sorted(members.items()):
-                    _add_member(tar, name, data)
+                    add_member(tar, name, data)
                 answers[question.answer] += 1
                 templates[question.template] += 1
                 done += 1
@@ -282,16 +283,6 @@ def _encode_image(image: Image.Image, image_format: str) -> bytes:
     else:
         image.save(buffer, format="PNG")
     return buffer.getvalue()
-
-
-def _add_member(tar: tarfile.TarFile, name: str, data: bytes) -> None:
-    info = tarfile.TarInfo(name)
-    info.size = len(data)
-    info.mtime = 0
-    info.mode = 0o644
-    info.uid = info.gid = 0
-    info.uname = info.gname = ""
-    tar.addfile(info, io.BytesIO(data))
 
 
 def _answer_order(item: tuple[str, int]) -> tuple[bool, int, str]:

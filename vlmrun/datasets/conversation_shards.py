@@ -76,14 +76,19 @@ class SplitWriter:
             self._tar = tarfile.open(self.folder / name, "w", format=tarfile.USTAR_FORMAT)
         key = f"{self.split}-{self.samples:07d}"
         for ext, data in sorted(members.items()):
-            info = tarfile.TarInfo(f"{key}.{ext}")
-            info.size, info.mtime, info.mode = len(data), 0, 0o644
-            info.uid = info.gid = 0
-            info.uname = info.gname = ""
-            self._tar.addfile(info, io.BytesIO(data))
+            add_member(self._tar, f"{key}.{ext}", data)
         self.samples += 1
 
     def close(self) -> None:
         if self._tar is not None:
             self._tar.close()
             self._tar = None
+
+
+def add_member(tar: tarfile.TarFile, name: str, data: bytes) -> None:
+    """`data` as the member `name`, with a fixed header (no mtime, owner or mode of the host)."""
+    info = tarfile.TarInfo(name)
+    info.size, info.mtime, info.mode = len(data), 0, 0o644
+    info.uid = info.gid = 0
+    info.uname = info.gname = ""
+    tar.addfile(info, io.BytesIO(data))
