@@ -29,12 +29,15 @@ system-libs:
 # and constraints; the venv keeps pip), in ~25 s on a fresh machine where pip took ~100 s (downloading
 # and unpacking torch's 5.5 GB one file at a time; docs/measurements.md). uv reads no pip.conf: where
 # packages come from a private index that only pip's configuration names, uv fails and pip installs.
+# --compile-bytecode, as pip does: uv writes no .pyc by default, and where PYTHONDONTWRITEBYTECODE=1 (CI's
+# machines) no process ever writes one, so every Ray worker and rank compiled torch and transformers from
+# source at each import: the suite took 45 min there and TransferQueue's actors missed their 60 s start.
 UV     := $(VENV)/bin/uv
 INSTALL_ARGS := -c requirements/tested.txt $(TORCH) -e '.[test]'
 $(VENV)/.installed: pyproject.toml requirements/tested.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --disable-pip-version-check -c requirements/tested.txt uv
-	$(UV) pip install -q --python $(VENV)/bin/python $(INSTALL_ARGS) || \
+	$(UV) pip install -q --compile-bytecode --python $(VENV)/bin/python $(INSTALL_ARGS) || \
 	  { echo "make setup: uv could not install (above); installing with pip"; \
 	    $(PIP) install -q --disable-pip-version-check $(INSTALL_ARGS); }
 	touch $@
@@ -60,7 +63,7 @@ PYTEST := $(VENV)/bin/python -m pytest -n 3 --dist loadscope --no-loadscope-reor
 VLLM_CLASSES := .vllm-classes
 $(VLLM_CLASSES)/.installed: requirements/vllm-classes.txt | $(VENV)/.installed
 	rm -rf $(VLLM_CLASSES)
-	$(UV) pip install -q --python $(VENV)/bin/python --no-deps --target $(VLLM_CLASSES) -r requirements/vllm-classes.txt || \
+	$(UV) pip install -q --compile-bytecode --python $(VENV)/bin/python --no-deps --target $(VLLM_CLASSES) -r requirements/vllm-classes.txt || \
 	  $(PIP) install -q --disable-pip-version-check --no-deps --target $(VLLM_CLASSES) -r requirements/vllm-classes.txt
 	touch $@
 
