@@ -83,6 +83,21 @@ def shared_tiny_models(tmp_path_factory) -> Path:
         os.environ[SHARED_TINY_MODELS] = previous
 
 
+@pytest.fixture(scope="session", autouse=True)
+def user_cache(tmp_path_factory) -> Path:
+    """The user's cache folder ($XDG_CACHE_HOME: the data checks of `vlmrun submit`) is the session's, not
+    the home directory of whoever runs the tests."""
+    base = tmp_path_factory.getbasetemp()
+    folder = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "user-cache"
+    previous = os.environ.get("XDG_CACHE_HOME")
+    os.environ["XDG_CACHE_HOME"] = str(folder)
+    yield folder
+    if previous is None:
+        os.environ.pop("XDG_CACHE_HOME", None)
+    else:
+        os.environ["XDG_CACHE_HOME"] = previous
+
+
 @pytest.fixture(scope="session")
 def clevr_set(tmp_path_factory) -> Path:
     from vlmrun.datasets.clevr import generate_clevr, read_complete

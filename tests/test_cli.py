@@ -243,6 +243,7 @@ JSON_ERRORS = {  # for each command that has --json: an error, and the field it 
     "bench-plane": (["bench-plane", "--adapters", "local,nfs"], "--adapters"),
     "data clevr": (["data", "clevr", "/nonexistent/out", "--train", "0"], "--train"),  # a usage error (click's)
     "data prepare": (["data", "prepare", "/nonexistent/src", "/nonexistent/out", "--format", "llava"], "src"),
+    "data check": (["data", "check", "/nonexistent/set", "--recipe", TINY], "data"),
 }
 
 

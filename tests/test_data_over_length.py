@@ -127,7 +127,9 @@ def test_drops_beyond_the_tolerance_fail_naming_the_budget(long_set, tiny_dirs):
     with pytest.raises(CorruptDataError, match="more than data.error_tolerance=2") as err:
         take(shard, EPOCH)
     shard.close()
-    assert "over-long" in str(err.value) and "more than data.max_seq_len=256" in str(err.value)
+    assert "unfit under data.on_bad_sample=drop" in str(err.value) and "more than data.max_seq_len=256" in str(
+        err.value
+    )
 
 
 def test_validation_drops_and_counts_or_refuses(long_set, tiny_dirs):

@@ -27,9 +27,9 @@ ENV = os.environ | {"HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline", "PYTHONUNBUF
 
 
 def _env(extra: dict[str, str] | None) -> dict[str, str]:
-    # read at call time: a test's monkeypatched VLMRUN_JOBS_DIR, and the session's shared tiny models
-    # (conftest.py), reach the command
-    now = {k: os.environ[k] for k in ("VLMRUN_JOBS_DIR", "VLMRUN_TINY_MODELS") if k in os.environ}
+    # read at call time: a test's monkeypatched VLMRUN_JOBS_DIR, and the session's shared tiny models and
+    # user cache (conftest.py), reach the command
+    now = {k: os.environ[k] for k in ("VLMRUN_JOBS_DIR", "VLMRUN_TINY_MODELS", "XDG_CACHE_HOME") if k in os.environ}
     return ENV | now | (extra or {})
 
 

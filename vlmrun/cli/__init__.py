@@ -11,7 +11,7 @@ import typer
 
 from vlmrun.cli.data import data_app
 from vlmrun.cli.exits import run
-from vlmrun.cli.output import JsonOpt, print_json, print_result
+from vlmrun.cli.output import JsonOpt, SetOpt, print_json, print_result
 
 app = typer.Typer(
     name="vlmrun",
@@ -28,8 +28,6 @@ app = typer.Typer(
     rich_markup_mode=None,
 )
 app.add_typer(data_app, name="data")
-
-SetOpt = typer.Option(None, "--set", help="override a recipe field, e.g. --set train.max_steps=400 (repeatable)")
 
 
 @app.command(no_args_is_help=True)

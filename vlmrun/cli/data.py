@@ -6,12 +6,12 @@ from pathlib import Path
 
 import typer
 
-from vlmrun.cli.output import JsonOpt, print_json, print_result
+from vlmrun.cli.output import JsonOpt, SetOpt, print_json, print_result
 from vlmrun.errors import InputError
 
 data_app = typer.Typer(
-    help="Make data sets: a synthetic one (clevr), or yours converted (prepare). "
-    "Example: vlmrun data clevr data/clevr --train 1024 --val 128",
+    help="Make data sets: a synthetic one (clevr), or yours converted (prepare); check one against a recipe "
+    "(check). Example: vlmrun data clevr data/clevr --train 1024 --val 128",
     no_args_is_help=True,
 )
 
@@ -143,3 +143,52 @@ def data_prepare(
             progress=progress,
         )
     print_result(summary.to_json(), json_out, "print_prepare_summary")
+
+
+@data_app.command("check", no_args_is_help=True)
+def data_check(
+    data: Path = typer.Argument(..., help="an Energon data set (e.g. what `vlmrun data prepare` wrote)"),
+    recipe: Path = typer.Option(..., "--recipe", help="the recipe that will train on it (its model and data.*)"),
+    set_: list[str] | None = SetOpt,
+    json_out: bool = JsonOpt,
+):
+    """Encode every sample the recipe's run would read, as its loader does, and say what the run would do.
+
+    Each sample of the training split (and of the validation split, when train.val_samples > 0) goes
+    through the recipe's processor, chat template and task encoder: ok (cut at data.max_seq_len with its
+    image and an answer token kept counts as ok, "truncated"), unfit (too_long: a prompt longer than
+    data.max_seq_len; media_cut: the cut would fall inside its image; no_label: no answer token;
+    media_mismatch: image tokens that do not match its images, e.g. a text that spells <|image_pad|>) or
+    corrupt. Unfit samples stop a run under data.on_bad_sample=refuse; under drop they are skipped within
+    data.error_tolerance per loader shard. Exit 0 when the run would not stop on them, 1 when it would.
+    `vlmrun submit` runs the same check (cached) on a prepared data.path.
+
+    \b
+    Examples:
+      vlmrun data check data/my-set --recipe recipes/tiny-clevr-cpu.yaml
+      vlmrun data check data/my-set --recipe recipes/tiny-clevr-cpu.yaml --set data.max_seq_len=512 --json
+    """
+    from vlmrun.config.load import load_recipe
+    from vlmrun.data.check import check_data, write_cache
+    from vlmrun.launch.data_check import processor_dir_for
+    from vlmrun.observe.progress import progress_bar
+
+    loaded = load_recipe(recipe, [*(set_ or []), f"data.path={data.resolve()}", "data.synthetic=null"])
+    if not (data / ".nv-meta").is_dir():
+        raise InputError(
+            "data",
+            str(data),
+            message=f"data: {data} is not an Energon data set (no .nv-meta/); make one with `vlmrun data prepare`",
+        )
+    processor_dir = processor_dir_for(loaded)
+    if processor_dir is None:
+        raise InputError(
+            "model.path",
+            loaded.model.path,
+            message=f"model.path: {loaded.model.path} has no model on this machine; the check needs its processor",
+        )
+    with progress_bar("checking samples", enabled=not json_out) as progress:
+        result = check_data(loaded, processor_dir=processor_dir, progress=progress)
+    write_cache(loaded, processor_dir, result)
+    print_result(result.to_json(), json_out, "print_data_check")
+    raise typer.Exit(0 if result.ok else 1)

@@ -1,4 +1,5 @@
-"""What the commands print: one JSON object for scripts (`--json`), or a table of `vlmrun.observe.tables`."""
+"""What the commands print: one JSON object for scripts (`--json`), or a table of `vlmrun.observe.tables`;
+and the options every command spells the same (`--json`, `--set`)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import json
 import typer
 
 JsonOpt = typer.Option(False, "--json", help="print one JSON object for scripts instead of text")
+SetOpt = typer.Option(None, "--set", help="override a recipe field, e.g. --set train.max_steps=400 (repeatable)")
 
 
 def print_json(obj) -> None:

@@ -47,8 +47,16 @@ class DataConfig(Section):
     )
     on_bad_sample: Literal["refuse", "drop"] = Field(
         "refuse",
-        description="a sample that does not fit data.max_seq_len: refuse fails the run naming it, its token "
-        "count and data.max_seq_len; drop skips it, counted (the `dropped_samples` metric) within error_tolerance",
+        description="a sample the run cannot train on (longer than data.max_seq_len where no cut keeps its media "
+        "and an answer token, no labelled token, image tokens that do not match its images): refuse fails the "
+        "run (at submit, by `vlmrun data check`, where the data and model are there) naming it and why; drop "
+        "skips it, counted (the `dropped_samples` metric) within error_tolerance",
+    )
+    check_at_submit: bool = Field(
+        True,
+        description="`vlmrun submit` checks every sample of the splits the run reads against the recipe "
+        "(vlmrun data check) where data.path is a prepared set; the result is cached per data set, processor "
+        "and data settings, so a second submit does not check again",
     )
     error_tolerance: int = Field(16, ge=0, description="corrupt (or dropped) samples skipped per shard before failing")
     synthetic: SyntheticClevr | None = None

@@ -63,7 +63,7 @@ class PromptBatch:
 class SampleCounts:
     """What a loader left out of, or cut in, the samples it handed out (see `LoaderShard.counts`).
 
-    `dropped`: samples skipped (over-long under `data.on_bad_sample: drop`, or corrupt); `truncated`:
+    `dropped`: samples skipped (unfit under `data.on_bad_sample: drop`, or corrupt); `truncated`:
     SFT conversations cut to `data.max_seq_len` with their media and a labelled token kept.
     """
 

@@ -19,6 +19,12 @@ Shared by the Energon task encoder and the reference loader, so both produce ide
    the sample, counted. Nothing is trained on without its image or without an answer token. A GRPO
    run's answers are responses, so its validation conversations have `grpo.max_new_tokens` more room
    (`answer_room`) than its prompts.
+5. Every sample must also give the model what its forward checks: as many image placeholder tokens
+   as its images have features (a text that spells the placeholder itself, e.g. `<|image_pad|>`,
+   would otherwise stop the run at its first forward, "features and image tokens do not match"),
+   and a conversation at least one labelled token. A sample that does not raises `SampleUnfit`
+   (`kind`: media_mismatch, no_label; SampleTooLong's: too_long, media_cut) and follows
+   `data.on_bad_sample` like an over-long one; `vlmrun data check` (vlmrun.data.check) counts them.
 4. Media stay in the processor's packed form: per sample the rows of all its images and their grid
    sizes; a batch concatenates them in sample order.
 """
@@ -63,9 +69,35 @@ class EncodedPrompt:
     template: str = ""  # the sample's question template, where its record names one (CLEVR)
 
 
-class SampleTooLong(MalformedSample):
+class SampleUnfit(MalformedSample):
+    """A well-formed sample that the run cannot train on as the recipe stands (module doc, 3 and 5); it
+    follows `data.on_bad_sample`. The message starts with its key; `kind` names the reason (`KINDS`)
+    and `remedy` what the user can change."""
+
+    KINDS = ("too_long", "media_cut", "no_label", "media_mismatch")
+
+    def __init__(self, message: str, *, kind: str, remedy: str):
+        super().__init__(message)
+        self.kind, self.remedy = kind, remedy
+
+    def __reduce__(self):  # an error that crosses processes (a loader worker's) is pickled
+        return _rebuild_unfit, (type(self), str(self), self.kind, self.remedy)
+
+
+def _rebuild_unfit(cls: type, message: str, kind: str, remedy: str) -> SampleUnfit:
+    return cls(message, kind=kind, remedy=remedy)
+
+
+_LONGER = "raise data.max_seq_len"
+
+
+class SampleTooLong(SampleUnfit):
     """A sample that does not fit `data.max_seq_len` (module doc, 3); the message starts with its key and
-    gives its token count and the limit."""
+    gives its token count and the limit. `kind`: too_long (a prompt), media_cut (the cut would fall inside
+    its media) or no_label (no answer token would be left)."""
+
+    def __init__(self, message: str, *, kind: str = "too_long", remedy: str = _LONGER):
+        super().__init__(message, kind=kind, remedy=remedy)
 
 
 class ConversationEncoder:
@@ -82,6 +114,8 @@ class ConversationEncoder:
         self.max_seq_len = max_seq_len
         self.answer_room = answer_room  # a conversation may be this much longer than a prompt
         self.image_token = getattr(processor, "image_token", None)
+        self._image_token_id = getattr(processor, "image_token_id", None)
+        self._grid_key = next((k for k in family.media_keys if "grid" in k), None)
         self.pad_token_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
 
     # ---- encoding -----------------------------------------------------------------------------
@@ -89,6 +123,14 @@ class ConversationEncoder:
         """The full conversation with labels on assistant spans, cut to `max_seq_len` where that keeps
         its media and a labelled token; raises `SampleTooLong` where it does not."""
         encoded = self._encode_messages(conv, conv.messages)
+        labelled = (encoded.labels != IGNORE_INDEX).nonzero()
+        if not labelled.numel():
+            raise SampleUnfit(
+                f"{conv.__key__}: no labelled token: no assistant turn has text the template renders",
+                kind="no_label",
+                remedy="give every conversation an assistant answer",
+            )
+        self._check_media_tokens(conv.__key__, encoded.input_ids, encoded.media)
         n, limit = encoded.input_ids.numel(), self.max_seq_len + self.answer_room
         if n <= limit:
             return encoded
@@ -96,12 +138,14 @@ class ConversationEncoder:
         too_long = f"{conv.__key__}: {n} tokens, more than data.max_seq_len={self.max_seq_len}{room}"
         if encoded.media_end > limit:
             raise SampleTooLong(
-                f"{too_long}; its image would be cut (its prompt with the image takes {encoded.media_end})"
+                f"{too_long}; its image would be cut (its prompt with the image takes {encoded.media_end})",
+                kind="media_cut",
             )
-        labelled = (encoded.labels != IGNORE_INDEX).nonzero()
-        first_label = int(labelled[0]) if labelled.numel() else n
+        first_label = int(labelled[0])
         if first_label >= limit:
-            raise SampleTooLong(f"{too_long}; no answer token would be left (the prompt takes {first_label})")
+            raise SampleTooLong(
+                f"{too_long}; no answer token would be left (the prompt takes {first_label})", kind="no_label"
+            )
         return Encoded(
             key=encoded.key,
             input_ids=encoded.input_ids[:limit],
@@ -117,7 +161,10 @@ class ConversationEncoder:
         prompt longer than `max_seq_len` raises `SampleTooLong` (it is never cut)."""
         prompt = conv.messages[:-1] if conv.messages[-1]["role"] == "assistant" else conv.messages
         text = self._render(prompt, generation_prompt=True)
-        ids, tokens, media = self._process(text, self._images_of(conv, prompt), first=True)
+        images = self._images_of(conv, prompt)
+        self._check_placeholders(conv.__key__, text, len(images))
+        ids, tokens, media = self._process(text, images, first=True)
+        self._check_media_tokens(conv.__key__, ids, media)
         if ids.numel() > self.max_seq_len:
             with_media = " (its image included)" if media else ""
             raise SampleTooLong(
@@ -136,6 +183,7 @@ class ConversationEncoder:
     def _encode_messages(self, conv: Conversation, messages: list[dict]) -> Encoded:
         text, spans = self._render_with_spans(conv.__key__, messages)
         images = self._images_of(conv, messages)
+        self._check_placeholders(conv.__key__, text, len(images))
         ids, labels, media_parts, media_end, length = [], [], [], 0, 0
         tokens: dict[str, list[torch.Tensor]] = {k: [] for k in self.family.token_keys}
         for start, end, trainable in _pieces(len(text), spans):
@@ -161,6 +209,33 @@ class ConversationEncoder:
             media=_cat_media(media_parts),
             media_end=media_end,
         )
+
+    # ---- what the model's forward checks -----------------------------------------------------
+    def _check_placeholders(self, key: str, text: str, images: int) -> None:
+        """The rendered text holds one image placeholder per image (module doc, 5)."""
+        found = text.count(self.image_token) if self.image_token else images
+        if found != images:
+            raise SampleUnfit(
+                f"{key}: {found} image placeholder(s) {self.image_token!r} in the rendered text for {images} "
+                "image(s): its text spells the placeholder itself",
+                kind="media_mismatch",
+                remedy=f"remove {self.image_token!r} from the sample's text (each image part adds its own)",
+            )
+
+    def _check_media_tokens(self, key: str, ids: torch.Tensor, media: dict[str, torch.Tensor]) -> None:
+        """As many image tokens in `ids` as the images' features, by the processor's own expansion."""
+        expand, grid = getattr(self.processor, "replace_image_token", None), self._grid_key
+        if expand is None or self._image_token_id is None:
+            return
+        tokens = int((ids == self._image_token_id).sum())
+        images = media[grid].shape[0] if grid in media else 0
+        features = sum(expand(media, i).count(self.image_token) for i in range(images))
+        if tokens != features:
+            raise SampleUnfit(
+                f"{key}: {tokens} image token(s) for {features} image feature(s) of {images} image(s)",
+                kind="media_mismatch",
+                remedy=f"remove {self.image_token!r} from the sample's text (each image part adds its own)",
+            )
 
     def _process(self, text: str, images: list[torch.Tensor], *, first: bool):
         """(ids, per-token extras, media) of one piece; the processor only where there are images."""

@@ -9,9 +9,10 @@ shard's worker processes through the fork Energon's loader always uses, so the b
 not per worker. The error travels from the worker to the main process like any loader error, so
 the run fails instead of hanging.
 
-A sample that does not fit `data.max_seq_len` (`SampleTooLong`) follows `data.on_bad_sample`:
-`refuse` raises `SampleRefused` (exit 2) naming it, its token count and the limit; `drop` skips it
-like a corrupt one, within the same budget.
+A sample the run cannot train on as the recipe stands (`SampleUnfit`: it does not fit
+`data.max_seq_len`, has no labelled token, or its image tokens do not match its images) follows
+`data.on_bad_sample`: `refuse` raises `SampleRefused` (exit 2) naming it, why and what to change;
+`drop` skips it like a corrupt one, within the same budget.
 
 Every skip is also counted in the process that made it (`take_skipped`): the task encoder's batcher
 takes the count into the group it closes, so the shard counts what it dropped in stream order,
@@ -29,7 +30,7 @@ import logging
 import multiprocessing
 from typing import Any
 
-from vlmrun.data.chat_encoding import SampleTooLong
+from vlmrun.data.chat_encoding import SampleUnfit
 from vlmrun.errors import EXIT_BAD_INPUT, CheckFailed, VlmrunError
 
 logger = logging.getLogger(__name__)
@@ -46,7 +47,7 @@ class CorruptDataError(CheckFailed):
 
 
 class SampleRefused(VlmrunError):
-    """A sample that does not fit `data.max_seq_len` under `data.on_bad_sample: refuse` (exit 2).
+    """A sample the run cannot train on (`SampleUnfit`) under `data.on_bad_sample: refuse` (exit 2).
 
     Constructed from one message string, so torch's DataLoader can re-raise it in the main process.
     """
@@ -87,17 +88,17 @@ class ErrorBudget:
 
     def __call__(self, error: Exception, sample: Any, sources: list | None = None) -> None:
         key, where = _where(sample, sources)
-        too_long = isinstance(error, SampleTooLong)
-        if too_long and self.on_bad_sample == "refuse":
+        unfit = isinstance(error, SampleUnfit)
+        if unfit and self.on_bad_sample == "refuse":
             tars = _in_tars(sources).removeprefix(" in ")
             detail = str(error).removeprefix(f"{key}: ")
             raise SampleRefused(
                 f"{self.label}: sample {key}{f' ({tars})' if tars else ''}: {detail}; data.on_bad_sample=refuse: "
-                "raise data.max_seq_len, or set data.on_bad_sample=drop to skip such samples (counted, within "
-                "data.error_tolerance)"
+                f"{error.remedy}, or set data.on_bad_sample=drop to skip such samples (counted, within "
+                "data.error_tolerance); `vlmrun data check` lists them all"
             )
         self._skipped += 1
-        what = "dropped over-long sample" if too_long else "skipped corrupt sample"
+        what = f"dropped sample ({error.kind})" if unfit else "skipped corrupt sample"
         with self._keys.get_lock():
             keys = _decode(self._keys.raw)
             if key is not None and key[:_KEY_CHARS] in keys:
@@ -106,9 +107,7 @@ class ErrorBudget:
             if len(keys) <= self.tolerance + 1:
                 self._keys.raw = _encode(keys, len(self._keys))
         if len(keys) > self.tolerance:
-            kind = (
-                "bad samples (corrupt, or over-long under data.on_bad_sample=drop)" if too_long else "corrupt samples"
-            )
+            kind = "bad samples (corrupt, or unfit under data.on_bad_sample=drop)" if unfit else "corrupt samples"
             raise CorruptDataError(
                 f"{self.label}: {len(keys)} {kind}, more than data.error_tolerance={self.tolerance}; "
                 f"last: {where}: {type(error).__name__}: {error}"

@@ -14,7 +14,7 @@ def ensure_dataset(data, progress=None) -> Path:
     synthetic one (data.synthetic makes a set only where there is none).
     """
     path = Path(data.path)
-    if data.synthetic is not None and not _prepared_by_user(path):
+    if generated_by_job(data):
         from vlmrun.datasets.clevr import ensure_clevr
 
         s = data.synthetic
@@ -27,6 +27,11 @@ def ensure_dataset(data, progress=None) -> Path:
             "make one with `vlmrun data prepare`, `vlmrun data clevr` or `energon prepare`, or set data.synthetic",
         )
     return path
+
+
+def generated_by_job(data) -> bool:
+    """The job generates the set at data.path (data.synthetic, and no set of `vlmrun data prepare` there)."""
+    return data.synthetic is not None and not _prepared_by_user(Path(data.path))
 
 
 def _prepared_by_user(path: Path) -> bool:

@@ -17,6 +17,7 @@ from pathlib import Path
 from vlmrun.algorithms.common.checkpoint_store import CheckpointStore, run_checkpoints
 from vlmrun.cluster.preflight import preflight_run
 from vlmrun.errors import InputError
+from vlmrun.launch.data_check import check_data_at_submit
 from vlmrun.launch.result import SubmitResult
 from vlmrun.launch.targets import resolve_cluster
 from vlmrun.models.fit import check_memory_fit
@@ -39,7 +40,8 @@ def submit_run(
     Raises InputError (before a run dir is created or data generated) for a bad recipe, argument, a
     missing model or data set, too few GPUs on this machine for a local run (cluster/preflight.py), a
     GPU recipe whose memory estimate exceeds cluster.gpu_memory_gb (models/fit.py), a checkpoint.dir
-    that belongs to another run (algorithms/common/checkpoint_owner.py), or a SLURM whose controller
+    that belongs to another run (algorithms/common/checkpoint_owner.py), a prepared data set whose samples
+    the run would stop on (launch/data_check.py), or a SLURM whose controller
     does not answer (a dry run then shows the SLURM job and says so through `echo`). The estimate rides on the result (`memory`); its warning (within 10% of the
     limit) goes to `echo` before a run.
     """
@@ -60,6 +62,7 @@ def submit_run(
         )
     memory = check_memory_fit(recipe)  # before preflight: a layout that cannot fit, wherever the weights are
     preflight_run(recipe, runs_here=executor.runs_here, dry_run=dry_run)  # a submit's errors (weights aside)
+    check_data_at_submit(recipe, echo=echo)  # a prepared set's samples against the recipe (cached)
     checkpoints = run_checkpoints(rd, recipe)  # with the id this submit gives the run
     checkpoints.check_owner()
     if dry_run:

@@ -60,6 +60,37 @@ def print_prepare_summary(result: dict) -> None:
     console.print(f"train on it: vlmrun submit RECIPE --set data.path={result['path']}")
 
 
+def print_data_check(result: dict) -> None:
+    """The result of `vlmrun data check` (`DataCheck.to_json`): counts per split, the first samples of each
+    kind, then the verdict."""
+    from rich.table import Table
+
+    console = _console()
+    console.print(
+        f"{result['path']} against family {result['family']}, data.max_seq_len={result['max_seq_len']}, "
+        f"data.on_bad_sample={result['on_bad_sample']}, data.error_tolerance={result['error_tolerance']} "
+        f"x {result['loader_shards']} loader shard(s)"
+    )
+    kinds = sorted({kind for s in result["splits"] for kind in s["bad"]})
+    counts = Table()
+    for col in ("split", "samples", "ok", "truncated", *kinds):
+        counts.add_column(col, justify="left" if col == "split" else "right")
+    for s in result["splits"]:
+        counts.add_row(
+            s["split"], str(s["samples"]), str(s["ok"]), str(s["truncated"]), *(str(s["bad"].get(k, 0)) for k in kinds)
+        )
+    console.print(counts)
+    for s in result["splits"]:
+        for kind, named in s["first"].items():
+            console.print(f"{s['split']}: {kind}: " + "; ".join(named))
+    for line in result["warnings"]:
+        console.print(f"warning: {line}")
+    for line in result["problems"]:
+        console.print(f"would stop the run: {line}")
+    if result["ok"]:
+        console.print("the run would not stop on these samples")
+
+
 def print_comparison(result: dict) -> None:
     from rich.table import Table
 

@@ -24,7 +24,7 @@ class Validation:
     val_samples: int  # answered prompts
     val_tokens: int  # label tokens the NLL summed over (0: no token was scored, e.g. every label cut away)
     val_majority_baseline: float  # accuracy of always giving the most common answer
-    val_dropped_samples: int = 0  # val samples left out (over-long under data.on_bad_sample: drop)
+    val_dropped_samples: int = 0  # val samples left out (unfit under data.on_bad_sample: drop)
 
 
 @dataclass(frozen=True, kw_only=True)
