@@ -244,6 +244,7 @@ JSON_ERRORS = {  # for each command that has --json: an error, and the field it 
     "data clevr": (["data", "clevr", "/nonexistent/out", "--train", "0"], "--train"),  # a usage error (click's)
     "data prepare": (["data", "prepare", "/nonexistent/src", "/nonexistent/out", "--format", "llava"], "src"),
     "data check": (["data", "check", "/nonexistent/set", "--recipe", TINY], "data"),
+    "eval": (["eval", "/nonexistent/target"], "TARGET"),
 }
 
 

@@ -234,6 +234,57 @@ def export(
         typer.echo(f"exported step {result.step} to {result.out} ({len(result.files)} files)")
 
 
+@app.command("eval", no_args_is_help=True)
+def eval_(
+    target: Path = typer.Argument(..., help="a run directory (its checkpoint) or a model directory (e.g. an export)"),
+    step: int | None = typer.Option(
+        None, "--step", min=1, help="a run's checkpoint step (default: the newest that verifies)"
+    ),
+    recipe: Path | None = typer.Option(
+        None, "--recipe", help="for a model directory not written by `vlmrun export`: the recipe to evaluate with"
+    ),
+    set_: list[str] | None = SetOpt,
+    data: Path | None = typer.Option(None, "--data", help="another Energon data set (default: the recipe's data.path)"),
+    split: str | None = typer.Option(None, "--split", help="the split to score (default: the recipe's data.val_split)"),
+    samples: int | None = typer.Option(None, "--samples", min=1, help="samples to score (default: train.val_samples)"),
+    against: Path | None = typer.Option(
+        None, "--against", help="a second TARGET, scored on the same data, and the differences"
+    ),
+    threads: int = typer.Option(1, "--threads", min=1, help="CPU threads; 1 gives a CPU run's own numbers bit for bit"),
+    json_out: bool = JsonOpt,
+):
+    """Score a checkpoint or a model as the run's own validation does: NLL over the answers' tokens, greedy
+    answers' exact-match accuracy (and per question template), their reward by the recipe's reward terms.
+
+    For a run's checkpoint at a step where the run validated, the numbers equal that step's metrics row
+    (the result says so: matches_run_row); an export of it gives the same numbers.
+
+    \b
+    Examples:
+      vlmrun eval runs/tiny-clevr-cpu-20261130-101500 --step 200 --json
+      vlmrun eval exports/tiny-clevr-step200 --data data/my-set --samples 256
+      vlmrun eval runs/a --against runs/b
+    """
+    from vlmrun.launch.eval import compare_evals, eval_target
+
+    def one(path: Path, **more) -> dict:
+        return eval_target(
+            path,
+            recipe_path=recipe,
+            overrides=set_ or [],
+            data=data,
+            split=split,
+            samples=samples,
+            threads=threads,
+            **more,
+        )
+
+    result = one(target, step=step)
+    if against is not None:
+        result = compare_evals(result, one(against))
+    print_result(result, json_out, "print_eval")
+
+
 @app.command("bench-loader")
 def bench_loader(
     recipe: Path = typer.Argument(Path("recipes/tiny-clevr-cpu.yaml"), help="recipe whose data path to measure"),

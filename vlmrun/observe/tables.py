@@ -91,6 +91,46 @@ def print_data_check(result: dict) -> None:
         console.print("the run would not stop on these samples")
 
 
+def print_eval(result: dict) -> None:
+    """`vlmrun eval` (`launch/eval.py`): one target's scores, or two side by side with B - A."""
+    from rich.table import Table
+
+    pair = [result["a"], result["b"]] if "a" in result else [result]
+    keys = ("val_loss", "val_accuracy", "val_majority_baseline", "val_samples", "val_tokens")
+    table = Table(title=f"{pair[0]['split']} of {pair[0]['data']}")
+    table.add_column("")
+    for r in pair:
+        table.add_column(r["target"] + (f" (step {r['step']})" if r.get("step") else ""), justify="right")
+    if len(pair) == 2:
+        table.add_column("B - A", justify="right")
+    for k in keys:
+        table.add_row(k, *(_num(r[k]) for r in pair), *([_num(result["delta"].get(k))] if len(pair) == 2 else []))
+    table.add_row(
+        "reward",
+        *(_num(r["reward"]["mean"]) for r in pair),
+        *([_num(result["delta"].get("reward"))] if len(pair) == 2 else []),
+    )
+    templates = sorted({t for r in pair for t in r["templates"]})
+    for t in templates:
+        table.add_row(
+            f"accuracy: {t}",
+            *(_num(r["templates"].get(t, {}).get("accuracy")) for r in pair),
+            *([""] if len(pair) == 2 else []),
+        )
+    console = _console()
+    console.print(table)
+    for r in pair:
+        if r.get("matches_run_row") is not None:
+            same = "equal" if r["matches_run_row"] else "DIFFER FROM"
+            console.print(f"{r['target']}: these numbers {same} the run's own validation row of step {r['step']}")
+
+
+def _num(value) -> str:
+    if value is None:
+        return "-"
+    return f"{value:.4f}" if isinstance(value, float) else str(value)
+
+
 def print_comparison(result: dict) -> None:
     from rich.table import Table
 

@@ -77,10 +77,12 @@ def evaluate(
     generator: GenerationBackend,
     decode: Callable[[object], list[str]],
     refit_bytes: int = REFIT_BUCKET_BYTES,
+    on_answers: Callable[[list[str], object, object], None] | None = None,
 ) -> ValidationScore:
     """This rank's score of `share`: the NLL from `policy.logprobs`, greedy answers from `generator` once
     it is refit from `policy` (`refit_bytes` a bucket); `decode(rollouts)` gives the responses' texts.
-    Every rank calls it together."""
+    Every rank calls it together. `on_answers(texts, prompts, rollouts)`, when given, sees every prompt
+    batch's answers (`vlmrun eval` scores them by template and reward)."""
     nll, tokens = 0.0, 0
     for batch in share.loss_batches:
         nll += -float(policy.logprobs(batch).sum())
@@ -90,11 +92,22 @@ def evaluate(
     refit(generator, policy, bucket_bytes=refit_bytes)
     correct = answered = 0
     for prompts in share.prompt_batches:
-        texts = decode(generator.generate(prompts, GREEDY, n=1))
+        rollouts = generator.generate(prompts, GREEDY, n=1)
+        texts = decode(rollouts)
+        if on_answers is not None:
+            on_answers(texts, prompts, rollouts)
         for text, answer in zip(texts, prompts.answers, strict=True):
             correct += text.strip() == answer.strip()
             answered += 1
     return ValidationScore(nll, tokens, correct, answered)
+
+
+def response_texts(tokenizer, rollouts) -> list[str]:
+    """The texts of the rollouts' responses (padding and special tokens dropped)."""
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    return tokenizer.batch_decode(
+        rollouts.response_ids.masked_fill(rollouts.response_mask == 0, pad), skip_special_tokens=True
+    )
 
 
 def validation_row(score: ValidationScore, answers: list[str], *, dropped: int = 0) -> Validation:

@@ -22,7 +22,7 @@ from collections.abc import Iterator
 
 from vlmrun.algorithms.common.checkpoint import Checkpoint, PendingCheckpoint
 from vlmrun.algorithms.common.shards import open_train_shard
-from vlmrun.algorithms.common.validation import ValidationScore, ValidationShare, evaluate
+from vlmrun.algorithms.common.validation import ValidationScore, ValidationShare, evaluate, response_texts
 from vlmrun.config.dtype import compute_dtype
 from vlmrun.distributed.worker_group import RankActor
 from vlmrun.errors import InputError
@@ -144,8 +144,7 @@ class RankWorker(RankActor):
 
     def _decode(self, rollouts) -> list[str]:
         """The texts of the rollouts' responses, special tokens dropped."""
-        ids = rollouts.response_ids.masked_fill(rollouts.response_mask == 0, self.pad_token_id)
-        return self.tokenizer.batch_decode(ids, skip_special_tokens=True)
+        return response_texts(self.tokenizer, rollouts)
 
     # ---- checkpoints ------------------------------------------------------------------------------
     def save(self, pending: PendingCheckpoint, background: bool = False) -> dict[str, dict]:
