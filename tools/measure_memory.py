@@ -19,7 +19,8 @@ A GRPO recipe (`--recipe recipes/tiny-grpo-cpu.yaml`) is measured per phase of i
 the estimate of that phase (resident terms + the phase's own): the refit (the rank's engine, opened as
 a training rank opens it, `weights="refit"`, filled from the policy in `generation.refit_bucket_mb`
 buckets), the generation (`grpo.num_generations` responses to each of `train.micro_batch_size` one-image
-prompts, to `grpo.max_new_tokens`: a random tiny model stops only there), and the training step (as
+prompts padded with text to `data.max_seq_len` tokens, the longest prompt a run takes and the bound the
+estimate assumes, to `grpo.max_new_tokens`: a random tiny model stops only there), and the training step (as
 above, its sequences the prompt plus the responses). The bytes alive before a phase are the policy's
 state, its gradients from the step before, the reference model's weights and the engine's.
 """
@@ -163,7 +164,7 @@ def measure_grpo_phases(family: str, recipe, cache: Path | None = None) -> dict:
         processor = AutoProcessor.from_pretrained(model_dir)
         dtype = torch_dtype(recipe.model.dtype)
         train = [padded_batch(processor, shape.sequences, shape.seq_len, shape.image_size, dtype)]
-        one = padded_batch(processor, t.micro_batch_size, None, shape.image_size, dtype)
+        one = padded_batch(processor, t.micro_batch_size, recipe.data.max_seq_len, shape.image_size, dtype)
         prompts = PromptBatch(
             [f"p{i}" for i in range(t.micro_batch_size)],
             one.input_ids,
@@ -270,7 +271,7 @@ def profiled_peak(fn) -> int:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--recipe", type=Path, default=RECIPE)
-    parser.add_argument("--family", action="append", help="qwen2_5_vl or nemotron_omni; default: both")
+    parser.add_argument("--family", action="append", help="a family of vlmrun/config/families.py; default: every one")
     parser.add_argument("--set", action="append", default=[], help="recipe override, e.g. data.max_seq_len=512")
     args = parser.parse_args()
     from vlmrun.config.families import FAMILIES
