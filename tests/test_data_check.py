@@ -98,8 +98,8 @@ def test_every_planted_sample_is_found_and_named(planted_set, tiny_dirs):
         want[kind] = want.get(kind, 0) + 1
     assert train.bad == want and train.samples == GOOD - 8 + 8 + len(PLANTED) + 1
     assert train.ok == train.samples - len(PLANTED) and train.truncated == 1 and val.bad == {} and val.ok == 8
-    found = {kind: named_rows(planted_set, [n.split(":", 1)[0] for n in named]) for kind, named in train.first.items()}
-    assert {row: kind for kind, ids in found.items() for row in ids} == PLANTED
+    named = {kind: [n.split(" (row ", 1)[1].split("):", 1)[0] for n in lines] for kind, lines in train.first.items()}
+    assert {row: kind for kind, rows_ in named.items() for row in rows_} == PLANTED  # by the user's own row ids
     assert not result.ok and len(result.problems) == 1
     assert "data.on_bad_sample=refuse" in result.problems[0] and "4 sample(s)" in result.problems[0]
 

@@ -64,7 +64,10 @@ class SplitCheck:
     def unfit(self) -> int:
         return sum(n for kind, n in self.bad.items() if kind != CORRUPT)
 
-    def add(self, key: str, kind: str | None, why: str = "", *, truncated: bool = False, read: bool = True) -> None:
+    def add(
+        self, key: str, kind: str | None, why: str = "", *, truncated: bool = False, read: bool = True, row=None
+    ) -> None:
+        """Count one sample; a bad one among the first FIRST of its kind is named "key (row ID): why"."""
         self.samples += 1
         if kind is None:
             self.ok += 1
@@ -73,7 +76,8 @@ class SplitCheck:
         self.bad[kind] = self.bad.get(kind, 0) + 1
         named = self.first.setdefault(kind, [])
         if len(named) < FIRST:
-            named.append(f"{key}: {why.removeprefix(f'{key}: ')}")
+            label = f"{key} (row {row})" if row else key
+            named.append(f"{label}: {why.removeprefix(f'{key}: ')}")
         if read:
             self.read_corrupt += kind == CORRUPT
             self.read_unfit += kind != CORRUPT
@@ -127,12 +131,12 @@ def check_data(recipe, *, processor_dir: str, progress: Callable[[int, int], Non
     done, splits = 0, []
     for role, split in roles:
         check = SplitCheck(split=split, role=role)
-        encode = _sample_encoder(recipe, processor, val=role == "val")
+        cook, encode = _sample_encoder(recipe, processor, val=role == "val")
         usable_wanted = recipe.train.val_samples if role == "val" else None
         for key, raw in _raw_samples(d.path, shards[split]):
             read = usable_wanted is None or check.ok < usable_wanted
-            kind, why, truncated = _sort(encode, key, raw)
-            check.add(key, kind, why, truncated=truncated, read=read)
+            kind, why, truncated, row = _sort(cook, encode, key, raw)
+            check.add(key, kind, why, truncated=truncated, read=read, row=row)
             done += 1
             if progress is not None:
                 progress(done, total)
@@ -150,8 +154,9 @@ def check_data(recipe, *, processor_dir: str, progress: Callable[[int, int], Non
     return result
 
 
-def _sample_encoder(recipe, processor, *, val: bool) -> Callable[[dict], object]:
-    """raw sample -> the task encoder's encoded sample (what the loader's workers compute)."""
+def _sample_encoder(recipe, processor, *, val: bool) -> tuple[Callable, Callable]:
+    """(cook: raw sample -> Conversation, encode: Conversation -> the task encoder's encoded sample), what
+    the loader's workers compute."""
     from vlmrun.data.cookers import COOK_FUNCTIONS
     from vlmrun.data.task_encoder import make_task_encoder
 
@@ -166,20 +171,24 @@ def _sample_encoder(recipe, processor, *, val: bool) -> Callable[[dict], object]
         answer_room=recipe.grpo.max_new_tokens if val and recipe.train.algorithm == "grpo" else 0,
     )
     cook = COOK_FUNCTIONS[d.cookers[0]]
-    return lambda raw: task_encoder.encode_sample(cook({**raw, "__restore_key__": ()}))
+    return (lambda raw: cook({**raw, "__restore_key__": ()})), task_encoder.encode_sample
 
 
-def _sort(encode, key: str, raw: dict) -> tuple[str | None, str, bool]:
-    """(kind or None for ok, why, truncated) of one raw sample."""
+def _sort(cook, encode, key: str, raw: dict) -> tuple[str | None, str, bool, str | None]:
+    """(kind or None for ok, why, truncated, the source row's id where the record keeps one) of one raw
+    sample."""
     from vlmrun.data.chat_encoding import SampleUnfit
 
+    row = None
     try:
-        encoded = encode(raw)
+        conv = cook(raw)
+        row = conv.annotations.get("id")
+        encoded = encode(conv)
     except SampleUnfit as e:
-        return e.kind, str(e), False
+        return e.kind, str(e), False, row
     except Exception as e:  # noqa: BLE001 - the loader's error handler skips any exception as a corrupt sample
-        return CORRUPT, f"{type(e).__name__}: {e}", False
-    return None, "", bool(getattr(getattr(encoded, "encoded", None), "truncated", False))
+        return CORRUPT, f"{type(e).__name__}: {e}", False, row
+    return None, "", bool(getattr(getattr(encoded, "encoded", None), "truncated", False)), row
 
 
 def _raw_samples(path: str, shards: list[tuple[str, int]]):
