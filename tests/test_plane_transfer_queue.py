@@ -29,6 +29,7 @@ from vlmrun.cluster.mooncake import mooncake_unavailable
 from vlmrun.cluster.plane_servers import running_plane_servers
 from vlmrun.plane.fields import Stage
 from vlmrun.plane.interface import DataPlaneError, PartitionSpec
+from vlmrun.plane.transfer_queue.servers import start_transfer_queue
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 BACKENDS = [
@@ -237,6 +238,24 @@ def test_a_dead_server_is_named_and_a_call_waiting_on_it_ends_at_its_bound(ray_l
     finally:
         plane.close()
         stop_transfer_queue(servers)
+
+
+def test_servers_that_miss_their_start_bound_are_named_and_stopped(ray_local):
+    """One bound for all the servers (they start side by side): past it the error names the server
+    still starting and the bound, and nothing it started is left in Ray (the GCS's actor table,
+    Ray's private `state.actors`: this Ray runs no API server for `ray.util.state`)."""
+    from ray._private import state
+
+    def live() -> set[str]:
+        return {a for a, info in state.actors().items() if info["State"] != "DEAD"}
+
+    before = live()
+    with pytest.raises(TimeoutError, match=r"the TransferQueue controller did not start within 0 s: its process"):
+        start_transfer_queue("simple", storage_units=2, deadline_s=0.01)
+    deadline = time.monotonic() + 30
+    while (left := live() - before) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not left, {a: state.actors()[a]["State"] for a in left}
 
 
 STARTER_IMPORTS = """

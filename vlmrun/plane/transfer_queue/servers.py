@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,6 +38,9 @@ log = logging.getLogger(__name__)
 
 _SHUTDOWN_S = 15.0
 _PING_S = 5.0
+#: how long the servers may take to come up: 15-17 s here with the CPUs busy with two test workers
+#: (2 cores), past 60 s in CI with three; a cold import of torch from a shared file system is slow too
+START_DEADLINE_S = 180.0
 
 
 @dataclass(frozen=True)
@@ -85,14 +89,15 @@ def start_transfer_queue(
     mooncake: MooncakeStoreConfig | None = None,
     storage_units: int = 1,
     storage_node_resource: str | None = None,
-    deadline_s: float = 60.0,
+    deadline_s: float = START_DEADLINE_S,
 ) -> TransferQueueServers:
     """Start the controller and, for `backend="simple"`, `storage_units` in-memory storage units spread
-    round-robin over the Ray nodes (those with `storage_node_resource` when given).
+    round-robin over the Ray nodes (those with `storage_node_resource` when given), all at once: each
+    actor's process imports TransferQueue (torch, tensordict), so they start side by side.
 
     Needs a running Ray (`ray.init` in this process). `mooncake` (the running master's addresses) is
     required for `backend="mooncake"`. Raises TimeoutError naming the actor that is not ready after
-    `deadline_s`, having stopped what it started.
+    `deadline_s` (one bound for them all), having stopped what it started.
     """
     if backend not in BACKENDS:
         raise ValueError(f"TransferQueue backend {backend!r}; allowed: {', '.join(BACKENDS)}")
@@ -103,10 +108,13 @@ def start_transfer_queue(
     controller = ray.remote(_server_host("controller")).options(num_cpus=0).remote(polling_mode=False)
     servers = TransferQueueServers(endpoint=None, controller=controller)  # type: ignore[arg-type]
     try:
-        controller_info = _ready(controller, "the TransferQueue controller", deadline_s)
         if backend == "simple":
             servers.storage_units = _start_storage_units(storage_units, storage_node_resource)
-        unit_infos = {name: _ready(h, f"storage unit {name}", deadline_s) for name, h in servers.storage_units.items()}
+        end = time.monotonic() + deadline_s
+        controller_info = _ready(controller, "the TransferQueue controller", end, deadline_s)
+        unit_infos = {
+            name: _ready(h, f"storage unit {name}", end, deadline_s) for name, h in servers.storage_units.items()
+        }
         servers.actors = [
             _located(controller, "the TransferQueue controller"),
             *(_located(h, f"the TransferQueue storage unit {name}") for name, h in servers.storage_units.items()),
@@ -229,13 +237,14 @@ def _whereabouts(_actor: Any) -> tuple[str, int, str]:
     return ray.get_runtime_context().get_actor_id(), os.getpid(), ray.util.get_node_ip_address()
 
 
-def _ready(actor: Any, what: str, deadline_s: float) -> Any:
-    """The actor's ZMQ address, once it answers; TimeoutError after `deadline_s`."""
+def _ready(actor: Any, what: str, end: float, deadline_s: float) -> Any:
+    """The actor's ZMQ address, once it answers; TimeoutError once the monotonic clock passes `end`."""
     import ray
 
     try:
-        return ray.get(actor.address.remote(), timeout=deadline_s)
+        return ray.get(actor.address.remote(), timeout=max(end - time.monotonic(), 0.0))
     except ray.exceptions.GetTimeoutError:
         raise TimeoutError(
-            f"{what} did not start within {deadline_s:.0f} s (is Ray short of nodes or memory?)"
+            f"{what} did not start within {deadline_s:.0f} s: its process imports TransferQueue and"
+            " torch; is the node's CPU busy, or Ray short of nodes or memory?"
         ) from None
