@@ -34,8 +34,19 @@ def test_format1_run_resumes_to_the_numbers_of_an_uninterrupted_run(tmp_path):
     a, b = history(old / "metrics.jsonl"), history(fresh / "metrics.jsonl")
     assert sorted(a) == sorted(b) == list(range(1, 41))
     for step in range(1, 41):  # steps 1-9 by the old code, 10-40 resumed by this one
-        for key in ("loss", "grad_norm", "lr", "valid_tokens", "sample_ids", "consumed_samples"):
+        for key in ("lr", "valid_tokens", "sample_ids", "consumed_samples"):
             assert a[step][key] == b[step][key], (step, key)
+    # The fixture's steps 1-9 were computed on an AVX-512 machine; on one whose CPU takes other float
+    # kernels (AVX2 here) the same code differs from them in the last bits (5.77231502 against
+    # 5.77231491 at step 1). Where steps 1-9 agree bit for bit, so must every step; elsewhere each is
+    # the uninterrupted run's up to that rounding, carried through the resumed steps.
+    same_cpu = all(a[s][k] == b[s][k] for s in range(1, 10) for k in ("loss", "grad_norm"))
+    for step in range(1, 41):
+        for key in ("loss", "grad_norm"):
+            if same_cpu:
+                assert a[step][key] == b[step][key], (step, key)
+            else:
+                assert a[step][key] == pytest.approx(b[step][key], rel=1e-5), (step, key)
     assert {a[s]["attempt"] for s in range(10, 41)} == {1}
 
     job = json.loads((old / "job.json").read_text())
