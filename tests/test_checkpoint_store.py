@@ -28,7 +28,7 @@ def test_parts_round_trip_under_the_stores_names(tmp_path):
     assert found.path == path and found.step == 5 and not skipped
     assert torch.equal(found.read("model")["w"], torch.full((100,), 2.5))
     assert found.read("rng", index=0) == {"seed": 5}
-    assert found.manifest["placement_hash"] == "h" and found.format == 2
+    assert found.manifest["placement_hash"] == "h" and found.format == 3
     assert (path / PARTS["model"]).is_file() and (path / part_file("rng", 0)).is_file()
     assert not found.has("loader", index=0)
     with pytest.raises(KeyError, match="loader"):
@@ -96,9 +96,29 @@ def test_unfinished_tmp_checkpoint_is_ignored_and_cleaned(tmp_path):
 def test_manifest_records_sizes_and_checksums(tmp_path):
     path = _save(CheckpointStore(tmp_path, keep=1), 5)
     manifest = verify(path)
-    assert manifest["step"] == 5 and manifest["format"] == 2
+    assert manifest["step"] == 5 and manifest["format"] == 3
     entry = manifest["files"][PARTS["model"]]
-    assert entry["size"] == (path / PARTS["model"]).stat().st_size and len(entry["sha256"]) == 64
+    assert entry["size"] == (path / PARTS["model"]).stat().st_size and len(entry["xxh3_128"]) == 32
+
+
+def test_a_format_2_checkpoint_with_sha256_checksums_still_verifies_and_damage_is_still_seen(tmp_path):
+    """Checkpoints written before XXH3 (format 2) resume: their sha256 entries are checked as they are."""
+    import hashlib
+
+    path = _save(CheckpointStore(tmp_path, keep=1), 5)
+    manifest = json.loads((path / "manifest.json").read_text())
+    for name, entry in manifest["files"].items():
+        manifest["files"][name] = {
+            "size": entry["size"],
+            "sha256": hashlib.sha256((path / name).read_bytes()).hexdigest(),
+        }
+    (path / "manifest.json").write_text(json.dumps(manifest | {"format": 2}))
+    assert verify(path)["format"] == 2
+    data = bytearray((path / PARTS["model"]).read_bytes())
+    data[-30] ^= 0xFF
+    (path / PARTS["model"]).write_bytes(bytes(data))
+    with pytest.raises(CorruptCheckpoint, match="checksum mismatch"):
+        verify(path)
 
 
 def test_format1_checkpoint_written_by_the_previous_layout_reads_through_the_same_parts(tmp_path):
@@ -118,7 +138,7 @@ def test_unknown_format_is_refused_naming_it(tmp_path):
     m = json.loads((path / "manifest.json").read_text())
     (path / "manifest.json").write_text(json.dumps(m | {"format": 7}))
     found, skipped = CheckpointStore(tmp_path, keep=1).latest()
-    assert found is None and "format 7" in skipped[0] and "formats 1 and 2" in skipped[0]
+    assert found is None and "format 7" in skipped[0] and "formats 1, 2, 3" in skipped[0]
 
 
 # ---- damaged checkpoints: moved aside, never counted, the step saved again ------------------------------
@@ -169,10 +189,10 @@ def test_a_reader_reports_a_damaged_newest_and_moves_nothing(tmp_path):
 
 
 def test_a_sealed_checkpoint_counts_as_valid_without_a_rehash_until_a_stat_says_otherwise(tmp_path, monkeypatch):
-    from vlmrun.algorithms.common import checkpoint
+    from vlmrun.algorithms.common import checkpoint_files
 
     hashed: list[str] = []
-    real = checkpoint._sha256
+    real = checkpoint_files.file_checksum
     store = CheckpointStore(tmp_path, keep=2)
     _save(store, 1)
     writers = store.begin
@@ -180,9 +200,9 @@ def test_a_sealed_checkpoint_counts_as_valid_without_a_rehash_until_a_stat_says_
     def counted_finish(step):
         pending = writers(step)
         files = {f: d for p in ("controller", "model", "optimizer") for f, d in pending.write(p, {"w": 1}).items()}
-        monkeypatch.setattr(checkpoint, "_sha256", lambda p: hashed.append(p.name) or real(p))
+        monkeypatch.setattr(checkpoint_files, "file_checksum", lambda p, *a: hashed.append(p.name) or real(p, *a))
         store.finish(pending, files, {})
-        monkeypatch.setattr(checkpoint, "_sha256", real)
+        monkeypatch.setattr(checkpoint_files, "file_checksum", real)
 
     for step in (2, 3, 4, 5):
         counted_finish(step)
@@ -241,22 +261,22 @@ def test_readers_racing_a_writer_with_keep_1_always_read_a_whole_checkpoint(tmp_
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 def test_writers_hash_what_they_write_as_it_goes_out_and_read_no_file_back(tmp_path, monkeypatch):
-    from vlmrun.algorithms.common import checkpoint
+    from vlmrun.algorithms.common import checkpoint, checkpoint_files
     from vlmrun.policy.interface import PolicyState, Storage
 
-    real = checkpoint._sha256
+    real = checkpoint_files.file_checksum
 
-    def no_read_back(path):
+    def no_read_back(path, *algorithm):
         raise AssertionError(f"{path} was read back to be hashed")
 
     pending = CheckpointStore(tmp_path, keep=1).begin(1)
-    monkeypatch.setattr(checkpoint, "_sha256", no_read_back)
+    monkeypatch.setattr(checkpoint_files, "file_checksum", no_read_back)
     files = pending.write("controller", {"w": torch.randn(300, 70), "n": 3})
     one_copy = PolicyState(Storage.REPLICATED, {"model": {"w": torch.randn(50)}, "optimizer": {"lr": 0.1}})
     files |= pending.write_policy(one_copy, rank=0)
     shards = PolicyState(Storage.SHARDED, {"model": {"w": torch.randn(64, 64)}, "optimizer": {"s": torch.ones(9)}})
     dcp_files = pending.write_policy(shards, rank=0)  # DCP, one process: its shard file and .metadata
-    monkeypatch.setattr(checkpoint, "_sha256", real)
+    monkeypatch.setattr(checkpoint_files, "file_checksum", real)
     assert any(f.endswith(".distcp") for f in dcp_files) and any(f.endswith(".metadata") for f in dcp_files)
     for name, recorded in (files | dcp_files).items():
         assert recorded == checkpoint.digest(Path(pending.path) / name), name
@@ -266,18 +286,18 @@ def test_verify_hashes_on_several_threads_and_names_the_first_damaged_file_in_ma
     import threading
     import time
 
-    from vlmrun.algorithms.common import checkpoint
+    from vlmrun.algorithms.common import checkpoint, checkpoint_files
 
     path = _save(CheckpointStore(tmp_path, keep=1), 1, parts=("controller", "model", "optimizer"))
-    threads, real = set(), checkpoint._sha256
+    threads, real = set(), checkpoint_files.file_checksum
     monkeypatch.setattr(checkpoint, "_HASH_THREADS", 4)
 
-    def slow_hash(p):  # long enough that the pool starts a thread per file
+    def slow_hash(p, *algorithm):  # long enough that the pool starts a thread per file
         threads.add(threading.get_ident())
         time.sleep(0.05)
-        return real(p)
+        return real(p, *algorithm)
 
-    monkeypatch.setattr(checkpoint, "_sha256", slow_hash)
+    monkeypatch.setattr(checkpoint_files, "file_checksum", slow_hash)
     verify(path)
     assert len(threads) > 1  # the four files were hashed by more than one thread
     for name in (PARTS["optimizer"], PARTS["model"]):  # same size, other bytes: only a checksum sees it

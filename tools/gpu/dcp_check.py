@@ -4,7 +4,7 @@ the same next step: the losses and parameters must be bitwise equal.
 
 The save and load are the product's: `CheckpointStore.begin`, `PendingCheckpoint.write_policy` of the
 policy's `checkpoint_state()` (every rank its DCP shard, hashed), `finish` (manifest, fsync, rename);
-`CheckpointStore.at` (verifies every file's size and sha256), `Checkpoint.read_policy` and the policy's
+`CheckpointStore.at` (verifies every file's size and checksum), `Checkpoint.read_policy` and the policy's
 `load_checkpoint_state`.
 
 1. The section runs under `torch.use_deterministic_algorithms(True)` (flash attention's backward

@@ -5,7 +5,7 @@
     checkpoints/damaged_step_<N>-<time>/  a checkpoint found damaged, moved aside for inspection
     checkpoints/step_<N>/            complete
         manifest.json                format, step, the run that wrote it (run_id, run_dir), every file
-                                     with its size and sha256, run metadata
+                                     with its size and checksum (checkpoint_files.py), run metadata
         controller.pt                the controller's RNG and step counters
         policy/model.pt              the policy's parts (one copy when every rank holds the same state)
         policy/optimizer.pt          optimizer and LR schedule
@@ -23,21 +23,19 @@
    The policy's parts come as one `PolicyState` (`pending.write_policy` / `checkpoint.read_policy`),
    whose storage says how they are written: one copy by rank 0 for every rank, or, sharded, by every
    rank at once through DCP (each rank writes its own shard, nobody gathers the whole state).
-2. Every writer returns {file: size and sha256} of what it wrote, hashed as the bytes go out (torch.save
-   and DCP write through a hashing stream: no file is read back; ranks hash in parallel, each its own
-   files); `seal` writes them into the manifest and fsyncs. `verify` checks every listed file's size,
+2. Every writer returns {file: size and checksum} of what it wrote, hashed as the bytes go out (torch.save
+   and DCP write through a hashing stream, checkpoint_files.py: no file is read back; ranks hash in
+   parallel, each its own files); `seal` writes them into the manifest and fsyncs. `verify` checks every listed file's size,
    then hashes the files on several threads at once (a resume reads the checkpoint once, at the
    storage's pace rather than one core's), and that the parts every checkpoint needs are there. The
    store (checkpoint_store.py) names, lists, retains and guards the folders.
 3. Format 1 (written before the layered layout: `meta.json`, `model.pt`, `optim.pt`, and loader and
-   plane state in one `loader/shard_<r>.pt`) is read through the same `Checkpoint.read`.
+   plane state in one `loader/shard_<r>.pt`) is read through the same `Checkpoint.read`. Format 2 is
+   format 3's layout with sha256 where format 3 records XXH3-128 (checkpoint_files.py, 2).
 """
 
 from __future__ import annotations
 
-import contextlib
-import hashlib
-import io
 import json
 import os
 from concurrent.futures import ThreadPoolExecutor
@@ -45,9 +43,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from vlmrun.algorithms.common import checkpoint_files as files
 from vlmrun.policy.interface import MODEL_PART, OPTIMIZER_PART, POLICY_PARTS, PolicyState, Storage
 
-FORMAT = 2
+FORMAT = 3
+#: Formats `verify` and `Checkpoint` read: 1 (the earlier layout, module doc 3), 2 (sha256 per file) and 3.
+READS = (1, 2, FORMAT)
 MANIFEST = "manifest.json"
 #: Part -> file, relative to the checkpoint folder; `{index}` is the rank or the loader shard.
 PARTS = {
@@ -108,7 +109,7 @@ class PendingCheckpoint:
         target = Path(self.path) / name
         target.parent.mkdir(parents=True, exist_ok=True)
         with open(target, "wb") as raw:
-            hashed = HashingStream(raw)
+            hashed = files.HashingStream(raw)
             torch.save(state, hashed)
             raw.flush()
         return {name: hashed.digest()}
@@ -139,7 +140,7 @@ class PendingCheckpoint:
         folder = Path(self.path) / SHARDED_POLICY
         folder.mkdir(parents=True, exist_ok=True)
         writer = dcp.FileSystemWriter(str(folder), thread_count=1, sync_files=False)
-        writer.fs = _hashing_file_system()  # DCP writes through `fs` (torch's fsspec writer swaps it too)
+        writer.fs = files.hashing_file_system()  # DCP writes through `fs` (torch's fsspec writer swaps it too)
 
         def digests() -> dict[str, dict]:
             import torch
@@ -260,7 +261,7 @@ class Checkpoint:
 
 def verify(path: Path, *, checksums: bool = True, threads: int | None = None) -> dict:
     """The manifest of the checkpoint at `path` once every listed file has its recorded size and
-    sha256 and the required parts are listed; raises CorruptCheckpoint naming what is wrong.
+    checksum and the required parts are listed; raises CorruptCheckpoint naming what is wrong.
 
     `checksums=False` checks presence and sizes only (a stat per file, no read): for a checkpoint
     whose files were hashed when they were written, to see that it is still whole. The files are
@@ -268,8 +269,9 @@ def verify(path: Path, *, checksums: bool = True, threads: int | None = None) ->
     """
     manifest = read_manifest(path)
     fmt = manifest.get("format")
-    if fmt not in (1, FORMAT) or not isinstance(manifest.get("files"), dict):
-        raise CorruptCheckpoint(f"unknown checkpoint format {fmt!r} (this vlmrun reads formats 1 and {FORMAT})")
+    if fmt not in READS or not isinstance(manifest.get("files"), dict):
+        reads = ", ".join(map(str, READS))
+        raise CorruptCheckpoint(f"unknown checkpoint format {fmt!r} (this vlmrun reads formats {reads})")
     lacking = lacking_parts(manifest["files"], _V1_PARTS if fmt == 1 else PARTS)
     if lacking:
         raise CorruptCheckpoint(f"the manifest lists no {', '.join(lacking)} part")
@@ -280,11 +282,11 @@ def verify(path: Path, *, checksums: bool = True, threads: int | None = None) ->
         if f.stat().st_size != want.get("size"):
             raise CorruptCheckpoint(f"{name} has {f.stat().st_size} bytes, expected {want.get('size')}")
     if checksums:
-        names = list(manifest["files"])
-        with ThreadPoolExecutor(max_workers=max(1, min(len(names), threads or _HASH_THREADS))) as pool:
-            sums = list(pool.map(lambda name: _sha256(path / name), names))  # hashlib and reads drop the GIL
-        for name, got in zip(names, sums, strict=True):
-            if got != manifest["files"][name].get("sha256"):
+        wanted = {name: files.recorded(entry) for name, entry in manifest["files"].items()}
+        with ThreadPoolExecutor(max_workers=max(1, min(len(wanted), threads or _HASH_THREADS))) as pool:
+            sums = list(pool.map(lambda name: files.file_checksum(path / name, wanted[name][0]), wanted))
+        for (name, (_, want)), got in zip(wanted.items(), sums, strict=True):
+            if got != want:
                 raise CorruptCheckpoint(f"{name} checksum mismatch")
     return manifest
 
@@ -295,87 +297,6 @@ def lacking_parts(files, layout: dict[str, str] = PARTS) -> list[str]:
     if f"{SHARDED_POLICY}/{_DCP_METADATA}" not in files:
         lacking += [p for p in POLICY_PARTS if part_file(p, layout=layout) not in files]
     return lacking
-
-
-def seal(folder: Path, manifest: dict) -> None:
-    """Write `manifest` into `folder` and fsync every file and folder in it: what a rename then publishes
-    is on disk whole."""
-    with open(folder / MANIFEST, "w") as f:
-        json.dump(manifest, f, indent=1, sort_keys=True)
-        f.flush()
-        os.fsync(f.fileno())
-    for p in sorted(folder.rglob("*")):
-        if p.is_file():
-            with open(p, "rb") as f:
-                os.fsync(f.fileno())
-    for d in [folder, *[p for p in folder.rglob("*") if p.is_dir()]]:
-        fsync_dir(d)
-
-
-def digest(path: Path) -> dict:
-    """{size, sha256} of a file on disk, as the manifest records it (read in full)."""
-    return {"size": path.stat().st_size, "sha256": _sha256(path)}
-
-
-class HashingStream(io.RawIOBase):
-    """A write-only stream over `raw` that hashes every byte on its way out: the writer's digest
-    without reading the file back. Position queries pass through (DCP records offsets)."""
-
-    def __init__(self, raw):
-        self.raw, self._sha, self.size = raw, hashlib.sha256(), 0
-
-    def writable(self) -> bool:
-        return True
-
-    def write(self, b) -> int:
-        view = memoryview(b).cast("B")
-        n = self.raw.write(view)
-        n = len(view) if n is None else n  # a buffered file writes everything or raises
-        self._sha.update(view[:n])
-        self.size += n
-        return n
-
-    def tell(self) -> int:
-        return self.raw.tell()
-
-    def flush(self) -> None:
-        if not self.raw.closed:  # IOBase's finalizer flushes again, after `raw` was closed
-            self.raw.flush()
-
-    def fileno(self) -> int:
-        return self.raw.fileno()
-
-    def digest(self) -> dict:
-        return {"size": self.size, "sha256": self._sha.hexdigest()}
-
-
-def _hashing_file_system():
-    """DCP's local file system, with every file it writes hashed as it goes (`digests`: path -> digest,
-    following DCP's renames of its metadata file)."""
-    from torch.distributed.checkpoint.filesystem import FileSystem
-
-    class HashingFileSystem(FileSystem):
-        def __init__(self):
-            self.digests: dict[Path, dict] = {}
-
-        @contextlib.contextmanager
-        def create_stream(self, path, mode: str):
-            if "w" not in mode:
-                with super().create_stream(path, mode) as stream:
-                    yield stream
-                return
-            with super().create_stream(path, mode) as raw:
-                hashed = HashingStream(raw)
-                yield hashed
-                raw.flush()
-            self.digests[Path(path)] = hashed.digest()
-
-        def rename(self, path, new_path) -> None:
-            super().rename(path, new_path)
-            if Path(path) in self.digests:
-                self.digests[Path(new_path)] = self.digests.pop(Path(path))
-
-    return HashingFileSystem()
 
 
 def manifest_file(path: Path) -> Path:
@@ -399,17 +320,11 @@ def read_manifest(path: Path) -> dict:
     raise CorruptCheckpoint(f"no {MANIFEST} (torn write)")
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
+def seal(folder: Path, manifest: dict) -> None:
+    """Write `manifest` into `folder` and fsync every file and folder in it (checkpoint_files.seal)."""
+    files.seal(folder, manifest, MANIFEST)
 
 
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+def digest(path: Path) -> dict:
+    """{size, checksum} of a file on disk, as the manifest records it (checkpoint_files.digest)."""
+    return files.digest(path)

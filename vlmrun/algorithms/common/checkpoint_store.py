@@ -31,12 +31,12 @@ from vlmrun.algorithms.common.checkpoint import (
     Checkpoint,
     CorruptCheckpoint,
     PendingCheckpoint,
-    fsync_dir,
     lacking_parts,
     read_manifest,
     seal,
     verify,
 )
+from vlmrun.algorithms.common.checkpoint_files import fsync_dir
 from vlmrun.algorithms.common.checkpoint_lease import exclusive_hold, shared_hold
 from vlmrun.algorithms.common.checkpoint_owner import CheckpointOwner, check_folder, claim_folder, release_claim
 from vlmrun.run.directory import RunDirectory
