@@ -157,3 +157,38 @@ def rank_policy(recipe, rank: int, world: int, model_dir: str, layout: dict, por
     )
     info = policy.setup(master_addr="127.0.0.1", master_port=port, max_steps=max_steps)
     return policy, info
+
+
+def trained_model(run: Path, step: int):
+    """(model, its model directory): the model run `run` trained to checkpoint `step`, built as the run
+    builds it (its model directory plus the checkpoint's weights), in eval mode."""
+    from transformers import AutoModelForImageTextToText
+
+    from vlmrun.algorithms.common.checkpoint import Checkpoint, verify
+    from vlmrun.algorithms.common.checkpoint_store import CheckpointStore
+    from vlmrun.models.source import ensure_model
+    from vlmrun.run.directory import RunDirectory
+
+    rd = RunDirectory(run)
+    recipe = rd.load_recipe()
+    path = dict(CheckpointStore(rd.checkpoints(recipe), keep=2).complete())[step]
+    checkpoint = Checkpoint(step, path, verify(path))
+    model_dir = ensure_model(recipe.model, rd.cache, recipe.train.seed)
+    model = AutoModelForImageTextToText.from_pretrained(model_dir)
+    model.load_state_dict(checkpoint.read("model"))
+    return model.eval(), model_dir
+
+
+def val_batch(run: Path, processor_dir: str, samples: int = 3):
+    """The first `samples` validation conversations of the run's data set, encoded for the run's family
+    by the processor in `processor_dir`, as one batch."""
+    from vlmrun.config.families import family_spec
+    from vlmrun.data.chat_encoding import ConversationEncoder
+    from vlmrun.data.cookers import cook_conversation
+    from vlmrun.data.loader import load_processor
+    from vlmrun.run.directory import RunDirectory
+
+    recipe = RunDirectory(run).load_recipe()
+    raw = read_raw_samples(Path(recipe.data.path), "val")
+    encoder = ConversationEncoder(load_processor(processor_dir, recipe.family), family_spec(recipe.family), 256)
+    return encoder.collate([encoder.encode(cook_conversation(raw[k])) for k in sorted(raw)[:samples]])

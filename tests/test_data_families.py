@@ -55,6 +55,19 @@ def test_registry_matches_implementations():
     assert all(getattr(fn, "__stateless__", False) for fn in COOK_FUNCTIONS.values())
 
 
+def test_the_recipe_type_lists_the_registry_and_a_bad_family_names_every_one(tmp_path):
+    import typing
+
+    from vlmrun.config.families import FAMILIES as REGISTRY
+    from vlmrun.config.families import Family
+
+    assert typing.get_args(Family) == tuple(REGISTRY)
+    with pytest.raises(InputError) as err:
+        make_recipe(tmp_path, family="llava")
+    assert err.value.field == "model.family"
+    assert all(f"'{family}'" in str(err.value) for family in REGISTRY), str(err.value)
+
+
 def test_family_spec_names_the_processor_of_the_tiny_model(tiny_dirs):
     from transformers import AutoProcessor
 

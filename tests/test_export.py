@@ -9,13 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from data_samples import read_raw_samples
+from data_samples import trained_model, val_batch
 from vlmrun_cli import refused, vlmrun
-
-from vlmrun.algorithms.common.checkpoint import Checkpoint, verify
-from vlmrun.algorithms.common.checkpoint_store import CheckpointStore
-from vlmrun.models.source import ensure_model
-from vlmrun.run.directory import RunDirectory
 
 pytestmark = pytest.mark.slow
 
@@ -34,31 +29,6 @@ def exports(finished_run, tmp_path_factory) -> dict[int, dict]:
     return answers
 
 
-def checkpoint_model(run: Path, step: int):
-    """The trained model at `step`, built as the run builds it: its model dir plus the checkpoint's weights."""
-    from transformers import AutoModelForImageTextToText
-
-    rd = RunDirectory(run)
-    recipe = rd.load_recipe()
-    path = dict(CheckpointStore(rd.checkpoints(recipe), keep=2).complete())[step]
-    checkpoint = Checkpoint(step, path, verify(path))
-    model_dir = ensure_model(recipe.model, rd.cache, recipe.train.seed)
-    model = AutoModelForImageTextToText.from_pretrained(model_dir)
-    model.load_state_dict(checkpoint.read("model"))
-    return model.eval(), model_dir
-
-
-def a_batch(run: Path, processor_dir: str):
-    from vlmrun.config.families import family_spec
-    from vlmrun.data.chat_encoding import ConversationEncoder
-    from vlmrun.data.cookers import cook_conversation
-    from vlmrun.data.loader import load_processor
-
-    raw = read_raw_samples(Path(RunDirectory(run).load_recipe().data.path), "val")
-    encoder = ConversationEncoder(load_processor(processor_dir, "qwen2_5_vl"), family_spec("qwen2_5_vl"), 256)
-    return encoder.collate([encoder.encode(cook_conversation(raw[k])) for k in sorted(raw)[:3]])
-
-
 def test_exports_load_with_the_logits_of_the_trained_model(finished_run, exports):
     from transformers import AutoModelForImageTextToText
 
@@ -68,10 +38,10 @@ def test_exports_load_with_the_logits_of_the_trained_model(finished_run, exports
         for name in ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json"):
             assert name in answer["files"], answer["files"]
         assert sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file()) == answer["files"]
-        trained, model_dir = checkpoint_model(finished_run, step)
+        trained, model_dir = trained_model(finished_run, step)
         exported = AutoModelForImageTextToText.from_pretrained(out).eval()
         # the export's own processor (tokenizer, chat template, image processor) encodes as the run's did
-        batch, reference = a_batch(finished_run, str(out)), a_batch(finished_run, str(model_dir))
+        batch, reference = val_batch(finished_run, str(out)), val_batch(finished_run, str(model_dir))
         assert torch.equal(batch.input_ids, reference.input_ids)
         assert all(torch.equal(batch.media[k], reference.media[k]) for k in reference.media)
         with torch.no_grad():

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 from vlmrun_cli import vlmrun
 
+from vlmrun.config.families import FAMILIES
 from vlmrun.config.load import load_recipe
 from vlmrun.errors import InputError
 from vlmrun.models.architecture import REFERENCE_DIR, load_architecture
@@ -287,7 +288,7 @@ def _meta_count(config) -> int:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["qwen2_5_vl", "nemotron_omni"])
+@pytest.mark.parametrize("family", FAMILIES)
 def test_tiny_counts_match_the_builders_model(family):
     pytest.importorskip("transformers")
     from vlmrun.models.tiny import family_module
@@ -369,8 +370,49 @@ def test_legacy_key_names_count_like_transformers_reads_them():
     assert count_architecture("qwen2_5_vl", flat).total == _meta_count(AutoConfig.for_model(**flat))
 
 
+QWEN_TEXT = {"num_hidden_layers": 2, "hidden_size": 256, "num_attention_heads": 4, "intermediate_size": 512}
+QWEN_DEFAULTS = [  # what a config leaves out counts as the config class's default, not as a guess
+    # Qwen2-VL's released layout: text keys at the top level; 8 key/value heads; tied at the top
+    {
+        "model_type": "qwen2_vl",
+        **QWEN_TEXT,
+        "vocab_size": 1000,
+        "tie_word_embeddings": True,
+        "vision_config": {"depth": 2},
+    },
+    {
+        "model_type": "qwen2_vl",
+        "text_config": {**QWEN_TEXT, "vocab_size": 1000, "num_key_value_heads": 2},
+        "vision_config": {"depth": 2, "embed_dim": 64, "mlp_ratio": 3, "hidden_size": 256},
+    },
+    # Qwen3-VL: head_dim 128 and 32 key/value heads by default; a tie inside text_config is not read
+    {
+        "model_type": "qwen3_vl",
+        "text_config": {**QWEN_TEXT, "vocab_size": 1000, "tie_word_embeddings": True},
+        "vision_config": {"depth": 2},
+    },
+    {
+        "model_type": "qwen3_vl",
+        "tie_word_embeddings": True,
+        "text_config": {**QWEN_TEXT, "vocab_size": 1000, "attention_bias": True, "num_key_value_heads": 2},
+        "vision_config": {"depth": 3, "deepstack_visual_indexes": [0, 1], "num_position_embeddings": 64},
+    },
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config", QWEN_DEFAULTS, ids=lambda c: c["model_type"])
+def test_qwen_defaults_count_like_transformers_reads_them(config):
+    from transformers import AutoConfig
+
+    from vlmrun.config.families import family_of_model_type
+
+    family = family_of_model_type(config["model_type"])
+    assert count_architecture(family, config).total == _meta_count(AutoConfig.for_model(**config))
+
+
 def test_an_empty_config_is_unknown():
-    for family in ("qwen2_5_vl", "nemotron_omni"):
+    for family in FAMILIES:
         with pytest.raises(UnknownArchitecture):
             count_architecture(family, {})
 
@@ -384,7 +426,7 @@ def test_tiny_estimate_is_within_2x_of_the_measured_peak():
     spec = importlib.util.spec_from_file_location("measure_memory", ROOT / "tools" / "measure_memory.py")
     measure = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(measure)
-    for family in ("qwen2_5_vl", "nemotron_omni"):
+    for family in FAMILIES:
         recipe = load_recipe(TINY, [f"model.family={family}", f"data.family={family}"])
         row = measure.measure_family(family, recipe)
         assert 0.5 <= row["ratio_estimate_to_measured"] <= 2.0, row

@@ -13,7 +13,7 @@ import os
 import pytest
 import torch
 import torch.multiprocessing as mp
-from data_samples import free_port, make_recipe, rank_policy
+from data_samples import FAMILIES, free_port, make_recipe, rank_policy
 
 pytestmark = pytest.mark.slow  # two spawned ranks per layout import torch and build FSDP2: ~15 s a test
 STEPS = 4
@@ -62,7 +62,7 @@ def setup(clevr_set, tiny_dirs, request):
     return recipe, tiny_dirs[family], loss_batches
 
 
-@pytest.mark.parametrize("setup", ["qwen2_5_vl", "nemotron_omni"], indirect=True)
+@pytest.mark.parametrize("setup", FAMILIES, indirect=True)
 def test_fsdp_matches_replicated_bitwise_with_a_text_only_micro_batch(setup, tmp_path):
     recipe, model_dir, batches = setup
     replicated = _run(tmp_path, "replicated", recipe, model_dir, batches, layout={"fsdp": False})

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from data_samples import FAMILIES
 
 from vlmrun.algorithms.common.refit import refit
 from vlmrun.config.train import TrainConfig
@@ -108,7 +109,7 @@ def test_released_weights_free_their_memory_refuse_to_generate_and_a_refit_bring
     assert torch.equal(after.response_ids, before.response_ids) and torch.equal(after.logprobs, before.logprobs)
 
 
-@pytest.mark.parametrize("family", ["qwen2_5_vl", "nemotron_omni"])
+@pytest.mark.parametrize("family", FAMILIES)
 def test_an_engine_opened_for_refits_reads_no_weights_and_answers_as_one_loaded_from_disk(tiny_dirs, family):
     """`weights="refit"` (a training rank's engine): built without the directory's weights, `generate`
     refused until the first refit; then answers, log-probs and buffers (rotary frequencies) equal an

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.multiprocessing as mp
+from data_samples import FAMILIES
 
 
 def test_the_private_api_it_relies_on():
@@ -78,7 +79,7 @@ def test_a_directory_without_safetensors_has_no_plan(tmp_path, tiny_dirs):
     assert plan is None and why == f"{tmp_path} holds no safetensors weights this reader knows"
 
 
-@pytest.mark.parametrize("family", ["qwen2_5_vl", "nemotron_omni"])
+@pytest.mark.parametrize("family", FAMILIES)
 def test_the_plan_places_every_tensor_of_the_model(tiny_dirs, family):
     from transformers import AutoConfig, AutoModelForImageTextToText
 
@@ -116,7 +117,7 @@ def _rank_main(rank, world, recipe, model_dir, port, out):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["qwen2_5_vl", "nemotron_omni"])
+@pytest.mark.parametrize("family", FAMILIES)
 def test_fsdp_ranks_read_their_rows_and_hold_what_from_pretrained_loads(tmp_path, clevr_set, tiny_dirs, family):
     from data_samples import free_port, make_recipe
     from transformers import AutoModelForImageTextToText

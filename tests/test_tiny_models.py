@@ -27,7 +27,9 @@ from vlmrun.models.tiny.tokenizer import COLORS, SHAPES  # noqa: E402
 
 # image tokens per (square) image side, after the 2x2 merge / pixel shuffle
 IMAGE_TOKENS = {
+    "qwen2_vl": {64: 4, 112: 16, 224: 64, 448: 256},
     "qwen2_5_vl": {112: 16, 224: 64, 448: 256},
+    "qwen3_vl": {64: 4, 112: 16, 224: 49, 448: 196},  # 16 px patches: 112 is rounded to 128
     "nemotron_omni": {64: 4, 112: 16, 224: 49, 448: 196},
 }
 QUESTIONS = [("How many red squares are there?", "3"), ("Is there a blue circle?", "yes")]
@@ -135,7 +137,7 @@ def test_chat_template_renders_one_image_user_turn(built):
     content = [{"type": "image"}, {"type": "text", "text": "Is there a red circle?"}]
     conversation = [{"role": "user", "content": content}]
     prompt = processor.apply_chat_template(conversation, add_generation_prompt=True)
-    placeholder = "<|vision_start|><|image_pad|><|vision_end|>" if family == "qwen2_5_vl" else "<image>\n"
+    placeholder = "<image>\n" if family == "nemotron_omni" else "<|vision_start|><|image_pad|><|vision_end|>"
     user_turn = f"<|im_start|>user\n{placeholder}Is there a red circle?<|im_end|>\n"
     assert prompt.startswith(user_turn + "<|im_start|>assistant\n")
     assert processor.apply_chat_template(conversation, add_generation_prompt=False).endswith("<|im_end|>\n")
@@ -259,7 +261,7 @@ def test_ensure_uses_the_copy_of_a_concurrent_builder(tmp_path, monkeypatch):
 
 
 def test_unknown_family_is_an_input_error(tmp_path):
-    with pytest.raises(InputError, match="qwen2_5_vl, nemotron_omni"):
+    with pytest.raises(InputError, match="allowed: qwen2_vl, qwen2_5_vl, qwen3_vl, nemotron_omni"):
         build_tiny_model("llava", tmp_path)
     with pytest.raises(InputError):
         ensure_tiny_model("llava", tmp_path)

@@ -42,9 +42,18 @@ def probe(model_dir: str) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def test_every_policy_tensor_fills_exactly_one_parameter_of_vllms_qwen2_5_vl(tiny_dirs):
-    d = probe(tiny_dirs["qwen2_5_vl"])
-    assert d["vllm"] == "0.26.0" and d["architecture"] == "Qwen2_5_VLForConditionalGeneration"
+#: family -> the architecture vLLM reads from its tiny model's config.json
+VLLM_CLASSES = {
+    "qwen2_vl": "Qwen2VLForConditionalGeneration",
+    "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
+    "qwen3_vl": "Qwen3VLForConditionalGeneration",
+}
+
+
+@pytest.mark.parametrize("family", VLLM_CLASSES)
+def test_every_policy_tensor_fills_exactly_one_parameter_of_vllms_class(tiny_dirs, family):
+    d = probe(tiny_dirs[family])
+    assert d["vllm"] == "0.26.0" and d["architecture"] == VLLM_CLASSES[family]
     assert all(len(t) == 1 for t in d["targets"].values()), {n: t for n, t in d["targets"].items() if len(t) != 1}
     assert set(d["filled"]) == {p for t in d["targets"].values() for p in t} and len(d["filled"]) == d["engine_params"]
     assert d["engine_params"] < d["policy_tensors"]  # vLLM fuses q, k, v and gate, up into one parameter each

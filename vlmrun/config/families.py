@@ -4,8 +4,10 @@ Light on purpose (no torch, no transformers): the recipe validates `model.family
 login node. A `FamilySpec` names the processor class a model directory must carry and the
 `model_type` its config.json says (checked at submit: models/source.py), and sorts the processor's
 outputs: per-token inputs (padded with the batch, e.g. Qwen's `mm_token_type_ids`, without which
-Qwen2.5-VL silently falls back to 1-D positions) and packed media (rows of all images concatenated,
-plus their grid sizes). `Family` is the recipe's type; tests check it lists the same names.
+Qwen2.5-VL silently falls back to 1-D positions and Qwen2-VL and Qwen3-VL refuse images) and packed
+media (rows of all images concatenated, plus their grid sizes). `Family` is the recipe's type; tests
+check it lists the same names, in the same order. Qwen3-VL is the dense model (`qwen3_vl`), not its
+MoE sibling (`qwen3_vl_moe`).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from typing import Literal
 
 from vlmrun.errors import InputError
 
-Family = Literal["qwen2_5_vl", "nemotron_omni"]
+Family = Literal["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "nemotron_omni"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -30,14 +32,31 @@ class FamilySpec:
     media_keys: tuple[str, ...]
 
 
+_QWEN_TOKEN_KEYS = ("mm_token_type_ids",)
+_QWEN_MEDIA_KEYS = ("pixel_values", "image_grid_thw")
+
 FAMILIES = MappingProxyType(
     {
+        "qwen2_vl": FamilySpec(
+            name="qwen2_vl",
+            processor_class="Qwen2VLProcessor",
+            model_types=("qwen2_vl",),
+            token_keys=_QWEN_TOKEN_KEYS,
+            media_keys=_QWEN_MEDIA_KEYS,
+        ),
         "qwen2_5_vl": FamilySpec(
             name="qwen2_5_vl",
             processor_class="Qwen2_5_VLProcessor",
             model_types=("qwen2_5_vl",),
-            token_keys=("mm_token_type_ids",),
-            media_keys=("pixel_values", "image_grid_thw"),
+            token_keys=_QWEN_TOKEN_KEYS,
+            media_keys=_QWEN_MEDIA_KEYS,
+        ),
+        "qwen3_vl": FamilySpec(
+            name="qwen3_vl",
+            processor_class="Qwen3VLProcessor",
+            model_types=("qwen3_vl",),
+            token_keys=_QWEN_TOKEN_KEYS,
+            media_keys=_QWEN_MEDIA_KEYS,
         ),
         "nemotron_omni": FamilySpec(
             name="nemotron_omni",

@@ -36,12 +36,15 @@ class ComponentSpec:
         return f"{self.name}@{self.version}"
 
 
+# the families the conversation cooker and the chat task encoders were checked on (tests/test_data_encoding.py)
+_CHAT_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "nemotron_omni")
+
 COOKERS = MappingProxyType(
     {
         "conversation": ComponentSpec(
             name="conversation",
             version=1,
-            families=("qwen2_5_vl", "nemotron_omni"),
+            families=_CHAT_FAMILIES,
             subflavors=dict(CONVERSATION_SUBFLAVORS),
         ),
     }
@@ -49,12 +52,8 @@ COOKERS = MappingProxyType(
 
 TASK_ENCODERS = MappingProxyType(
     {
-        "chat_sft": ComponentSpec(
-            name="chat_sft", version=1, families=("qwen2_5_vl", "nemotron_omni"), algorithm="sft"
-        ),
-        "chat_grpo": ComponentSpec(
-            name="chat_grpo", version=1, families=("qwen2_5_vl", "nemotron_omni"), algorithm="grpo"
-        ),
+        "chat_sft": ComponentSpec(name="chat_sft", version=1, families=_CHAT_FAMILIES, algorithm="sft"),
+        "chat_grpo": ComponentSpec(name="chat_grpo", version=1, families=_CHAT_FAMILIES, algorithm="grpo"),
     }
 )
 

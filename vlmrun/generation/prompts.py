@@ -4,7 +4,7 @@ A `PromptBatch` packs the media of all its prompts in sample order: `pixel_value
 of every image, `image_grid_thw` (Qwen) or `image_grid_hw` (Nemotron) one row per image giving its
 patch grid. Which images belong to which prompt is not stored; it follows from the placeholder
 tokens: every image contributes grid-product patch rows and a fixed fraction of them as placeholder
-tokens (1/4 for both tiny families: 2x2 merge or pixel shuffle), so the rows of prompt i are its
+tokens (1/4 for every tiny family: 2x2 merge or pixel shuffle), so the rows of prompt i are its
 placeholder count times the batch's rows-per-token ratio, and its images are the next ones in order.
 """
 

@@ -1,8 +1,9 @@
 """Parameter counts and layer shapes of a VLM, read from its Hugging Face config.json alone.
 
 Counted analytically (no torch, no transformers: `vlmrun submit --dry-run` stays fast on a login
-node) for the module tree transformers 5.24 builds for each family: Qwen2.5-VL (vision tower, merger,
-Qwen2 decoder) and Nemotron-Omni (RADIO vision tower, projector, NemotronH hybrid Mamba/attention/MoE
+node) for the module tree transformers 5.24 builds for each family: Qwen2-VL, Qwen2.5-VL and Qwen3-VL
+(vision tower, merger, Qwen2 / Qwen3 decoder; Qwen3-VL adds a learned position grid and the DeepStack
+mergers) and Nemotron-Omni (RADIO vision tower, projector, NemotronH hybrid Mamba/attention/MoE
 decoder with every routed expert, the optional Parakeet audio tower). Both the current key names
 (`text_config`, `audio_config`, `layers_block_type`) and the released checkpoints' older ones
 (`llm_config`, `sound_config`, `hybrid_override_pattern`, `vit_hidden_size`, text fields at the top
@@ -82,7 +83,12 @@ def count_architecture(family: str, config: dict) -> Architecture:
 
     Raises UnknownArchitecture when the config lacks the keys the family needs.
     """
-    counters = {"qwen2_5_vl": _qwen2_5_vl, "nemotron_omni": _nemotron_omni}
+    counters = {
+        "qwen2_vl": _qwen2_vl,
+        "qwen2_5_vl": _qwen2_5_vl,
+        "qwen3_vl": _qwen3_vl,
+        "nemotron_omni": _nemotron_omni,
+    }
     if family not in counters:
         raise UnknownArchitecture(f"no parameter count for family {family!r}")
     try:
@@ -100,45 +106,70 @@ def _head(text: dict, tied: bool) -> tuple[int, int]:
     return vocab * hidden * (1 if tied else 2), vocab
 
 
-# ---------------------------------------------------------------- Qwen2.5-VL
+# ---------------------------------------------------------------- Qwen2-VL, Qwen2.5-VL, Qwen3-VL
+
+
+def _qwen2_vl(config: dict) -> Architecture:
+    text = config.get("text_config") or config
+    layer = _qwen_decoder(text, text.get("head_dim") or text["hidden_size"] // text["num_attention_heads"], kv=8)
+    tied = bool(config.get("tie_word_embeddings") or text.get("tie_word_embeddings"))
+    return _qwen_architecture("qwen2_vl", text, layer, tied, _qwen2_vision(config["vision_config"]))
 
 
 def _qwen2_5_vl(config: dict) -> Architecture:
     text = config.get("text_config") or config
+    layer = _qwen_decoder(text, text.get("head_dim") or text["hidden_size"] // text["num_attention_heads"], kv=8)
     tied = bool(config.get("tie_word_embeddings") or text.get("tie_word_embeddings"))
+    return _qwen_architecture("qwen2_5_vl", text, layer, tied, _qwen_vision(config["vision_config"]))
+
+
+def _qwen3_vl(config: dict) -> Architecture:
+    """Qwen3's decoder: q/k RMSNorm over the head, `attention_bias` (default none) on all four
+    projections, head_dim 128 and 32 key/value heads unless set; only the top-level
+    `tie_word_embeddings` ties (transformers 5.24 does not read text_config's for this family)."""
+    text = config["text_config"]
+    bias = text.get("attention_bias", False)
+    layer = _qwen_decoder(text, text.get("head_dim", 128), kv=32, qkv_bias=bias, o_bias=bias, qk_norm=True)
+    tied = bool(config.get("tie_word_embeddings", False))
+    return _qwen_architecture("qwen3_vl", text, layer, tied, _qwen3_vision(config["vision_config"]))
+
+
+def _qwen_decoder(
+    text: dict, head_dim: int, *, kv: int, qkv_bias: bool = True, o_bias: bool = False, qk_norm: bool = False
+) -> Block:
+    """`kv`: the config class's default for `num_key_value_heads` (None there means one per query head)."""
     h, heads = text["hidden_size"], text["num_attention_heads"]
-    head_dim = text.get("head_dim") or h // heads
-    kv = text.get("num_key_value_heads") or heads
+    kv = text.get("num_key_value_heads", kv) or heads
     q_out, kv_out, ffn = heads * head_dim, kv * head_dim, text["intermediate_size"]
-    attn = _linear(h, q_out, True) + 2 * _linear(h, kv_out, True) + _linear(q_out, h)
-    layer = Block(
+    attn = _linear(h, q_out, qkv_bias) + 2 * _linear(h, kv_out, qkv_bias) + _linear(q_out, h, o_bias)
+    return Block(
         kind="decoder",
-        params=attn + 3 * _linear(h, ffn) + 2 * h,
+        params=attn + (2 * head_dim if qk_norm else 0) + 3 * _linear(h, ffn) + 2 * h,
         hidden=h,
         attn_width=q_out + 2 * kv_out,
         ffn_width=ffn,
         gated=True,
         kv_width=2 * kv_out,
     )
+
+
+def _qwen_architecture(family: str, text: dict, layer: Block, tied: bool, vision: VisionTower) -> Architecture:
     layers = (layer,) * text["num_hidden_layers"]
     embed, vocab = _head(text, tied)
-    vision = _qwen_vision(config["vision_config"])
-    lm = embed + sum(b.params for b in layers) + h
+    lm = embed + sum(b.params for b in layers) + text["hidden_size"]
     return Architecture(
-        family="qwen2_5_vl",
+        family=family,
         components={"language_model": lm, "vision": vision.params},
         layers=layers,
-        hidden=h,
+        hidden=text["hidden_size"],
         vocab=vocab,
         vision=vision,
     )
 
 
 def _qwen_vision(v: dict) -> VisionTower:
+    """Qwen2.5-VL's tower: RMSNorm, gated MLP."""
     h, ffn = v.get("hidden_size", 3584), v.get("intermediate_size", 3420)
-    depth, patch = v.get("depth", 32), v.get("patch_size", 14)
-    channels = v.get("in_channels", v.get("in_chans", 3))
-    merged = h * v.get("spatial_merge_size", 2) ** 2
     block = Block(
         kind="vision",
         params=2 * h
@@ -151,9 +182,49 @@ def _qwen_vision(v: dict) -> VisionTower:
         ffn_width=ffn,
         gated=True,
     )
+    merger = h + _merger(h, v, v.get("out_hidden_size", 3584))
+    return _qwen_tower(v, h, block, merger, default_patch=14)
+
+
+def _qwen2_vision(v: dict) -> VisionTower:
+    """Qwen2-VL's tower: `embed_dim` wide, LayerNorm, a plain MLP; `hidden_size` is the merger's output."""
+    e = v.get("embed_dim", 1280)
+    block = _layernorm_vision_block(e, int(e * v.get("mlp_ratio", 4)))
+    merger = 2 * e + _merger(e, v, v.get("hidden_size", 3584))
+    return _qwen_tower(v, e, block, merger, default_patch=14)
+
+
+def _qwen3_vision(v: dict) -> VisionTower:
+    """Qwen3-VL's tower: LayerNorm, a plain MLP, a patch embedding with bias, a learned position grid,
+    and one merger (LayerNorm after the 2x2 shuffle) per DeepStack level."""
+    h, out = v.get("hidden_size", 1152), v.get("out_hidden_size", 3584)
+    block = _layernorm_vision_block(h, v.get("intermediate_size", 4304))
+    merged = h * v.get("spatial_merge_size", 2) ** 2
+    levels = len(v.get("deepstack_visual_indexes", (8, 16, 24)))
+    extra = h + v.get("num_position_embeddings", 2304) * h  # patch-embedding bias, position grid
+    merger = 2 * h + _merger(h, v, out) + levels * (2 * merged + _merger(h, v, out))
+    return _qwen_tower(v, h, block, extra + merger, default_patch=16, default_depth=27)
+
+
+def _layernorm_vision_block(h: int, ffn: int) -> Block:
+    params = 4 * h + _linear(h, 3 * h, True) + _linear(h, h, True) + _linear(h, ffn, True) + _linear(ffn, h, True)
+    return Block(kind="vision", params=params, hidden=h, attn_width=3 * h, ffn_width=ffn)
+
+
+def _merger(h: int, v: dict, out: int) -> int:
+    """The two linear layers of a patch merger (2x2 neighbours concatenated, then projected to `out`)."""
+    merged = h * v.get("spatial_merge_size", 2) ** 2
+    return _linear(merged, merged, True) + _linear(merged, out, True)
+
+
+def _qwen_tower(
+    v: dict, h: int, block: Block, rest: int, *, default_patch: int, default_depth: int = 32
+) -> VisionTower:
+    """`rest`: every parameter besides the blocks and the patch embedding's kernel."""
+    depth, patch = v.get("depth", default_depth), v.get("patch_size", default_patch)
+    channels = v.get("in_channels", v.get("in_chans", 3))
     patch_embed = h * channels * v.get("temporal_patch_size", 2) * patch * patch
-    merger = h + _linear(merged, merged, True) + _linear(merged, v.get("out_hidden_size", 3584), True)
-    return VisionTower(params=patch_embed + depth * block.params + merger, block=block, depth=depth, patch_size=patch)
+    return VisionTower(params=patch_embed + depth * block.params + rest, block=block, depth=depth, patch_size=patch)
 
 
 # ---------------------------------------------------------------- Nemotron-Omni

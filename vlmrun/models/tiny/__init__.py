@@ -7,8 +7,10 @@ a chat template. Load it back the standard way, offline:
     processor = AutoProcessor.from_pretrained(path)
     model = AutoModelForImageTextToText.from_pretrained(path)
 
-Both families map to `AutoModelForImageTextToText` (`Qwen2_5_VLForConditionalGeneration`,
-`NemotronH_Omni_Reasoning_V3`). The text of a one-image user turn comes from
+Every family maps to `AutoModelForImageTextToText` (`Qwen2VLForConditionalGeneration`,
+`Qwen2_5_VLForConditionalGeneration`, `Qwen3VLForConditionalGeneration`, `NemotronH_Omni_Reasoning_V3`);
+the three Qwen families share tokenizer, template and processor layout (qwen.py). The text of a
+one-image user turn comes from
 `processor.apply_chat_template([{"role": "user", "content": [{"type": "image"}, {"type": "text",
 "text": question}]}], add_generation_prompt=True)`.
 
@@ -17,8 +19,8 @@ Practical warnings:
    model that emits a placeholder would break the next forward with that response ("N features for
    M placeholder tokens"). Generation log-probs taken from the processed scores are renormalized
    over the remaining tokens; take them from the raw logits to match a training forward.
-2. `return_assistant_tokens_mask=True` is right for qwen2_5_vl only: Nemotron's processor drops the
-   text offsets of its image expansion (transformers 5.24), so its mask lands on image tokens.
+2. `return_assistant_tokens_mask=True` is right for the Qwen families only: Nemotron's processor drops
+   the text offsets of its image expansion (transformers 5.24), so its mask lands on image tokens.
 """
 
 from __future__ import annotations

@@ -2,7 +2,9 @@
 
 The vocabulary is trained with `tokenizers` on synthetic CLEVR-style questions and answers, so a tiny
 model needs no download. Training is deterministic and does not depend on the model's seed: every tiny
-model of one family shares the same token ids, so data cooked for one seed is valid for all of them.
+model of one family shares the same token ids, so data cooked for one seed is valid for all of them
+(the three Qwen families share one spec too: models/tiny/qwen.py). The data sets themselves hold
+images and text only, so one set serves every family.
 """
 
 from __future__ import annotations
