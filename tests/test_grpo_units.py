@@ -51,6 +51,7 @@ from vlmrun.generation.rollouts import Rollouts
 from vlmrun.plane.fields import Stage
 from vlmrun.plane.interface import DataPlaneError, Get, PartitionSpec, Put, SampleBatch
 from vlmrun.plane.local import LocalDataPlane
+from vlmrun.policy.loss import token_logprobs
 
 ROOT = Path(__file__).resolve().parents[1]
 GRPO = ROOT / "recipes" / "tiny-grpo-cpu.yaml"
@@ -160,8 +161,6 @@ def test_advantages_are_normalized_within_each_group():
 # ---- the loss ------------------------------------------------------------------------------------
 def fake_micro_batch(logits: torch.Tensor, advantages: list[float], prev_shift: float = 0.0) -> PgMicroBatch:
     """Two rows of 5 tokens: a 2-token prompt and a 3-token response; prev = current logprobs + shift."""
-    from vlmrun.policy.loss import token_logprobs
-
     ids = torch.tensor([[1, 2, 3, 4, 5], [1, 2, 5, 4, 3]])
     labels = ids.clone()
     labels[:, :2] = IGNORE_INDEX
@@ -181,7 +180,7 @@ def test_one_inner_step_gives_ratio_one_and_minus_the_mean_advantage():
     logits = torch.randn(2, 5, 8, generator=torch.Generator().manual_seed(0), requires_grad=True)
     mb = fake_micro_batch(logits.detach(), [1.0, -0.5])
     loss = ClippedPgLoss(GrpoConfig(kl_coef=0.1))
-    terms = loss(logits, mb)
+    terms = loss(token_logprobs(logits, mb.batch.labels), mb)
     assert loss.tokens(mb) == 6
     assert terms.mins["probs_ratio_min"] == 1.0 == terms.maxs["probs_ratio_max"]
     assert float(terms.total.detach()) == pytest.approx(-(3 * 1.0 + 3 * -0.5))
@@ -193,7 +192,7 @@ def test_one_inner_step_gives_ratio_one_and_minus_the_mean_advantage():
 def test_ratios_outside_the_clip_range_are_clipped():
     logits = torch.randn(2, 5, 8, generator=torch.Generator().manual_seed(1))
     mb = fake_micro_batch(logits, [1.0, 1.0], prev_shift=-1.0)  # ratio e > 1.2
-    terms = ClippedPgLoss(GrpoConfig(clip_low=0.2, clip_high=0.2))(logits, mb)
+    terms = ClippedPgLoss(GrpoConfig(clip_low=0.2, clip_high=0.2))(token_logprobs(logits, mb.batch.labels), mb)
     assert terms.mins["probs_ratio_min"] == pytest.approx(2.718281828, rel=1e-5)
     assert float(terms.total) == pytest.approx(-6 * 1.2, rel=1e-5)  # min(ratio A, 1.2 A) = 1.2 for A > 0
     assert terms.sums["clipped"] == 6

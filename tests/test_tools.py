@@ -91,6 +91,16 @@ def test_bench_refit_streamed_holds_less_than_a_whole_model_gather():
     assert 0 < streamed["peak_extra_bytes"] < whole["peak_extra_bytes"]  # a bf16 bucket, not the fp32 model
 
 
+def test_bench_logits_labelled_positions_hold_less_than_the_whole_logits():
+    d = run_tool("tools/bench_logits.py", "--rounds", "1", "--json")
+    assert d["labelled_tokens"] == 2 * 3 and d["logits_elements"]["labelled"] == d["labelled_tokens"] * d["vocab"]
+    assert d["logits_elements"]["whole"] == d["sequences"] * d["seq_len"] * d["vocab"]
+    for way in ("loss_peak_bytes", "step_peak_bytes"):
+        assert 0 < d[way]["labelled"] < d[way]["whole"]
+    for key in ("loss_labelled_over_whole", "step_labelled_over_whole"):
+        assert set(d[key]) == SPREAD_KEYS and d[key]["rounds"] == 1 and 0 < d[key]["median"] < 1
+
+
 @pytest.mark.slow
 def test_measure_memory_grpo_phases_against_their_estimates():
     d = run_tool("tools/measure_memory.py", "--recipe", "recipes/tiny-grpo-cpu.yaml", "--family", "qwen2_5_vl")

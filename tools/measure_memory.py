@@ -21,7 +21,7 @@ a training rank opens it, `weights="refit"`, filled from the policy in `generati
 buckets), the generation (`grpo.num_generations` responses to each of `train.micro_batch_size` one-image
 prompts padded with text to `data.max_seq_len` tokens, the longest prompt a run takes and the bound the
 estimate assumes, to `grpo.max_new_tokens`: a random tiny model stops only there), and the training step (as
-above, its sequences the prompt plus the responses). The bytes alive before a phase are the policy's
+above, its sequences the prompt plus the responses, the last `grpo.max_new_tokens` of each labelled). The bytes alive before a phase are the policy's
 state, its gradients from the step before, the reference model's weights and the engine's.
 """
 
@@ -134,7 +134,7 @@ def measure_grpo_phases(family: str, recipe, cache: Path | None = None) -> dict:
 
     from vlmrun.algorithms.common.refit import refit
     from vlmrun.config.dtype import compute_dtype, torch_dtype
-    from vlmrun.data.batch import PromptBatch
+    from vlmrun.data.batch import IGNORE_INDEX, PromptBatch
     from vlmrun.generation import open_generator
     from vlmrun.generation.interface import SamplingParams
     from vlmrun.models.architecture import load_architecture
@@ -164,6 +164,7 @@ def measure_grpo_phases(family: str, recipe, cache: Path | None = None) -> dict:
         processor = AutoProcessor.from_pretrained(model_dir)
         dtype = torch_dtype(recipe.model.dtype)
         train = [padded_batch(processor, shape.sequences, shape.seq_len, shape.image_size, dtype)]
+        train[0].labels[:, : -g.max_new_tokens] = IGNORE_INDEX  # a GRPO row's labels are its response
         one = padded_batch(processor, t.micro_batch_size, recipe.data.max_seq_len, shape.image_size, dtype)
         prompts = PromptBatch(
             [f"p{i}" for i in range(t.micro_batch_size)],

@@ -127,6 +127,7 @@ def training_shape(recipe) -> tuple[TrainingShape, str]:
         engine=grpo or t.val_samples > 0,
         engine_resident=grpo and not recipe.generation.release_weights,
         refit_bucket=recipe.generation.refit_bucket_mb << 20,
+        scored_tokens=recipe.grpo.max_new_tokens if grpo else None,  # a GRPO row's labels are its response
     )
     seqs = f"{t.micro_batch_size} x {per_prompt}" if grpo else f"{t.micro_batch_size}"
     where = "data.synthetic.image_size" if d.synthetic is not None else "assumed: data.synthetic is unset"

@@ -24,6 +24,9 @@ class TrainingShape:
     engine's own copy of the weights; `reference_model`: a frozen copy of the policy is resident (GRPO
     kl_coef > 0); `engine`: the rank holds a generation engine (GRPO, or an SFT validation pass),
     `engine_resident`: its weights stay between uses, `refit_bucket`: the bytes a refit streams at once.
+    `scored_tokens`: the most tokens of a sequence that carry a label (the only positions the policy
+    projects onto the vocabulary): GRPO's response bound, or the whole sequence (None) for SFT, whose
+    answers may be any length.
     """
 
     master_dtype: str = "float32"
@@ -44,6 +47,7 @@ class TrainingShape:
     engine: bool = False  # the rank holds a generation engine: GRPO's, or SFT's for a validation pass
     engine_resident: bool = False  # GRPO's engine keeps its weights between rollouts (no generation.release_weights)
     refit_bucket: int = 0  # bytes of one refit bucket (generation.refit_bucket_mb)
+    scored_tokens: int | None = None  # labelled tokens per sequence at most (None: seq_len)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -172,8 +176,9 @@ def estimate_memory(arch: Architecture, shape: TrainingShape) -> MemoryEstimate:
        are checked against measured peaks (docs/measurements.md), not derived op by op.
     8. Vision activations: the same per-token rule over one image's patches per sequence, every
        block kept (the vision tower is not checkpointed).
-    9. Logits: tokens x vocab in the compute dtype, its fp32 upcast and the fp32 log-softmax the
-       loss keeps (the loss upcasts before cross-entropy).
+    9. Logits: the labelled tokens (`scored_tokens` per sequence: the policy projects only those
+       positions, policy/loss.py) x vocab in the compute dtype, its fp32 upcast and the fp32
+       log-softmax the loss keeps.
     10. Reference (GRPO with kl_coef > 0): a frozen copy in model.dtype, sharded and offloaded like
         the policy.
     11. Generation (GRPO): KV cache and Mamba state for `generation_sequences x seq_len` tokens, one
@@ -211,7 +216,7 @@ def estimate_memory(arch: Architecture, shape: TrainingShape) -> MemoryEstimate:
         gathered_gradients=(arch.root_params + arch.largest_layer) * (compute + _upcast(shape)) if shape.fsdp else 0,
         activations=_decoder_activations(arch, shape.activation_checkpointing, tokens) * compute,
         vision_activations=_vision_activations(arch, shape.image_size, shape.sequences) * compute,
-        logits=tokens * arch.vocab * (compute + 8),
+        logits=shape.sequences * min(shape.scored_tokens or shape.seq_len, shape.seq_len) * arch.vocab * (compute + 8),
         reference=sharded * master if shape.reference_model else 0,
         generation=_generation(arch, shape, compute),
         overhead=GPU_OVERHEAD if shape.on_gpu else 0,

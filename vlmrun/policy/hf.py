@@ -60,7 +60,7 @@ from vlmrun.policy.interface import (
     Storage,
     TokenLoss,
 )
-from vlmrun.policy.loss import NllLoss, token_logprobs
+from vlmrun.policy.loss import NllLoss, labelled_logprobs, scored_positions
 
 
 class HfPolicy(PolicyBackend):
@@ -202,8 +202,7 @@ class HfPolicy(PolicyBackend):
             if self.sharded:  # reduce-scatter once, after the step's last micro-batch (or after each)
                 set_gradient_sync(self.model, self.sync_every or k == len(micro_batches) - 1)
             b = to_device(b, self.device)
-            out = self.model(**self._inputs(b), use_cache=False)
-            terms = loss(out.logits, b)
+            terms = loss(self._logprobs(self.model, b), b)
             total = touch_towers(self.model, terms.total) if self.sharded else terms.total
             (total / denom).backward()
             local_loss += float(terms.total.detach())
@@ -244,13 +243,19 @@ class HfPolicy(PolicyBackend):
             return inputs
         return {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in inputs.items()}
 
+    def _logprobs(self, model: torch.nn.Module, b) -> torch.Tensor:
+        """`b`'s labelled tokens' log-probs under `model`, [B, T-1]: the LM head projects only the
+        positions that score a labelled token (policy/loss.py)."""
+        keep = scored_positions(b.labels)
+        return labelled_logprobs(model(**self._inputs(b), use_cache=False, logits_to_keep=keep).logits, b.labels)
+
     @torch.no_grad()
     def logprobs(self, batch) -> torch.Tensor:
         was_training = self.model.training
         self.model.eval()
         try:
             b = to_device(batch, self.device)
-            return token_logprobs(self.model(**self._inputs(b), use_cache=False).logits, b.labels).cpu()
+            return self._logprobs(self.model, b).cpu()
         finally:
             self.model.train(was_training)
 
@@ -259,7 +264,7 @@ class HfPolicy(PolicyBackend):
         if getattr(self, "_reference", None) is None:
             self._reference = self._build_model(trainable=False).eval()
         b = to_device(batch, self.device)
-        return token_logprobs(self._reference(**self._inputs(b), use_cache=False).logits, b.labels).cpu()
+        return self._logprobs(self._reference, b).cpu()
 
     def checkpoint_state(self) -> PolicyState:
         if self.sharded:

@@ -100,8 +100,10 @@ class TokenLoss(abc.ABC):
         """How many of the micro-batch's tokens carry loss (the global count is their sum over ranks)."""
 
     @abc.abstractmethod
-    def __call__(self, logits, micro_batch) -> LossTerms:
-        """The micro-batch's loss terms from the model's logits [B, T, vocab]."""
+    def __call__(self, logprobs, micro_batch) -> LossTerms:
+        """The micro-batch's loss terms from its tokens' log-probs under the policy, [B, T-1] float32
+        (position t scores token t + 1; 0 where the micro-batch's labels carry none: the policy
+        projects only the labelled positions onto the vocabulary, policy/loss.py)."""
 
 
 class PolicyBackend(abc.ABC):

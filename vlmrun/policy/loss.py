@@ -1,4 +1,12 @@
-"""Token-level NLL over assistant tokens, normalized by the step's global count of valid tokens.
+"""Token-level log-probs and NLL over the tokens that carry a label, normalized by the step's global count.
+
+The policy projects onto the vocabulary only the positions whose next token carries a label
+(`scored_positions`: the answer in SFT, the response in GRPO), with transformers' `logits_to_keep`
+mask, and takes the log-softmax there alone (`labelled_logprobs`): a CLEVR row has ~300 tokens and
+a few labelled ones, and the fp32 logits of the whole sequence were the largest activation of a
+step (vocab x tokens x 4 bytes, twice with the log-softmax). The values are those of the whole
+sequence's logits (`token_logprobs`, the definition) to fp32 round-off: the same rows of the same
+matmul, taken from a smaller one. A `TokenLoss` gets these per-token log-probs, never logits.
 
 `NllLoss` is the `TokenLoss` `train_step` uses when the algorithm gives none (SFT).
 """
@@ -17,19 +25,41 @@ def valid_tokens(labels: torch.Tensor) -> int:
     return int((labels[:, 1:] != IGNORE_INDEX).sum())
 
 
-def nll_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Sum (not mean) of next-token NLL over positions whose label is not IGNORE_INDEX, in float32."""
-    shifted = logits[:, :-1].float().reshape(-1, logits.shape[-1])
-    target = labels[:, 1:].reshape(-1)
-    return F.cross_entropy(shifted, target, ignore_index=IGNORE_INDEX, reduction="sum")
+def scored_positions(labels: torch.Tensor) -> torch.Tensor:
+    """[B, T] bool: the positions whose logits score a labelled next token (position t scores t + 1;
+    the last position scores nothing). transformers' `logits_to_keep` takes it as a mask and returns
+    the logits of its True positions only, flattened in row-major order: [N, vocab]."""
+    keep = torch.zeros_like(labels, dtype=torch.bool)
+    keep[:, :-1] = labels[:, 1:] != IGNORE_INDEX
+    return keep
+
+
+def labelled_logprobs(kept_logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """log p(label_t+1 | prefix) per position, [B, T-1], float32, 0 where the label is IGNORE_INDEX, from
+    the logits of `scored_positions(labels)` alone ([N, vocab], as `logits_to_keep` gives them)."""
+    scored = labels[:, 1:] != IGNORE_INDEX
+    target = labels[:, 1:][scored]
+    if kept_logits.shape[0] != target.shape[0]:
+        raise ValueError(f"{kept_logits.shape[0]} rows of logits for {target.shape[0]} labelled tokens")
+    picked = torch.log_softmax(kept_logits.float(), dim=-1).gather(-1, target.unsqueeze(-1)).squeeze(-1)
+    return torch.zeros(scored.shape, dtype=torch.float32, device=labels.device).masked_scatter(scored, picked)
 
 
 def token_logprobs(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """log p(label_t+1 | prefix) per position, [B, T-1], float32; 0 where the label is IGNORE_INDEX."""
+    """The definition `labelled_logprobs` computes, from the logits of every position [B, T, vocab]:
+    log p(label_t+1 | prefix) per position, [B, T-1], float32; 0 where the label is IGNORE_INDEX."""
     target = labels[:, 1:]
     logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
     picked = logp.gather(-1, target.clamp(min=0).unsqueeze(-1)).squeeze(-1)
     return picked.masked_fill(target == IGNORE_INDEX, 0.0)
+
+
+def nll_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Sum (not mean) of next-token NLL over positions whose label is not IGNORE_INDEX, in float32, from
+    the logits of every position (the definition `NllLoss` computes from labelled log-probs)."""
+    shifted = logits[:, :-1].float().reshape(-1, logits.shape[-1])
+    target = labels[:, 1:].reshape(-1)
+    return F.cross_entropy(shifted, target, ignore_index=IGNORE_INDEX, reduction="sum")
 
 
 class NllLoss(TokenLoss):
@@ -38,5 +68,5 @@ class NllLoss(TokenLoss):
     def tokens(self, micro_batch) -> int:
         return valid_tokens(micro_batch.labels)
 
-    def __call__(self, logits: torch.Tensor, micro_batch) -> LossTerms:
-        return LossTerms(total=nll_sum(logits, micro_batch.labels))
+    def __call__(self, logprobs: torch.Tensor, micro_batch) -> LossTerms:
+        return LossTerms(total=-logprobs.sum())

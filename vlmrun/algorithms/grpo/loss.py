@@ -20,7 +20,6 @@ import torch
 from vlmrun.algorithms.grpo.micro_batches import PgMicroBatch
 from vlmrun.config.grpo import GrpoConfig
 from vlmrun.policy.interface import LossTerms, TokenLoss
-from vlmrun.policy.loss import token_logprobs
 
 #: Statistics summed over tokens (means once divided by the tokens), and the ratio's bounds.
 SUMMED = ("kl", "token_mult_prob_error", "sampling_importance_ratio", "gen_kl_error", "clipped")
@@ -34,9 +33,8 @@ class ClippedPgLoss(TokenLoss):
     def tokens(self, micro_batch: PgMicroBatch) -> int:
         return int(micro_batch.mask.sum())
 
-    def __call__(self, logits: torch.Tensor, mb: PgMicroBatch) -> LossTerms:
+    def __call__(self, logp: torch.Tensor, mb: PgMicroBatch) -> LossTerms:
         mask = mb.mask
-        logp = token_logprobs(logits, mb.batch.labels)
         ratio = torch.exp(logp - mb.prev_logprobs)
         adv = mb.advantages[:, None]
         clipped = ratio.clamp(1 - self.clip_low, 1 + self.clip_high)
