@@ -101,6 +101,18 @@ def test_bench_logits_labelled_positions_hold_less_than_the_whole_logits():
         assert set(d[key]) == SPREAD_KEYS and d[key]["rounds"] == 1 and 0 < d[key]["median"] < 1
 
 
+def test_bench_vision_gives_the_tower_one_copy_of_each_prompts_images():
+    d = run_tool("tools/bench_vision.py", "--rounds", "1", "--prompts", "2", "--set", "grpo.num_generations=4")
+    assert d["num_generations"] == 4 and d["rows_per_micro_batch"] == 2 * 4
+    assert d["vision_rows_shared_over_repeated"] == {"generate": 0.25, "logprob": 0.25, "train": 0.25}
+    for way in ("shared", "repeated"):
+        stages = d["stages"][way]
+        assert all(stages[s]["s"] > stages[s]["vision_forward_s"] > 0 for s in ("generate", "logprob", "train"))
+        assert stages["train"]["vision_backward_s"] > 0
+    for key in ("step_shared_over_repeated", "vision_shared_over_repeated"):
+        assert set(d[key]) == SPREAD_KEYS and d[key]["rounds"] == 1 and d[key]["median"] > 0
+
+
 @pytest.mark.slow
 def test_measure_memory_grpo_phases_against_their_estimates():
     d = run_tool("tools/measure_memory.py", "--recipe", "recipes/tiny-grpo-cpu.yaml", "--family", "qwen2_5_vl")

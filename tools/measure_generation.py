@@ -28,15 +28,16 @@ from vlmrun.generation.interface import SamplingParams
 from vlmrun.observe.ratios import ratio_spread, round_ratios
 
 
-def prompt_batch(family: str, model_dir: Path, work: Path, prompts: int):
-    """The first `prompts` validation prompts of a 64 px CLEVR set built under `work`, as validation reads them."""
+def prompt_batch(family: str, model_dir: Path, work: Path, prompts: int, image_size: int = 64):
+    """The first `prompts` validation prompts of an `image_size` px CLEVR set built under `work`, as
+    validation reads them."""
     from vlmrun.config.load import validate
     from vlmrun.data.loader import val_batches
     from vlmrun.datasets.clevr import generate_clevr, read_complete
 
-    data = work / "clevr-64"
+    data = work / f"clevr-{image_size}"
     if read_complete(data) is None:
-        generate_clevr(data, train=8, val=max(prompts, 8), image_size=64, seed=0)
+        generate_clevr(data, train=8, val=max(prompts, 8), image_size=image_size, seed=0)
     recipe = validate(
         {
             "name": "measure-generation",

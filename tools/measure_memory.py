@@ -77,6 +77,24 @@ def padded_batch(processor, sequences: int, seq_len: int | None, image_size: int
     return Batch(names, ids, mask, ids.clone(), media=media, token_inputs=extended)
 
 
+def one_image_per_prompt(batch, group: int, family: str):
+    """`batch` as GRPO lays out a micro-batch: each `group` consecutive rows (a prompt's responses) hold
+    one copy of their image, which the policy encodes once for them (models/shared_images.py)."""
+    import dataclasses
+
+    from vlmrun.config.families import family_spec
+    from vlmrun.models.shared_images import share_images
+
+    pixels, grid = family_spec(family).media_keys
+    per_image = batch.media[pixels].shape[0] // len(batch)  # padded_batch: one image per row, all alike
+    per_row = [
+        {pixels: batch.media[pixels][i * per_image : (i + 1) * per_image], grid: batch.media[grid][i : i + 1]}
+        for i in range(len(batch))
+    ]
+    media, source = share_images(per_row, [i // group for i in range(len(batch))], pixels=pixels, grid=grid)
+    return dataclasses.replace(batch, media=media, image_source=source)
+
+
 def measure_family(family: str, recipe, cache: Path | None = None) -> dict:
     """Estimated and measured bytes of one step of `family`'s tiny model under `recipe` (the model is
     built into `cache`, default a temporary folder)."""
@@ -163,7 +181,13 @@ def measure_grpo_phases(family: str, recipe, cache: Path | None = None) -> dict:
     try:
         processor = AutoProcessor.from_pretrained(model_dir)
         dtype = torch_dtype(recipe.model.dtype)
-        train = [padded_batch(processor, shape.sequences, shape.seq_len, shape.image_size, dtype)]
+        train = [
+            one_image_per_prompt(
+                padded_batch(processor, shape.sequences, shape.seq_len, shape.image_size, dtype),
+                g.num_generations,
+                family,
+            )
+        ]
         train[0].labels[:, : -g.max_new_tokens] = IGNORE_INDEX  # a GRPO row's labels are its response
         one = padded_batch(processor, t.micro_batch_size, recipe.data.max_seq_len, shape.image_size, dtype)
         prompts = PromptBatch(

@@ -24,7 +24,21 @@ MAX_YAML_DEPTH = 32
 
 
 class _RecipeLoader(yaml.SafeLoader):
-    """PyYAML's safe loader, plus YAML 1.2's exponent floats: YAML 1.1 reads `3e-4` (no dot) as a string."""
+    """PyYAML's safe loader, plus YAML 1.2's exponent floats: YAML 1.1 reads `3e-4` (no dot) as a string,
+    and a nesting bound while composing: PyYAML's scanner costs more the deeper a flow collection is
+    open, so `[[[[...` 20000 deep took over a second to reach Python's recursion limit; it stops at
+    MAX_YAML_DEPTH now (aliases, which nest deeper once expanded, are measured after, `_measure`)."""
+
+    _depth = 0
+
+    def compose_node(self, parent, index):
+        self._depth += 1
+        try:
+            if self._depth > MAX_YAML_DEPTH:
+                raise _Unbounded(f"nested deeper than {MAX_YAML_DEPTH} levels")
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
 
 
 _RecipeLoader.add_implicit_resolver(

@@ -20,6 +20,9 @@ class Batch:
     `image_grid_thw`), concatenated in sample order, or is empty for a text-only batch.
     `token_inputs` holds the processor's other per-token inputs, padded like `input_ids` (e.g.
     Qwen2.5-VL's `mm_token_type_ids`: without it the model silently drops its 3-D vision positions).
+    `image_source` is None, or, where rows show the same images (GRPO's responses to one prompt),
+    for each image of the rows the distinct image it shows: `media` then holds each distinct image's
+    pixel rows once and every row's grid, and the policy encodes each once (models/shared_images.py).
     """
 
     sample_ids: list[str]
@@ -28,6 +31,7 @@ class Batch:
     labels: torch.Tensor
     media: dict[str, torch.Tensor] = field(default_factory=dict)
     token_inputs: dict[str, torch.Tensor] = field(default_factory=dict)
+    image_source: tuple[int, ...] | None = None
 
     def model_inputs(self) -> dict[str, torch.Tensor]:
         return {"input_ids": self.input_ids, "attention_mask": self.attention_mask, **self.token_inputs, **self.media}

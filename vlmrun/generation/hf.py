@@ -12,8 +12,10 @@
    top_k=50 would apply to any sampling left to it.
 3. Tokens the saved config suppresses and the model's placeholder tokens (image, video, audio) are
    never drawn: a response holding a placeholder would break the forward that re-reads it.
-4. Each prompt is repeated `n` times with its media (prompts.py) before `generate`: the rollouts
-   carry those rows anyway, and `num_return_sequences` is refused in greedy mode.
+4. Each prompt is repeated `n` times (prompts.py) before `generate`: the rollouts carry those rows
+   anyway, and `num_return_sequences` is refused in greedy mode. Its images go into the prefill once,
+   their features read by its n rows (models/shared_images.py; `share_images=False`: n copies, each
+   through the vision tower, as tools/bench_vision.py compares).
 5. Greedy sampling (`temperature=0`, validation's answers) draws nothing: it neither starts nor moves
    the replica's sampling stream, so validating between GRPO steps leaves their responses as they were.
 """
@@ -29,9 +31,10 @@ import torch
 
 from vlmrun.data.batch import PromptBatch
 from vlmrun.generation.interface import GenerationBackend, SamplingParams
-from vlmrun.generation.prompts import select_prompts
+from vlmrun.generation.prompts import select_prompts, shared_prompt_media
 from vlmrun.generation.rollouts import Rollouts, response_mask
 from vlmrun.models.build import build_model, materialize_buffers
+from vlmrun.models.shared_images import vision_once
 from vlmrun.models.spec import ModelSpec
 
 PLACEHOLDER_IDS = ("image_token_id", "video_token_id", "audio_token_id")
@@ -49,8 +52,10 @@ class HfGenerator(GenerationBackend):
         device: str = "cpu",
         threads: int | None = None,
         weights_from_refit: bool = False,
+        share_images: bool = True,
     ):
         self.spec, self.replica, self.device, self.threads = model, replica, device, threads
+        self.share_images = share_images
         self.weights_from_refit = weights_from_refit
         self.weights_dtype = model.dtype
         self._seed: int | None = None
@@ -93,14 +98,20 @@ class HfGenerator(GenerationBackend):
         if n < 1 or len(prompts) == 0:
             raise ValueError(f"generate needs at least one prompt and n >= 1, got {len(prompts)} prompts and n={n}")
         t0 = time.perf_counter()
-        batch = select_prompts(prompts, [i for i in range(len(prompts)) for _ in range(n)], self.image_token_id)
+        rows = [i for i in range(len(prompts)) for _ in range(n)]
+        batch = select_prompts(prompts, rows, self.image_token_id)
         stream = None if sampling.temperature == 0 else self._stream(sampling.seed)  # module doc, 5
         sampler = TokenSampler(sampling, stream, self.never_generated)
-        inputs = {k: v.to(self.device) for k, v in batch.model_inputs().items()}
+        inputs, source = batch.model_inputs(), None
+        if self.share_images and n > 1:  # module doc, 4
+            media, source = shared_prompt_media(prompts, rows, self.image_token_id)
+            inputs.update(media)
+        inputs = {k: v.to(self.device) for k, v in inputs.items()}
         config = GenerationConfig(**self.token_ids, do_sample=False, max_new_tokens=sampling.max_new_tokens)
-        sequences = self.model.generate(
-            **inputs, generation_config=config, logits_processor=LogitsProcessorList([sampler])
-        ).cpu()
+        with vision_once(self.model, source):
+            sequences = self.model.generate(
+                **inputs, generation_config=config, logits_processor=LogitsProcessorList([sampler])
+            ).cpu()
         responses = sequences[:, batch.input_ids.shape[1] :]
         mask = response_mask(responses, self.eos_ids)
         logprobs = sampler.logprobs(responses.shape[1]).masked_fill(mask == 0, 0.0)

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 import torch
 
 from vlmrun.data.batch import PromptBatch
+from vlmrun.models.shared_images import share_images
 
 ROWS_KEY = "pixel_values"
 GRID_KEYS = ("image_grid_thw", "image_grid_hw")
@@ -39,6 +40,17 @@ def select_prompts(batch: PromptBatch, rows: Sequence[int], image_token_id: int 
         token_inputs={k: v[index] for k, v in batch.token_inputs.items()},
         templates=[batch.templates[i] for i in rows] if batch.templates else [],
     )
+
+
+def shared_prompt_media(
+    batch: PromptBatch, rows: Sequence[int], image_token_id: int | None
+) -> tuple[dict[str, torch.Tensor], tuple[int, ...] | None]:
+    """The media of `select_prompts(batch, rows)` for one forward that encodes each prompt's images
+    once, however often `rows` repeats it, and their `image_source` (models/shared_images.py)."""
+    if not batch.media:
+        return {}, None
+    per_prompt = prompt_media(batch, image_token_id)
+    return share_images([per_prompt[i] for i in rows], list(rows), pixels=ROWS_KEY, grid=_grid_key(batch.media))
 
 
 def join_prompts(batches: Sequence[PromptBatch], pad_token_id: int) -> PromptBatch:

@@ -127,6 +127,7 @@ def training_shape(recipe) -> tuple[TrainingShape, str]:
         engine=grpo or t.val_samples > 0,
         engine_resident=grpo and not recipe.generation.release_weights,
         refit_bucket=recipe.generation.refit_bucket_mb << 20,
+        image_share=per_prompt,  # a GRPO prompt's responses read one encoding of its image
         scored_tokens=recipe.grpo.max_new_tokens if grpo else None,  # a GRPO row's labels are its response
     )
     seqs = f"{t.micro_batch_size} x {per_prompt}" if grpo else f"{t.micro_batch_size}"
@@ -134,7 +135,7 @@ def training_shape(recipe) -> tuple[TrainingShape, str]:
     length = f"data.max_seq_len={d.max_seq_len}" + (f" + grpo.max_new_tokens={seq_len - d.max_seq_len}" if grpo else "")
     said = (
         f"{micro_batches} micro-batch(es) per step of {seqs} sequence(s) of {length} tokens, one {image} px image "
-        f"each ({where})"
+        f"{'per prompt, encoded once for its responses' if grpo else 'each'} ({where})"
     )
     return shape, said
 

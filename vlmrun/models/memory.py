@@ -26,7 +26,8 @@ class TrainingShape:
     `engine_resident`: its weights stay between uses, `refit_bucket`: the bytes a refit streams at once.
     `scored_tokens`: the most tokens of a sequence that carry a label (the only positions the policy
     projects onto the vocabulary): GRPO's response bound, or the whole sequence (None) for SFT, whose
-    answers may be any length.
+    answers may be any length. `image_share`: how many sequences show one image, which the vision
+    tower encodes once for all of them (GRPO: a prompt's responses, models/shared_images.py).
     """
 
     master_dtype: str = "float32"
@@ -48,6 +49,7 @@ class TrainingShape:
     engine_resident: bool = False  # GRPO's engine keeps its weights between rollouts (no generation.release_weights)
     refit_bucket: int = 0  # bytes of one refit bucket (generation.refit_bucket_mb)
     scored_tokens: int | None = None  # labelled tokens per sequence at most (None: seq_len)
+    image_share: int = 1  # sequences that show one image, encoded once for them (GRPO: a prompt's G responses)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -174,8 +176,9 @@ def estimate_memory(arch: Architecture, shape: TrainingShape) -> MemoryEstimate:
        layer at a time is recomputed. No seq_len^2 term: SDPA runs a fused kernel on these inputs
        (measured: restricting it to flash/memory-efficient kernels changed nothing). The constants
        are checked against measured peaks (docs/measurements.md), not derived op by op.
-    8. Vision activations: the same per-token rule over one image's patches per sequence, every
-       block kept (the vision tower is not checkpointed).
+    8. Vision activations: the same per-token rule over one image's patches per distinct image (one
+       per sequence, one per `image_share` sequences), every block kept (the vision tower is not
+       checkpointed).
     9. Logits: the labelled tokens (`scored_tokens` per sequence: the policy projects only those
        positions, policy/loss.py) x vocab in the compute dtype, its fp32 upcast and the fp32
        log-softmax the loss keeps.
@@ -215,7 +218,7 @@ def estimate_memory(arch: Architecture, shape: TrainingShape) -> MemoryEstimate:
         gathered_params=(arch.root_params + 2 * arch.largest_layer) * compute if shape.fsdp else 0,
         gathered_gradients=(arch.root_params + arch.largest_layer) * (compute + _upcast(shape)) if shape.fsdp else 0,
         activations=_decoder_activations(arch, shape.activation_checkpointing, tokens) * compute,
-        vision_activations=_vision_activations(arch, shape.image_size, shape.sequences) * compute,
+        vision_activations=_vision_activations(arch, shape.image_size, _images(shape.sequences, shape)) * compute,
         logits=shape.sequences * min(shape.scored_tokens or shape.seq_len, shape.seq_len) * arch.vocab * (compute + 8),
         reference=sharded * master if shape.reference_model else 0,
         generation=_generation(arch, shape, compute),
@@ -264,6 +267,11 @@ def _decoder_activations(arch: Architecture, checkpointing: bool, tokens: int) -
     return tokens * sum(saved_per_token(b) for b in arch.layers)
 
 
+def _images(sequences: int, shape: TrainingShape) -> int:
+    """The distinct images `sequences` sequences show: what the vision tower encodes."""
+    return math.ceil(sequences / max(shape.image_share, 1))
+
+
 def image_tokens(arch: Architecture, image_size: int) -> int:
     """Vision-tower tokens of one square image: patches (the side rounded up to an even count) plus
     the tower's cls/register tokens."""
@@ -284,5 +292,7 @@ def _generation(arch: Architecture, shape: TrainingShape, compute: int) -> int:
     cache = tokens * sum(b.kv_width for b in arch.layers) * compute
     cache += sequences * sum(b.state_elems for b in arch.layers) * 4  # Mamba's state is kept in fp32
     working = tokens * max(saved_per_token(b) for b in arch.layers) * compute
-    working += sequences * image_tokens(arch, shape.image_size) * saved_per_token(arch.vision.block) * compute
+    working += (
+        _images(sequences, shape) * image_tokens(arch, shape.image_size) * saved_per_token(arch.vision.block) * compute
+    )
     return cache + working + sequences * arch.vocab * 8

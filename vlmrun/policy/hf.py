@@ -34,6 +34,7 @@ import torch.distributed as dist
 from vlmrun.config.dtype import torch_dtype
 from vlmrun.models.build import build_model, materialize, materialize_buffers
 from vlmrun.models.sharded_load import plan_load
+from vlmrun.models.shared_images import vision_once
 from vlmrun.models.spec import ModelSpec
 from vlmrun.policy import rng
 from vlmrun.policy.device import prepare_cuda_allocator, rank_device, to_device
@@ -245,9 +246,12 @@ class HfPolicy(PolicyBackend):
 
     def _logprobs(self, model: torch.nn.Module, b) -> torch.Tensor:
         """`b`'s labelled tokens' log-probs under `model`, [B, T-1]: the LM head projects only the
-        positions that score a labelled token (policy/loss.py)."""
+        positions that score a labelled token (policy/loss.py); rows that show the same images (GRPO's
+        responses to one prompt, `b.image_source`) read one vision pass (models/shared_images.py)."""
         keep = scored_positions(b.labels)
-        return labelled_logprobs(model(**self._inputs(b), use_cache=False, logits_to_keep=keep).logits, b.labels)
+        with vision_once(model, b.image_source):
+            logits = model(**self._inputs(b), use_cache=False, logits_to_keep=keep).logits
+        return labelled_logprobs(logits, b.labels)
 
     @torch.no_grad()
     def logprobs(self, batch) -> torch.Tensor:

@@ -92,7 +92,9 @@ class LossTerms:
 class TokenLoss(abc.ABC):
     """A loss summed over tokens and divided by the step's global count of them (every rank's micro-batches).
 
-    Micro-batches are whatever the algorithm passes to `train_step`; they must offer `model_inputs()`.
+    Micro-batches are whatever the algorithm passes to `train_step`; they must offer `model_inputs()`,
+    `labels` ([B, T], IGNORE_INDEX where no token is scored: the policy projects only the others) and
+    `image_source` (None, or which rows show the same images: data/batch.py's `Batch`).
     """
 
     @abc.abstractmethod

@@ -3,9 +3,12 @@
 1. A sample is one response: its prompt (`prompt_ids`, unpadded), its response (`response_ids`, up
    to and including the end-of-turn token), the prompt's per-token inputs and its packed media.
 2. `model_batches` lays out `rows` samples per micro-batch, prompt then response, right-padded to the
-   micro-batch's longest, labels on the response tokens; media concatenated in sample order and cast
-   to the policy's dtype. The logprob stages and the train stage call it on the same samples in the
-   same order, so the policy sees identical inputs: with one inner step the ratio is exactly 1.
+   micro-batch's longest, labels on the response tokens; media in sample order, cast to the policy's
+   dtype, each prompt's images once however many of its responses the micro-batch holds, with
+   `image_source` saying which rows show them (models/shared_images.py: the policy encodes each image
+   once and every response reads its features). The logprob stages and the train stage call it on
+   the same samples in the same order, so the policy sees identical inputs: with one inner step the
+   ratio is exactly 1.
 3. Per-token values of a response (logprobs) sit at positions [len(prompt) - 1, len(prompt) - 1 + L)
    of a [B, T-1] tensor of next-token scores: `response_values` reads them out per sample,
    `place_response_values` puts them back.
@@ -20,6 +23,8 @@ import torch
 
 from vlmrun.config.families import family_spec
 from vlmrun.data.batch import IGNORE_INDEX, Batch
+from vlmrun.models.shared_images import repeated_images
+from vlmrun.models.shared_images import share_images as shared_image_media
 from vlmrun.plane.interface import SampleBatch
 
 
@@ -38,24 +43,39 @@ class PgMicroBatch:
         return self.batch.model_inputs()
 
     @property
+    def labels(self) -> torch.Tensor:
+        """[B, T] the response tokens' ids, IGNORE_INDEX elsewhere: the positions the policy scores."""
+        return self.batch.labels
+
+    @property
+    def image_source(self) -> tuple[int, ...] | None:
+        return self.batch.image_source
+
+    @property
     def mask(self) -> torch.Tensor:
         """[B, T-1] bool: the positions whose next token is a response token that counts in the loss."""
         return self.batch.labels[:, 1:] != IGNORE_INDEX
 
 
 def model_batches(
-    got: SampleBatch, rows: int, *, family: str, pad_token_id: int, pixel_dtype: torch.dtype | None
+    got: SampleBatch,
+    rows: int,
+    *,
+    family: str,
+    pad_token_id: int,
+    pixel_dtype: torch.dtype | None,
+    share_images: bool = True,
 ) -> list[Batch]:
     """`got`'s samples, `rows` per micro-batch, in order (module doc, 2). Uses `response_mask` for the
     labels where `got` holds it (the train stage), else labels every response token."""
     spec = family_spec(family)
     return [
-        _one_batch(got, range(start, min(start + rows, len(got))), spec, pad_token_id, pixel_dtype)
+        _one_batch(got, range(start, min(start + rows, len(got))), spec, pad_token_id, pixel_dtype, share_images)
         for start in range(0, len(got), rows)
     ]
 
 
-def _one_batch(got: SampleBatch, idx: range, spec, pad_token_id: int, pixel_dtype) -> Batch:
+def _one_batch(got: SampleBatch, idx: range, spec, pad_token_id: int, pixel_dtype, share_images: bool) -> Batch:
     prompts = [got["prompt_ids"][i] for i in idx]
     responses = [got["response_ids"][i] for i in idx]
     masks = [got["response_mask"][i] for i in idx] if "response_mask" in got.columns else None
@@ -70,11 +90,13 @@ def _one_batch(got: SampleBatch, idx: range, spec, pad_token_id: int, pixel_dtyp
         labels[row, a:n] = r if masks is None else r.masked_fill(~masks[row].bool(), IGNORE_INDEX)
         for k, t in tokens.items():
             t[row, :a] = got[k][idx[row]]
-    media = {}
-    for k in spec.media_keys:
-        segments = [s for i in idx for s in got[k][i]]
-        if segments:
-            media[k] = torch.cat(segments)
+    pixels, grid = spec.media_keys
+    per_row = [{k: torch.cat(got[k][i]) for k in (pixels, grid)} if got[pixels][i] else {} for i in idx]
+    if share_images:  # a prompt's responses show its images: each through the tower once (module doc, 2)
+        groups = [_prompt_of(got.sample_ids[i]) for i in idx]
+        media, source = shared_image_media(per_row, groups, pixels=pixels, grid=grid)
+    else:
+        media, source = repeated_images(per_row, pixels=pixels, grid=grid), None
     if pixel_dtype is not None and "pixel_values" in media:
         media["pixel_values"] = media["pixel_values"].to(pixel_dtype)
     return Batch(
@@ -84,7 +106,14 @@ def _one_batch(got: SampleBatch, idx: range, spec, pad_token_id: int, pixel_dtyp
         labels=labels,
         media=media,
         token_inputs=tokens,
+        image_source=source,
     )
+
+
+def _prompt_of(sample_id: str) -> str:
+    """A response's prompt id (`<prompt id>#<g>`, rollout_rows.py); a sample that is no response is its own."""
+    prompt, sep, _ = sample_id.rpartition("#")
+    return prompt if sep else sample_id
 
 
 def response_values(scores: torch.Tensor, prompt_lengths: Sequence[int], response_lengths: Sequence[int]) -> list:
