@@ -101,6 +101,15 @@ def test_bench_logits_labelled_positions_hold_less_than_the_whole_logits():
         assert set(d[key]) == SPREAD_KEYS and d[key]["rounds"] == 1 and 0 < d[key]["median"] < 1
 
 
+def test_bench_packing_trains_the_same_loss_from_fewer_fuller_rows():
+    d = run_tool("tools/bench_packing.py", "--rounds", "1", "--step-samples", "8", "--pack-tokens", "200")
+    assert d["samples"] == 8 and d["padded"]["micro_batches"] == 4  # the recipe's 2 rows each
+    assert d["packed"]["micro_batches"] < d["padded"]["micro_batches"]
+    assert d["packed"]["padding_fraction"] <= d["padded"]["padding_fraction"]
+    assert d["loss_rel_diff"] < 1e-5  # the same samples, the same weights: the same loss
+    assert set(d["tokens_per_s_packed_over_padded"]) == SPREAD_KEYS
+
+
 def test_bench_vision_gives_the_tower_one_copy_of_each_prompts_images():
     d = run_tool("tools/bench_vision.py", "--rounds", "1", "--prompts", "2", "--set", "grpo.num_generations=4")
     assert d["num_generations"] == 4 and d["rows_per_micro_batch"] == 2 * 4

@@ -45,6 +45,13 @@ class DataConfig(Section):
         description="tokens per sample, media included: a GRPO or validation prompt must fit whole; a longer "
         "SFT conversation is cut at this length when its media and a labelled token stay in (else: on_bad_sample)",
     )
+    pack_tokens: int | None = Field(
+        None,
+        ge=16,
+        description="SFT: each micro-batch's conversations packed end to end into rows of at most this many "
+        "tokens instead of a padded row each (the same samples per micro-batch; each sequence attends to "
+        "itself only, its own positions); at least data.max_seq_len. Qwen-VL families; None: padded rows",
+    )
     on_bad_sample: Literal["refuse", "drop"] = Field(
         "refuse",
         description="a sample the run cannot train on (longer than data.max_seq_len where no cut keeps its media "

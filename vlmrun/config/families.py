@@ -80,3 +80,12 @@ def family_spec(family: str) -> FamilySpec:
 def family_of_model_type(model_type: str) -> str | None:
     """The family whose model directories have this config.json `model_type`; None when no family's do."""
     return next((name for name, spec in FAMILIES.items() if model_type in spec.model_types), None)
+
+
+#: Families whose micro-batches cannot be packed (data.pack_tokens), and why, in words an error gives.
+PACKING_REFUSED = {
+    "nemotron_omni": (
+        "its Mamba layers carry their state along the row (transformers' path has no reset at a "
+        "sequence's start), so a packed sequence would start from the previous one's state"
+    ),
+}

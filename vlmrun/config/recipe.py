@@ -8,6 +8,7 @@ from vlmrun.config.cluster import ClusterConfig
 from vlmrun.config.data import DataConfig
 from vlmrun.config.data_plane import DataPlaneConfig
 from vlmrun.config.dtype import compute_dtype
+from vlmrun.config.families import PACKING_REFUSED
 from vlmrun.config.generation import GenerationConfig
 from vlmrun.config.grpo import BUILTIN_REWARDS, GrpoConfig
 from vlmrun.config.logger import LoggerConfig
@@ -114,6 +115,8 @@ class Recipe(Section):
                 f"a CPU run needs one CPU per rank: at most cluster.nodes x cluster.cpus_per_node = "
                 f"{c.nodes * c.cpus_per_node} ranks",
             )
+        if self.data.pack_tokens is not None:
+            _check_packing(self)
         if self.train.algorithm == "grpo":
             _check_grpo(self)
         else:
@@ -123,6 +126,22 @@ class Recipe(Section):
     @property
     def family(self) -> str:
         return self.data.family or self.model.family
+
+
+def _check_packing(r: Recipe) -> None:
+    d = r.data
+    if r.train.algorithm == "grpo":
+        raise CrossFieldError(
+            "data.pack_tokens", d.pack_tokens, "packs SFT's micro-batches; GRPO lays out its own rows (leave it unset)"
+        )
+    if (why := PACKING_REFUSED.get(r.family)) is not None:
+        raise CrossFieldError("data.pack_tokens", d.pack_tokens, f"cannot pack model.family {r.family!r}: {why}")
+    if d.pack_tokens < d.max_seq_len:
+        raise CrossFieldError(
+            "data.pack_tokens",
+            d.pack_tokens,
+            f"must be at least data.max_seq_len = {d.max_seq_len}: every conversation must fit a row",
+        )
 
 
 def _check_sft(r: Recipe) -> None:

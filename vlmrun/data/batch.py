@@ -23,6 +23,9 @@ class Batch:
     `image_source` is None, or, where rows show the same images (GRPO's responses to one prompt),
     for each image of the rows the distinct image it shows: `media` then holds each distinct image's
     pixel rows once and every row's grid, and the policy encodes each once (models/shared_images.py).
+    A batch packed end to end into rows (data/packing.py) holds in `attention_mask` each token's
+    sequence number within its row (1, 2, ...; 0 for padding): `is_packed`. The model then needs
+    position ids that start again at every sequence and no attention mask (models/packing.py).
     """
 
     sample_ids: list[str]
@@ -33,7 +36,14 @@ class Batch:
     token_inputs: dict[str, torch.Tensor] = field(default_factory=dict)
     image_source: tuple[int, ...] | None = None
 
+    @property
+    def is_packed(self) -> bool:
+        """Some row holds more than one sequence (data/packing.py)."""
+        return bool(self.attention_mask.max() > 1) if self.attention_mask.numel() else False
+
     def model_inputs(self) -> dict[str, torch.Tensor]:
+        if self.is_packed:  # as a padding mask it would let a sequence see the one before it
+            raise ValueError("a packed batch's model inputs come from vlmrun.models.packing.packed_inputs")
         return {"input_ids": self.input_ids, "attention_mask": self.attention_mask, **self.token_inputs, **self.media}
 
     def __len__(self) -> int:

@@ -38,6 +38,7 @@ import torch
 from vlmrun.config.families import FamilySpec
 from vlmrun.data.batch import IGNORE_INDEX, Batch, PromptBatch
 from vlmrun.data.cookers import Conversation, MalformedSample, media_pixels
+from vlmrun.data.packing import pack, packed_layout
 
 
 @dataclass
@@ -107,8 +108,11 @@ class ConversationEncoder:
     conversation the chat template cannot render consistently.
     """
 
-    def __init__(self, processor, family: FamilySpec, max_seq_len: int, *, answer_room: int = 0):
+    def __init__(
+        self, processor, family: FamilySpec, max_seq_len: int, *, answer_room: int = 0, pack_tokens: int | None = None
+    ):
         self.processor = processor
+        self.pack_tokens = pack_tokens  # data.pack_tokens: collate packs into rows of it (data/packing.py)
         self.tokenizer = processor.tokenizer
         self.family = family
         self.max_seq_len = max_seq_len
@@ -281,7 +285,10 @@ class ConversationEncoder:
     # ---- collation ----------------------------------------------------------------------------
     def batch_layout(self, samples: list[Encoded]) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         """Shape and dtype of every tensor of the batch `collate` makes of `samples`, by field name
-        (`input_ids`, `attention_mask`, `labels`, `token_inputs.<key>`, `media.<key>`)."""
+        (`input_ids`, `attention_mask`, `labels`, `token_inputs.<key>`, `media.<key>`; packed: and
+        `packed`, data/packing.py)."""
+        if self.pack_tokens is not None:
+            return packed_layout(samples, self.pack_tokens, self.family)
         shape = (len(samples), max(s.input_ids.numel() for s in samples))
         layout = {name: (shape, torch.long) for name in ("input_ids", "attention_mask", "labels")}
         layout |= {f"token_inputs.{k}": (shape, torch.long) for k in self.family.token_keys}
@@ -293,11 +300,17 @@ class ConversationEncoder:
         return layout
 
     def collate(self, samples: list[Encoded], out: dict[str, torch.Tensor] | None = None) -> Batch:
-        """Right-padded batch; media concatenated in sample order (empty when no sample has any).
+        """Right-padded batch, a row per sample, or with `pack_tokens` the samples packed end to end
+        into rows of it (data/packing.py); media concatenated in sample order (empty when no sample
+        has any).
 
         `out` may hold preallocated tensors for every field of `batch_layout(samples)` (e.g. views
         into one shared-memory block); they are overwritten and become the batch's tensors.
         """
+        if self.pack_tokens is not None:
+            return pack(
+                samples, row_tokens=self.pack_tokens, pad_token_id=self.pad_token_id, family=self.family, out=out
+            )
         if out is None:
             out = {name: torch.empty(shape, dtype=dtype) for name, (shape, dtype) in self.batch_layout(samples).items()}
         input_ids, labels, mask = out["input_ids"], out["labels"], out["attention_mask"]

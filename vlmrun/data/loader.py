@@ -121,6 +121,7 @@ class LoaderShard:
             cookers=d.cookers,
             max_seq_len=d.max_seq_len,
             micro_batch_size=t.micro_batch_size,
+            pack_tokens=d.pack_tokens,
         )
         self._pool = task_encoder.slot_pool = SlotPool(num_workers=d.num_workers)
         task_encoder.budget = self._budget

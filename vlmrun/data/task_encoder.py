@@ -59,6 +59,7 @@ class ChatSftTaskEncoder(DefaultTaskEncoder):
         max_seq_len: int,
         micro_batch_size: int = 1,
         answer_room: int = 0,
+        pack_tokens: int | None = None,
     ):
         super().__init__()
         self.micro_batch_size = micro_batch_size
@@ -67,7 +68,9 @@ class ChatSftTaskEncoder(DefaultTaskEncoder):
         #: The shard's error handler, set by the loader: the batcher takes its count of skipped samples.
         self.budget: ErrorBudget | None = None
         self.cookers = energon_cookers(cookers)
-        self.encoder = ConversationEncoder(processor, family_spec(family), max_seq_len, answer_room=answer_room)
+        self.encoder = ConversationEncoder(
+            processor, family_spec(family), max_seq_len, answer_room=answer_room, pack_tokens=pack_tokens
+        )
 
     @stateless
     def encode_sample(self, sample: Conversation) -> EncodedSample:
@@ -145,9 +148,11 @@ def make_task_encoder(
     micro_batch_size: int = 1,
     val: bool = False,
     answer_room: int = 0,
+    pack_tokens: int | None = None,
 ):
     """The task encoder registered as `name` (train or validation variant); `answer_room`: how much
-    longer than `max_seq_len` a conversation may be than a prompt (see vlmrun.data.chat_encoding)."""
+    longer than `max_seq_len` a conversation may be than a prompt (see vlmrun.data.chat_encoding);
+    `pack_tokens`: its micro-batches packed into rows of that many tokens (data/packing.py)."""
     cls = _ENCODERS[name][1 if val else 0]
     return cls(
         processor=processor,
@@ -156,4 +161,5 @@ def make_task_encoder(
         max_seq_len=max_seq_len,
         micro_batch_size=micro_batch_size,
         answer_room=answer_room,
+        **({"pack_tokens": pack_tokens} if pack_tokens is not None else {}),
     )

@@ -33,6 +33,7 @@ import torch.distributed as dist
 
 from vlmrun.config.dtype import torch_dtype
 from vlmrun.models.build import build_model, materialize, materialize_buffers
+from vlmrun.models.packing import packed_inputs
 from vlmrun.models.sharded_load import plan_load
 from vlmrun.models.shared_images import vision_once
 from vlmrun.models.spec import ModelSpec
@@ -236,10 +237,11 @@ class HfPolicy(PolicyBackend):
         if self.on_phase is not None:
             self.on_phase(name)
 
-    def _inputs(self, batch) -> dict[str, torch.Tensor]:
-        """The micro-batch's model inputs, floating ones (pixels) in the compute dtype under mixed
-        precision (some towers multiply their input with their weights without casting it)."""
-        inputs = batch.model_inputs()
+    def _inputs(self, model: torch.nn.Module, batch) -> dict[str, torch.Tensor]:
+        """The micro-batch's model inputs (a packed batch's: per-sequence position ids and no attention
+        mask, models/packing.py), floating ones (pixels) in the compute dtype under mixed precision
+        (some towers multiply their input with their weights without casting it)."""
+        inputs = packed_inputs(model, batch) if getattr(batch, "is_packed", False) else batch.model_inputs()
         if self.sharding.mixed_precision != "bf16":
             return inputs
         return {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in inputs.items()}
@@ -250,7 +252,7 @@ class HfPolicy(PolicyBackend):
         responses to one prompt, `b.image_source`) read one vision pass (models/shared_images.py)."""
         keep = scored_positions(b.labels)
         with vision_once(model, b.image_source):
-            logits = model(**self._inputs(b), use_cache=False, logits_to_keep=keep).logits
+            logits = model(**self._inputs(model, b), use_cache=False, logits_to_keep=keep).logits
         return labelled_logprobs(logits, b.labels)
 
     @torch.no_grad()

@@ -1,0 +1,199 @@
+"""Sequences packed end to end into rows (data/packing.py, models/packing.py) give each sequence the
+log-probs, loss and gradients it gets in a padded row of its own, to fp32 round-off, for each Qwen-VL
+family: on rows mixing sequences with no image, one and two images; a packed sequence's mRoPE ids are
+those the model computes for it alone. Nemotron-Omni's Mamba layers cannot be packed: refused, with why."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from data_samples import FAMILIES, free_port, make_recipe, rank_policy, read_raw_samples
+from shared_runs import submit
+from vlmrun_cli import GRPO, TINY, sets
+
+from vlmrun.config.families import family_spec
+from vlmrun.config.load import load_recipe
+from vlmrun.data.batch import IGNORE_INDEX
+from vlmrun.data.chat_encoding import ConversationEncoder
+from vlmrun.data.cookers import cook_conversation
+from vlmrun.data.loader import load_processor
+from vlmrun.data.packing import pack, padding_fraction, rows_in_order
+from vlmrun.errors import InputError
+from vlmrun.models.packing import packed_inputs, packed_position_ids, packing_refusal, sequences_in_rows
+from vlmrun.policy.loss import NllLoss
+from vlmrun.run.metrics import history
+
+PACKED = [f for f in FAMILIES if packing_refusal(f) is None]
+KEYS = ("train-0000000", "train-0000001", "train-0000002", "train-0000003")
+
+
+def test_rows_are_filled_in_order_and_a_sequence_longer_than_a_row_is_refused():
+    assert rows_in_order([5, 3, 4, 2, 6], 8) == [[0, 1], [2, 3], [4]]
+    assert rows_in_order([8, 1], 8) == [[0], [1]]
+    with pytest.raises(ValueError, match="a sequence of 9 tokens does not fit a packed row of 8"):
+        rows_in_order([3, 9], 8)
+
+
+def test_the_packable_families_and_the_refused_one():
+    assert PACKED == [f for f in FAMILIES if f != "nemotron_omni"]
+    assert "Mamba" in packing_refusal("nemotron_omni")
+
+
+@pytest.fixture(scope="module")
+def encoded(clevr_set, tiny_dirs):
+    """family -> (encoder, samples with one image, two images, none, one), the CLEVR set's conversations."""
+    raw = read_raw_samples(clevr_set, "train")
+    out = {}
+    for family in FAMILIES:
+        encoder = ConversationEncoder(load_processor(tiny_dirs[family], family), family_spec(family), max_seq_len=256)
+        convs = [cook_conversation(raw[k]) for k in KEYS]
+        user = convs[1].messages[0]["content"]
+        two_images = [
+            {"type": "image", "media": 0},
+            {"type": "image", "media": 1},
+            *[p for p in user if p["type"] == "text"],
+        ]
+        two = dataclasses.replace(
+            convs[1],
+            messages=[{"role": "user", "content": two_images}, *convs[1].messages[1:]],
+            media=[convs[1].media[0], convs[3].media[0]],
+        )
+        text = dataclasses.replace(
+            convs[2],
+            messages=[
+                {"role": "user", "content": [p for p in convs[2].messages[0]["content"] if p["type"] == "text"]},
+                *convs[2].messages[1:],
+            ],
+            media=[],
+        )
+        samples = [encoder.encode(c) for c in (convs[0], two, text, convs[3])]
+        assert [s.media[family_spec(family).media_keys[1]].shape[0] if s.media else 0 for s in samples] == [1, 2, 0, 1]
+        out[family] = encoder, samples
+    return out
+
+
+def test_pack_lays_sequences_end_to_end_and_keeps_their_boundaries(encoded):
+    encoder, samples = encoded["qwen2_5_vl"]
+    lengths = [s.input_ids.numel() for s in samples]
+    row = lengths[0] + lengths[1]
+    batch = pack(samples, row_tokens=row, pad_token_id=encoder.pad_token_id, family=encoder.family)
+    layout = rows_in_order(lengths, row)
+    spans = sequences_in_rows(batch.attention_mask)
+    assert [[n for _, n in r] for r in spans] == [[lengths[i] for i in r] for r in layout] and len(spans[0]) == 2
+    assert batch.sample_ids == [s.key for s in samples] and batch.is_packed
+    placed = [(r, at, n) for r, row in enumerate(spans) for at, n in row]
+    for (r, at, n), s in zip(placed, samples, strict=True):  # each sequence's tokens and labels, its first ignored
+        assert torch.equal(batch.input_ids[r, at : at + n], s.input_ids)
+        assert batch.labels[r, at] == IGNORE_INDEX and torch.equal(batch.labels[r, at + 1 : at + n], s.labels[1:])
+    assert padding_fraction(batch) < padding_fraction(encoder.collate(samples))
+    with pytest.raises(ValueError, match="packed_inputs"):
+        batch.model_inputs()
+
+
+@pytest.mark.parametrize("family", PACKED)
+def test_packed_sequences_get_their_padded_logprobs_loss_gradients_and_mrope_ids(family, encoded, clevr_set, tiny_dirs):
+    encoder, samples = encoded[family]
+    padded = encoder.collate(samples)
+    packed = pack(
+        samples,
+        row_tokens=sum(s.input_ids.numel() for s in samples[:3]),
+        pad_token_id=encoder.pad_token_id,
+        family=encoder.family,
+    )
+    assert [len(r) for r in sequences_in_rows(packed.attention_mask)] == [3, 1]  # 1 + 2 + 0 images, then 1
+    policy, _ = rank_policy(make_recipe(clevr_set, family=family), 0, 1, tiny_dirs[family], {}, free_port())
+    model = policy.model
+
+    # mRoPE: what the model itself computes for each sequence alone, read at its language model's input
+    seen = []
+    text_model = next(m for n, m in model.named_modules() if n.endswith("language_model"))
+    hook = text_model.register_forward_pre_hook(lambda m, args, kw: seen.append(kw["position_ids"]), with_kwargs=True)
+    alone = []
+    with torch.no_grad():
+        for s in samples:
+            one = encoder.collate([s])
+            model(**one.model_inputs(), use_cache=False)
+            ids = seen.pop()  # None for a text-only sequence: the text model counts 0, 1, ... on each axis
+            n = s.input_ids.numel()
+            alone.append(torch.arange(n).expand(3, n) if ids is None else ids[-3:, 0])
+    hook.remove()
+    positions = packed_position_ids(model, packed)
+    where = _where(packed, samples)
+    for i, (r, a, n) in enumerate(where):
+        assert torch.equal(positions[1:, r, a : a + n], alone[i]), samples[i].key
+        assert torch.equal(positions[0, r, a : a + n], torch.arange(n))
+
+    want, got = policy.logprobs(padded), policy.logprobs(packed)
+    for i, (r, a, n) in enumerate(where):
+        assert torch.allclose(got[r, a : a + n - 1], want[i, : n - 1], rtol=0, atol=1e-5), samples[i].key
+    assert got.abs().sum() > 0
+
+    grads = []
+    for batch in (padded, packed):
+        model.zero_grad(set_to_none=True)
+        loss = NllLoss()(policy._logprobs(model, batch), batch).total
+        loss.backward()
+        grads.append(
+            (float(loss.detach()), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+        )
+    (loss_padded, g_padded), (loss_packed, g_packed) = grads
+    assert NllLoss().tokens(packed) == NllLoss().tokens(padded)
+    assert loss_packed == pytest.approx(loss_padded, rel=1e-5)
+    assert g_packed.keys() == g_padded.keys()
+    for n, v in g_padded.items():
+        assert torch.allclose(g_packed[n], v, rtol=1e-4, atol=1e-6), n
+    policy.shutdown()
+
+
+def test_nemotron_is_not_packed(encoded, tiny_dirs):
+    from transformers import AutoModelForImageTextToText
+
+    encoder, samples = encoded["nemotron_omni"]
+    batch = pack(samples, row_tokens=1024, pad_token_id=encoder.pad_token_id, family=encoder.family)
+    model = AutoModelForImageTextToText.from_pretrained(tiny_dirs["nemotron_omni"])
+    with pytest.raises(TypeError, match="Mamba layers carry their state"):
+        packed_inputs(model, batch)
+
+
+def _where(batch, samples) -> list[tuple[int, int, int]]:
+    """(row, offset, tokens) of each of `samples` in packed `batch` (they keep the samples' order)."""
+    spans = [(r, at, n) for r, row in enumerate(sequences_in_rows(batch.attention_mask)) for at, n in row]
+    assert [n for _, _, n in spans] == [s.input_ids.numel() for s in samples]
+    return spans
+
+
+@pytest.mark.slow  # two short runs through the CLI (~60 s)
+def test_a_packed_run_trains_the_padded_runs_numbers_and_v1_equals_v2(tmp_path, finished_run, run_data):
+    """`data.pack_tokens` lays each micro-batch out packed: the same samples in the same order, so the
+    run trains the padded run's numbers to float round-off, and SFT v1 and v2 stay bitwise equal."""
+    quick = ["train.max_steps=4", "checkpoint.save_period=2", "train.val_samples=0", "data.num_workers=0"]
+    packed = sets(*quick, "train.lr_schedule=constant", "data.pack_tokens=256")
+    v2 = history(submit(tmp_path / "v2", *run_data, *packed) / "metrics.jsonl")
+    v1 = history(submit(tmp_path / "v1", *run_data, *packed, *sets("train.loop=v1")) / "metrics.jsonl")
+    padded = history(finished_run / "metrics.jsonl")
+    assert sorted(v2) == sorted(padded) == [1, 2, 3, 4]
+    for step, row in padded.items():
+        assert v2[step]["sample_ids"] == row["sample_ids"] and v2[step]["valid_tokens"] == row["valid_tokens"]
+        assert v2[step]["loss"] == pytest.approx(row["loss"], rel=1e-6), step
+        assert v2[step]["grad_norm"] == pytest.approx(row["grad_norm"], rel=1e-5), step
+        assert (v1[step]["loss"], v1[step]["grad_norm"]) == (v2[step]["loss"], v2[step]["grad_norm"]), step
+
+
+@pytest.mark.parametrize(
+    "overrides, words",
+    [
+        (["data.pack_tokens=100"], "must be at least data.max_seq_len = 256"),
+        (["data.pack_tokens=512", "model.family=nemotron_omni"], "cannot pack model.family 'nemotron_omni': its Mamba"),
+    ],
+)
+def test_a_recipe_that_cannot_pack_is_refused_naming_the_field(overrides, words):
+    with pytest.raises(InputError, match="data.pack_tokens") as e:
+        load_recipe(TINY, overrides)
+    assert words in str(e.value)
+
+
+def test_grpo_refuses_packing():
+    with pytest.raises(InputError, match="GRPO lays out its own rows"):
+        load_recipe(GRPO, ["data.pack_tokens=512"])

@@ -1,0 +1,117 @@
+"""Encoded conversations packed end to end into rows of a token budget, instead of one padded row each.
+
+A CLEVR conversation is ~300 tokens and conversations differ in length, so a padded micro-batch
+spends part of every forward on padding, and a few rows make a small forward for a GPU. `pack`
+lays the sequences one after the other into rows of at most `row_tokens` tokens, in order (a
+sequence starts a new row when the current one has no room for it), right-padded to the fullest
+row: the sequences, their media and the batch's sample ids keep the order of the samples. Each sequence keeps its own tokens, labels and per-token inputs; the label of a
+sequence's first token is IGNORE_INDEX (nothing before it in the row predicts it); media are
+concatenated in sample order, which is the order the model's placeholders are filled in. A
+micro-batch is still `train.micro_batch_size` samples (`data.pack_tokens` changes how they are
+laid out, not which ones are trained on together), so the loader's state, the data order and each
+rank's micro-batch count are what they are padded.
+
+The boundaries travel in the batch's attention mask, which holds each token's sequence number
+within its row (1, 2, ...; 0 for padding) instead of 1, so every path that carries a micro-batch
+(the loader's shared memory, the plane, the driver) carries them too, and a packed batch cannot be
+mistaken for a padded one (`Batch.is_packed`); a row of one sequence is a padded row. The model
+keeps them: the policy gives it position ids that start again at every sequence
+(Qwen's 3-D mRoPE ids computed per sequence, models/packing.py) and no attention mask, from which
+transformers builds the block-diagonal causal mask (each token sees its own sequence's earlier
+tokens only). A family whose layers carry state along the row (Nemotron's Mamba) cannot be packed:
+models/packing.py says why.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from vlmrun.config.families import FamilySpec
+from vlmrun.data.batch import IGNORE_INDEX, Batch
+
+
+def rows_in_order(lengths: Sequence[int], row_tokens: int) -> list[list[int]]:
+    """The indices of `lengths` per row, in order, each row holding at most `row_tokens` tokens."""
+    rows: list[list[int]] = []
+    room = 0
+    for i, n in enumerate(lengths):
+        if n > row_tokens:
+            raise ValueError(f"a sequence of {n} tokens does not fit a packed row of {row_tokens}")
+        if not rows or n > room:
+            rows.append([])
+            room = row_tokens
+        rows[-1].append(i)
+        room -= n
+    return rows
+
+
+def packed_layout(samples: Sequence, row_tokens: int, family: FamilySpec) -> dict:
+    """Shape and dtype of every tensor `pack` makes of `samples` (chat_encoding's `Encoded`), by field name (as
+    `ConversationEncoder.batch_layout`)."""
+    rows = rows_in_order([s.input_ids.numel() for s in samples], row_tokens)
+    shape = (len(rows), max(sum(samples[i].input_ids.numel() for i in row) for row in rows))
+    layout = {name: (shape, torch.long) for name in ("input_ids", "attention_mask", "labels")}
+    layout |= {f"token_inputs.{k}": (shape, torch.long) for k in family.token_keys}
+    shown = [s.media for s in samples if s.media]
+    for k in shown[0] if shown else ():
+        first = shown[0][k]
+        layout[f"media.{k}"] = ((sum(m[k].shape[0] for m in shown), *first.shape[1:]), first.dtype)
+    return layout
+
+
+def pack(
+    samples: Sequence,
+    *,
+    row_tokens: int,
+    pad_token_id: int,
+    family: FamilySpec,
+    out: dict[str, torch.Tensor] | None = None,
+) -> Batch:
+    """`samples` packed into rows of at most `row_tokens` tokens (module doc). `out` may hold
+    preallocated tensors for every field of `packed_layout` (views into a loader worker's shared
+    block); they are overwritten and become the batch's tensors."""
+    if not samples:
+        raise ValueError("pack needs at least one sample")
+    if out is None:
+        layout = packed_layout(samples, row_tokens, family).items()
+        out = {name: torch.empty(shape, dtype=dtype) for name, (shape, dtype) in layout}
+    input_ids, labels, attention = out["input_ids"], out["labels"], out["attention_mask"]
+    tokens = {k: out[f"token_inputs.{k}"] for k in family.token_keys}
+    input_ids.fill_(pad_token_id)
+    labels.fill_(IGNORE_INDEX)
+    attention.zero_()
+    for t in tokens.values():
+        t.zero_()
+    i = 0
+    for r, row in enumerate(rows_in_order([s.input_ids.numel() for s in samples], row_tokens)):
+        at = 0
+        for j, _ in enumerate(row):
+            s = samples[i]
+            n = s.input_ids.numel()
+            input_ids[r, at : at + n], labels[r, at : at + n], attention[r, at : at + n] = s.input_ids, s.labels, j + 1
+            labels[r, at] = IGNORE_INDEX  # predicted by nothing of its own sequence
+            for k, t in tokens.items():
+                t[r, at : at + n] = s.token_inputs[k]
+            at += n
+            i += 1
+    media = {}
+    for name in out:
+        if name.startswith("media."):
+            k = name.removeprefix("media.")
+            torch.cat([s.media[k] for s in samples if s.media], dim=0, out=out[name])
+            media[k] = out[name]
+    return Batch(
+        sample_ids=[s.key for s in samples],
+        input_ids=input_ids,
+        attention_mask=attention,
+        labels=labels,
+        media=media,
+        token_inputs=tokens,
+    )
+
+
+def padding_fraction(batch: Batch) -> float:
+    """The share of a batch's token slots that hold padding."""
+    return 1.0 - float((batch.attention_mask > 0).sum()) / batch.attention_mask.numel()
