@@ -52,9 +52,7 @@ def share_images(
             pixel_parts.append(media[pixels])
             distinct += media[grid].shape[0]
         start, shown = first[key]
-        if shown is not media and not (
-            torch.equal(shown[grid], media[grid]) and torch.equal(shown[pixels], media[pixels])
-        ):
+        if not all(shown[k] is media[k] or torch.equal(shown[k], media[k]) for k in (grid, pixels)):
             raise ValueError(f"rows of group {key!r} hold different images: they cannot share one vision pass")
         grid_parts.append(media[grid])
         source.extend(range(start, start + media[grid].shape[0]))

@@ -91,7 +91,7 @@ def _one_batch(got: SampleBatch, idx: range, spec, pad_token_id: int, pixel_dtyp
         for k, t in tokens.items():
             t[row, :a] = got[k][idx[row]]
     pixels, grid = spec.media_keys
-    per_row = [{k: torch.cat(got[k][i]) for k in (pixels, grid)} if got[pixels][i] else {} for i in idx]
+    per_row = [{k: _one(got[k][i]) for k in (pixels, grid)} if got[pixels][i] else {} for i in idx]
     if share_images:  # a prompt's responses show its images: each through the tower once (module doc, 2)
         groups = [_prompt_of(got.sample_ids[i]) for i in idx]
         media, source = shared_image_media(per_row, groups, pixels=pixels, grid=grid)
@@ -108,6 +108,12 @@ def _one_batch(got: SampleBatch, idx: range, spec, pad_token_id: int, pixel_dtyp
         token_inputs=tokens,
         image_source=source,
     )
+
+
+def _one(segments: list[torch.Tensor]) -> torch.Tensor:
+    """A sample's media field from its segments: the tensor itself when there is one (the rows of a
+    prompt then share it, and `share_images` sees that without comparing them)."""
+    return segments[0] if len(segments) == 1 else torch.cat(segments)
 
 
 def _prompt_of(sample_id: str) -> str:
