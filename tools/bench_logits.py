@@ -39,7 +39,7 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch
-from measure_memory import RECIPE, padded_batch, profiled_peak
+from measure_memory import RECIPE, _free_port, padded_batch, profiled_peak
 
 from vlmrun.data.batch import IGNORE_INDEX
 from vlmrun.observe.ratios import ratio_spread, round_ratios
@@ -142,14 +142,6 @@ def _final_hidden(model, head, batch) -> torch.Tensor:
 
 def _lm_head(model) -> torch.nn.Module:
     return next(m for name, m in model.named_modules() if name.split(".")[-1] == "lm_head")
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def main() -> None:

@@ -31,6 +31,7 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch
+from measure_memory import _free_port
 
 from vlmrun.observe.ratios import ratio_spread, round_ratios
 
@@ -124,14 +125,6 @@ def _crude_samples(folder: Path, split: str) -> dict[str, dict]:
                 key, _, ext = member.name.partition(".")
                 samples.setdefault(key, {"__key__": key, "__restore_key__": ()})[ext] = tar.extractfile(member).read()
     return samples
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def main() -> None:

@@ -32,6 +32,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch
 from measure_generation import prompt_batch
+from measure_memory import _free_port
 
 from vlmrun.observe.ratios import ratio_spread, round_ratios
 
@@ -205,14 +206,6 @@ def _at(run: dict, path: tuple[str, ...]) -> float:
     for key in path:
         run = run[key]
     return float(run)
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def main() -> None:

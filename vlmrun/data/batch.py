@@ -95,3 +95,26 @@ class SampleCounts:
     def metrics(self) -> dict[str, int]:
         """The metrics row's keys: `dropped_samples`, `truncated_samples` (since the run began)."""
         return {"dropped_samples": self.dropped, "truncated_samples": self.truncated}
+
+
+def media_layout(samples) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Shape and dtype of a micro-batch's `media.<key>` fields: the encoded samples' (chat_encoding's
+    `Encoded`) media concatenated in sample order (none when no sample has any)."""
+    shown = [s.media for s in samples if s.media]
+    layout = {}
+    for k in shown[0] if shown else ():
+        first = shown[0][k]
+        layout[f"media.{k}"] = ((sum(m[k].shape[0] for m in shown), *first.shape[1:]), first.dtype)
+    return layout
+
+
+def media_into(samples, out: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The samples' media concatenated in sample order into the `media.<key>` tensors of `out`
+    (`media_layout`'s fields), by key."""
+    media = {}
+    for name in out:
+        if name.startswith("media."):
+            k = name.removeprefix("media.")
+            torch.cat([s.media[k] for s in samples if s.media], dim=0, out=out[name])
+            media[k] = out[name]
+    return media

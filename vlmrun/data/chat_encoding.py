@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import torch
 
 from vlmrun.config.families import FamilySpec
-from vlmrun.data.batch import IGNORE_INDEX, Batch, PromptBatch
+from vlmrun.data.batch import IGNORE_INDEX, Batch, PromptBatch, media_into, media_layout
 from vlmrun.data.cookers import Conversation, MalformedSample, media_pixels
 from vlmrun.data.packing import pack, packed_layout
 
@@ -292,12 +292,7 @@ class ConversationEncoder:
         shape = (len(samples), max(s.input_ids.numel() for s in samples))
         layout = {name: (shape, torch.long) for name in ("input_ids", "attention_mask", "labels")}
         layout |= {f"token_inputs.{k}": (shape, torch.long) for k in self.family.token_keys}
-        with_media = [s.media for s in samples if s.media]
-        for k in with_media[0] if with_media else ():
-            first = with_media[0][k]
-            rows = sum(m[k].shape[0] for m in with_media)
-            layout[f"media.{k}"] = ((rows, *first.shape[1:]), first.dtype)
-        return layout
+        return layout | media_layout(samples)
 
     def collate(self, samples: list[Encoded], out: dict[str, torch.Tensor] | None = None) -> Batch:
         """Right-padded batch, a row per sample, or with `pack_tokens` the samples packed end to end
@@ -325,12 +320,7 @@ class ConversationEncoder:
             input_ids[row, :n], labels[row, :n], mask[row, :n] = s.input_ids, s.labels, 1
             for k, t in tokens.items():
                 t[row, :n] = s.token_inputs[k]
-        media = {}
-        for name in out:
-            if name.startswith("media."):
-                k = name.removeprefix("media.")
-                torch.cat([s.media[k] for s in samples if s.media], dim=0, out=out[name])
-                media[k] = out[name]
+        media = media_into(samples, out)
         return Batch(
             sample_ids=[s.key for s in samples],
             input_ids=input_ids,

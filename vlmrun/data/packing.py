@@ -29,7 +29,7 @@ from collections.abc import Sequence
 import torch
 
 from vlmrun.config.families import FamilySpec
-from vlmrun.data.batch import IGNORE_INDEX, Batch
+from vlmrun.data.batch import IGNORE_INDEX, Batch, media_into, media_layout
 
 
 def rows_in_order(lengths: Sequence[int], row_tokens: int) -> list[list[int]]:
@@ -54,11 +54,7 @@ def packed_layout(samples: Sequence, row_tokens: int, family: FamilySpec) -> dic
     shape = (len(rows), max(sum(samples[i].input_ids.numel() for i in row) for row in rows))
     layout = {name: (shape, torch.long) for name in ("input_ids", "attention_mask", "labels")}
     layout |= {f"token_inputs.{k}": (shape, torch.long) for k in family.token_keys}
-    shown = [s.media for s in samples if s.media]
-    for k in shown[0] if shown else ():
-        first = shown[0][k]
-        layout[f"media.{k}"] = ((sum(m[k].shape[0] for m in shown), *first.shape[1:]), first.dtype)
-    return layout
+    return layout | media_layout(samples)
 
 
 def pack(
@@ -96,12 +92,7 @@ def pack(
                 t[r, at : at + n] = s.token_inputs[k]
             at += n
             i += 1
-    media = {}
-    for name in out:
-        if name.startswith("media."):
-            k = name.removeprefix("media.")
-            torch.cat([s.media[k] for s in samples if s.media], dim=0, out=out[name])
-            media[k] = out[name]
+    media = media_into(samples, out)
     return Batch(
         sample_ids=[s.key for s in samples],
         input_ids=input_ids,
