@@ -1,6 +1,7 @@
 """Plain functions the data-path tests share (the fixtures are in tests/conftest.py): the size of the
 session's CLEVR set, a tiny recipe over a data set, batches as plain data, and raw and damaged samples;
-and one rank of the recipe's policy on a layout (the spawned-rank tests of FSDP2).
+and one rank of the recipe's policy on a layout, started in processes of their own (the spawned-rank tests
+of FSDP2).
 """
 
 from __future__ import annotations
@@ -139,6 +140,34 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+#: What every rank process of the spawned-rank tests imports: loaded once per pytest process, in its
+#: forkserver, instead of once per rank (torch, transformers and the model classes: ~3 s of CPU a rank).
+RANK_PRELOAD = (
+    "torch",
+    "torch.distributed.fsdp",
+    "torch.distributed.checkpoint",
+    "transformers",
+    *(f"transformers.models.{f}.modeling_{f}" for f in ("qwen2_5_vl", "qwen2_vl", "qwen3_vl")),
+    "vlmrun.policy.hf",
+    "vlmrun.data.loader",
+)
+
+
+def start_ranks(main: Callable, args: tuple, nprocs: int = 2) -> None:
+    """`main(rank, *args)` in `nprocs` fresh processes, to their end (an exception in one is raised here).
+
+    Forked from the pytest process's forkserver, which imported RANK_PRELOAD once: each rank starts as a
+    fresh process would (no state of the test process, no threads, no process group) without importing
+    torch and transformers again."""
+    import multiprocessing
+
+    import torch.multiprocessing as mp
+
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(list(RANK_PRELOAD))
+    mp.start_processes(main, args=args, nprocs=nprocs, start_method="forkserver")
 
 
 def rank_policy(recipe, rank: int, world: int, model_dir: str, layout: dict, port: int, max_steps: int = 20):

@@ -12,8 +12,7 @@ import os
 
 import pytest
 import torch
-import torch.multiprocessing as mp
-from data_samples import FAMILIES, free_port, make_recipe, rank_policy
+from data_samples import FAMILIES, free_port, make_recipe, rank_policy, start_ranks
 
 pytestmark = pytest.mark.slow  # two spawned ranks per layout import torch and build FSDP2: ~15 s a test
 STEPS = 4
@@ -48,7 +47,7 @@ def _rank_main(rank, world, recipe, model_dir, batches, layout, port, out, all_t
 def _run(tmp_path, name, recipe, model_dir, batches, *, layout, all_text=False):
     out = tmp_path / f"{name}.pt"
     args = (2, recipe, model_dir, batches, layout, free_port(), str(out), all_text)
-    mp.start_processes(_rank_main, args=args, nprocs=2, start_method="spawn")
+    start_ranks(_rank_main, args)
     return torch.load(out, weights_only=False)
 
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 from data_samples import FAMILIES, free_port, make_recipe, rank_policy, read_raw_samples
 from shared_runs import submit
-from vlmrun_cli import GRPO, TINY, sets
+from vlmrun_cli import GRPO, TINY, Launcher, sealed, sets, states, vlmrun, wait_for
 
 from vlmrun.config.families import family_spec
 from vlmrun.config.load import load_recipe
@@ -164,21 +164,43 @@ def _where(batch, samples) -> list[tuple[int, int, int]]:
     return spans
 
 
-@pytest.mark.slow  # two short runs through the CLI (~60 s)
-def test_a_packed_run_trains_the_padded_runs_numbers_and_v1_equals_v2(tmp_path, finished_run, run_data):
+PACKED_STEPS = 16
+
+
+@pytest.mark.slow  # two short runs and a resume through the CLI (~90 s)
+def test_a_packed_run_trains_the_padded_numbers_and_v1_killed_and_resumed_equals_v2(tmp_path, finished_run, run_data):
     """`data.pack_tokens` lays each micro-batch out packed: the same samples in the same order, so the
-    run trains the padded run's numbers to float round-off, and SFT v1 and v2 stay bitwise equal."""
-    quick = ["train.max_steps=4", "checkpoint.save_period=2", "train.val_samples=0", "data.num_workers=0"]
-    packed = sets(*quick, "train.lr_schedule=constant", "data.pack_tokens=256")
+    run trains the padded run's numbers to float round-off. A packed SFT v1 run SIGKILLed once it sealed
+    step 4 and resumed with `vlmrun resume` equals the uninterrupted packed v2 run bitwise at every step
+    (the loader's position and the packed layout come back exactly)."""
+    quick = [f"train.max_steps={PACKED_STEPS}", "checkpoint.save_period=2", "train.val_samples=0"]
+    packed = sets(*quick, "data.num_workers=0", "train.lr_schedule=constant", "data.pack_tokens=256")
     v2 = history(submit(tmp_path / "v2", *run_data, *packed) / "metrics.jsonl")
-    v1 = history(submit(tmp_path / "v1", *run_data, *packed, *sets("train.loop=v1")) / "metrics.jsonl")
+    run = tmp_path / "v1"
+    launcher = Launcher(tmp_path, *submit_args(run, *run_data, *packed, *sets("train.loop=v1")))
+    try:
+        wait_for(lambda: 4 in sealed(run) or launcher.proc.poll() is not None, 300, "the checkpoint of step 4")
+        assert 4 in sealed(run), launcher.stderr()[-3000:]
+    finally:
+        launcher.kill_group()
+        launcher.proc.wait()
+    resumed = vlmrun("resume", str(run), "--wait")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert states(run)[0] == "KILLED" and states(run)[-1] == "COMPLETED"
+    v1 = history(run / "metrics.jsonl")
     padded = history(finished_run / "metrics.jsonl")
-    assert sorted(v2) == sorted(padded) == [1, 2, 3, 4]
-    for step, row in padded.items():
+    assert sorted(v1) == sorted(v2) == list(range(1, PACKED_STEPS + 1)) and sorted(padded) == [1, 2, 3, 4]
+    for step, row in padded.items():  # a constant LR: the padded run's 4 steps are these runs' first 4
         assert v2[step]["sample_ids"] == row["sample_ids"] and v2[step]["valid_tokens"] == row["valid_tokens"]
         assert v2[step]["loss"] == pytest.approx(row["loss"], rel=1e-6), step
         assert v2[step]["grad_norm"] == pytest.approx(row["grad_norm"], rel=1e-5), step
-        assert (v1[step]["loss"], v1[step]["grad_norm"]) == (v2[step]["loss"], v2[step]["grad_norm"]), step
+    for step, row in v2.items():
+        assert (v1[step]["loss"], v1[step]["grad_norm"]) == (row["loss"], row["grad_norm"]), step
+        assert v1[step]["sample_ids"] == row["sample_ids"], step
+
+
+def submit_args(run, *args: str) -> list[str]:
+    return ["submit", TINY, "--cluster", "local", "--run-dir", str(run), *args, "--wait"]
 
 
 @pytest.mark.parametrize(

@@ -13,8 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
-from data_samples import FAMILIES
+from data_samples import FAMILIES, start_ranks
 
 
 def test_the_private_api_it_relies_on():
@@ -124,9 +123,7 @@ def test_fsdp_ranks_read_their_rows_and_hold_what_from_pretrained_loads(tmp_path
 
     recipe = make_recipe(clevr_set, family=family)
     out = tmp_path / "state"
-    mp.start_processes(
-        _rank_main, args=(2, recipe, tiny_dirs[family], free_port(), str(out)), nprocs=2, start_method="spawn"
-    )
+    start_ranks(_rank_main, (2, recipe, tiny_dirs[family], free_port(), str(out)))
     got = [torch.load(f"{out}.{r}", weights_only=False) for r in range(2)]
     want = AutoModelForImageTextToText.from_pretrained(tiny_dirs[family], dtype=torch.float32)
     assert got[0]["info"]["load"] == "each rank read only its own rows of the weights' files"
@@ -194,7 +191,7 @@ def test_a_resumed_policy_reads_no_weights_of_its_model_directory(tmp_path, clev
     out, folder = tmp_path / "state", tmp_path / "checkpoint"
     recipe = make_recipe(clevr_set)
     args = (2, recipe, tiny_dirs["qwen2_5_vl"], str(unread), str(folder), (free_port(), free_port()), str(out))
-    mp.start_processes(_resume_rank_main, args=args, nprocs=2, start_method="spawn")
+    start_ranks(_resume_rank_main, args)
     got = torch.load(f"{out}.0", weights_only=False)
     assert got["info"]["load"] == "from the checkpoint it resumed (the model's own weights not read)"
     assert got["got"].keys() == got["want"].keys()

@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from vlmrun.algorithms.common.validation import (
     ValidationScore,
@@ -167,7 +166,7 @@ def _rank_main(rank, world, recipe, model_dir, shares, port, out):
 
 @pytest.mark.slow  # two spawned FSDP2 ranks
 def test_fsdp_ranks_make_the_same_collective_calls_and_score_what_one_replica_scores(clevr_set, tiny_dirs, tmp_path):
-    from data_samples import make_recipe
+    from data_samples import make_recipe, start_ranks
 
     from vlmrun.data.loader import val_batches
     from vlmrun.models.spec import ModelSpec
@@ -179,9 +178,7 @@ def test_fsdp_ranks_make_the_same_collective_calls_and_score_what_one_replica_sc
     shares = validation_shares(loss_b, prompt_b[:1], ranks=2)  # rank 0: 2 batches and the prompts, rank 1: 1 + 1
     assert len(shares[1].padding) == 1 and not shares[1].prompt_batches
     port = _free_port()
-    mp.start_processes(
-        _rank_main, args=(2, recipe, model_dir, shares, port, str(tmp_path / "r")), nprocs=2, start_method="spawn"
-    )
+    start_ranks(_rank_main, (2, recipe, model_dir, shares, port, str(tmp_path / "r")))
     got = [torch.load(tmp_path / f"r.{rank}", weights_only=False) for rank in range(2)]
     assert got[0]["calls"] == got[1]["calls"] == {"forward": 2, "refit": 1}
     assert got[0]["step"] == got[1]["step"] and torch.isfinite(torch.tensor(got[0]["step"])).all()

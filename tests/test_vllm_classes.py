@@ -2,8 +2,8 @@
 every tensor the policy sends (`weights_for_refit`, by transformers' in-memory names) fills exactly one
 parameter of vLLM's class of the family, every parameter of that class is filled, and a tensor whose
 parameter vLLM does not fuse arrives equal. vLLM's classes come from .vllm-classes/ (`make
-vllm-classes`: vllm 0.26.0 beside the project's torch, requirements/vllm-classes.txt says why), in a
-process of its own. Without that folder the test skips, except in CI, where it must run.
+vllm-classes`: vllm 0.26.0 beside the project's torch, requirements/vllm-classes.txt says why), in one
+process of their own for all the families. Without that folder the test skips, except in CI, where it must run.
 
 Nemotron-Omni is not checked yet: vLLM 0.26 names its class NemotronH_Nano_Omni_Reasoning_V3 (the
 published checkpoints' architecture), transformers 5.24 saves the tiny model as
@@ -25,21 +25,25 @@ pytestmark = pytest.mark.slow
 CLASSES = ROOT / ".vllm-classes"
 
 
-def probe(model_dir: str) -> dict:
+@pytest.fixture(scope="module")
+def probed(tiny_dirs) -> dict[str, dict]:
+    """family -> what the probe found for its tiny model (one process for all the families)."""
     if not (CLASSES / "vllm").is_dir():
         if os.environ.get("CI"):
             pytest.fail(f"{CLASSES} is missing: .ci/run installs it (make vllm-classes)")
         pytest.skip(f"vLLM's classes are not installed ({CLASSES}): make vllm-classes")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(CLASSES), str(ROOT), str(ROOT / "tests")]))
+    dirs = {tiny_dirs[family]: family for family in VLLM_CLASSES}
     out = subprocess.run(
-        [sys.executable, str(ROOT / "tests" / "vllm_classes_probe.py"), model_dir],
+        [sys.executable, str(ROOT / "tests" / "vllm_classes_probe.py"), *dirs],
         capture_output=True,
         text=True,
         env=env,
         timeout=300,
     )
     assert out.returncode == 0, out.stderr[-3000:]
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    found = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    return {dirs[d["model_dir"]]: d for d in found}
 
 
 #: family -> the architecture vLLM reads from its tiny model's config.json
@@ -51,8 +55,8 @@ VLLM_CLASSES = {
 
 
 @pytest.mark.parametrize("family", VLLM_CLASSES)
-def test_every_policy_tensor_fills_exactly_one_parameter_of_vllms_class(tiny_dirs, family):
-    d = probe(tiny_dirs[family])
+def test_every_policy_tensor_fills_exactly_one_parameter_of_vllms_class(probed, family):
+    d = probed[family]
     assert d["vllm"] == "0.26.0" and d["architecture"] == VLLM_CLASSES[family]
     assert all(len(t) == 1 for t in d["targets"].values()), {n: t for n, t in d["targets"].items() if len(t) != 1}
     assert set(d["filled"]) == {p for t in d["targets"].values() for p in t} and len(d["filled"]) == d["engine_params"]

@@ -1,6 +1,6 @@
 """Run by tests/test_vllm_classes.py in a process of its own, with vLLM's classes on PYTHONPATH
-(.vllm-classes/): the tiny model's policy refits vLLM's own model class of its family on the CPU.
-Prints one JSON line. vLLM's attention kernels are never run: its platform on a CPU-only machine
+(.vllm-classes/): each tiny model's policy refits vLLM's own model class of its family on the CPU, one
+model after the other in this process (vLLM is imported once). Prints one JSON line per model. vLLM's attention kernels are never run: its platform on a CPU-only machine
 names no attention backend, so the probe names the CPU one, which only has to construct."""
 
 from __future__ import annotations
@@ -20,29 +20,36 @@ from vlmrun.models.spec import ModelSpec
 from vlmrun.policy import open_policy
 
 
-def main(model_dir: str) -> None:
+def main(model_dirs: list[str]) -> None:
+    from vllm.platforms import current_platform
+
+    cpu_attention = "vllm.v1.attention.backends.cpu_attn.CPUAttentionBackend"
+    type(current_platform).get_attn_backend_cls = classmethod(lambda cls, *a, **k: cpu_attention)
+    for n, model_dir in enumerate(model_dirs):
+        print(json.dumps(probe(model_dir, first=n == 0)), flush=True)
+
+
+def probe(model_dir: str, first: bool) -> dict:
     import vllm
     from vllm.config import DeviceConfig, ModelConfig, VllmConfig, set_current_vllm_config
     from vllm.distributed.parallel_state import init_distributed_environment, initialize_model_parallel
     from vllm.model_executor.model_loader.utils import get_model_architecture
-    from vllm.platforms import current_platform
 
     policy = open_policy("hf", model=ModelSpec(directory=model_dir), rank=0, world_size=1, train=TrainConfig())
     policy.setup(master_addr="127.0.0.1", master_port=1, max_steps=1)
     buckets = list(policy.weights_for_refit(dtype="float32", bucket_bytes=1 << 16))
     tensors = {name: t for bucket in buckets for name, t in bucket.items()}
-    cpu_attention = "vllm.v1.attention.backends.cpu_attn.CPUAttentionBackend"
-    type(current_platform).get_attn_backend_cls = classmethod(lambda cls, *a, **k: cpu_attention)
     config = ModelConfig(
         model=model_dir, tokenizer=model_dir, dtype="float32", skip_tokenizer_init=True, enforce_eager=True
     )
     vc = VllmConfig(model_config=config, device_config=DeviceConfig(device="cpu"))
     with set_current_vllm_config(vc):
-        rendezvous = f"file://{tempfile.mktemp(prefix='vlmrun-vllm-')}"
-        init_distributed_environment(
-            world_size=1, rank=0, local_rank=0, distributed_init_method=rendezvous, backend="gloo"
-        )
-        initialize_model_parallel(1, 1)
+        if first:  # one process group for all the models
+            rendezvous = f"file://{tempfile.mktemp(prefix='vlmrun-vllm-')}"
+            init_distributed_environment(
+                world_size=1, rank=0, local_rank=0, distributed_init_method=rendezvous, backend="gloo"
+            )
+            initialize_model_parallel(1, 1)
         cls, arch = get_model_architecture(config)
         engine = cls(vllm_config=vc, prefix="")
         targets = engine_targets(engine, tensors)
@@ -54,23 +61,20 @@ def main(model_dir: str) -> None:
             n for n, t in tensors.items() if len(targets[n]) == 1 and params[next(iter(targets[n]))].shape == t.shape
         ]
         equal = all(torch.equal(params[next(iter(targets[n]))], tensors[n]) for n in same)
-    print(
-        json.dumps(
-            {
-                "vllm": vllm.__version__,
-                "torch": torch.__version__,
-                "architecture": arch,
-                "policy_tensors": len(tensors),
-                "engine_params": len(params),
-                "targets": {n: sorted(t) for n, t in targets.items()},
-                "filled": sorted(filled),
-                "unfused_equal": equal,
-                "unfused": len(same),
-                "buckets": len(buckets),
-            }
-        )
-    )
+    return {
+        "model_dir": model_dir,
+        "vllm": vllm.__version__,
+        "torch": torch.__version__,
+        "architecture": arch,
+        "policy_tensors": len(tensors),
+        "engine_params": len(params),
+        "targets": {n: sorted(t) for n, t in targets.items()},
+        "filled": sorted(filled),
+        "unfused_equal": equal,
+        "unfused": len(same),
+        "buckets": len(buckets),
+    }
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1:])
