@@ -149,6 +149,7 @@ def test_resume_refuses_fingerprinted_override_before_starting(tmp_path):
     assert not (rd / "job.json").exists()
 
 
+@pytest.mark.slow
 def test_data_clevr_cli_is_deterministic_and_reports_baseline(tmp_path):
     a = vlmrun(
         "data",

@@ -56,6 +56,7 @@ def smoke(tmp_path_factory) -> tuple[subprocess.CompletedProcess, dict]:
     return proc, json.loads(out.read_text())
 
 
+@pytest.mark.slow  # the smoke run: ~25 s
 def test_cpu_smoke_runs_every_section_ok(smoke):
     proc, report = smoke
     failed = {name: s.get("error") for name, s in report["sections"].items() if not s["ok"]}
@@ -64,12 +65,14 @@ def test_cpu_smoke_runs_every_section_ok(smoke):
     assert json.loads(proc.stdout) == report  # the same JSON on stdout
 
 
+@pytest.mark.slow  # the smoke run: ~25 s
 def test_the_check_imports_nothing_the_gpu_machine_lacks(smoke):
     proc, report = smoke
     assert report["ok"], proc.stderr[-3000:]  # the run above had every absent package hidden
     assert "ImportError" not in proc.stderr and "ModuleNotFoundError" not in proc.stderr
 
 
+@pytest.mark.slow  # the smoke run: ~25 s
 def test_dcp_resume_takes_the_same_next_step(smoke):
     dcp = smoke[1]["sections"]["dcp_resume"]
     assert dcp["determinism"] == "strict" and dcp["loaded_state_equal"]
@@ -78,6 +81,7 @@ def test_dcp_resume_takes_the_same_next_step(smoke):
     assert dcp["checkpoint_files"] >= 3  # the store's manifest and controller part, the policy's DCP shard
 
 
+@pytest.mark.slow  # the smoke run: ~25 s
 def test_training_goes_through_the_policy_step(smoke):
     train = smoke[1]["sections"]["fsdp_train"]
     assert list(train["phases_s"]) == ["forward_backward", "grad_norm_clip", "optimizer"]  # the policy's phases
@@ -85,6 +89,7 @@ def test_training_goes_through_the_policy_step(smoke):
     assert train["losses"][-1] < train["losses"][0]  # the same batch, step after step
 
 
+@pytest.mark.slow  # the smoke run: ~25 s
 def test_train_and_logprob_numbers_are_sane(smoke):
     sections = smoke[1]["sections"]
     train, logprob = sections["fsdp_train"], sections["logprob_error"]

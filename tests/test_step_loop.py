@@ -319,6 +319,7 @@ def test_async_save_gives_the_checkpoints_and_numbers_of_sync_saves(tmp_path, cl
     assert len(outcome.checkpoint_write_s) == 1 and len(outcome.checkpoint_save_s) == 1  # step 6: began, sealed
 
 
+@pytest.mark.slow
 def test_a_kill_during_an_async_save_leaves_the_previous_checkpoint_the_newest(tmp_path, clevr_set, held_writes):
     straight = make_run(tmp_path / "straight", clevr_set)
     run_loop(straight)

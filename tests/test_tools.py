@@ -70,6 +70,7 @@ def test_bench_plane_transfer_queue_adapters():
     assert "skipped" in mooncake or finite(mooncake["put_mb_s"])  # skipped names why (no libibverbs, no binary)
 
 
+@pytest.mark.slow
 def test_bench_checkpoint_sharded_against_plain():
     d = run_tool("tools/bench_checkpoint.py", "--mb", "16", "--ranks", "2", "--rounds", "2", "--json")
     assert d["ranks"] == 2 and len(d["sharded_dcp"]["per_rank"]) == 2
@@ -82,6 +83,7 @@ def test_bench_checkpoint_sharded_against_plain():
     assert 0 < d["sharded_dcp"]["async_stall_s"] <= d["sharded_dcp"]["async_total_s"]  # the copy, then the files
 
 
+@pytest.mark.slow
 def test_bench_refit_streamed_holds_less_than_a_whole_model_gather():
     d = run_tool(
         "tools/bench_refit.py", "--size", "tiny", "--ranks", "2", "--bucket-mb", "1", "--rounds", "1", "--json"
@@ -91,6 +93,7 @@ def test_bench_refit_streamed_holds_less_than_a_whole_model_gather():
     assert 0 < streamed["peak_extra_bytes"] < whole["peak_extra_bytes"]  # a bf16 bucket, not the fp32 model
 
 
+@pytest.mark.slow
 def test_bench_logits_labelled_positions_hold_less_than_the_whole_logits():
     d = run_tool("tools/bench_logits.py", "--rounds", "1", "--json")
     assert d["labelled_tokens"] == 2 * 3 and d["logits_elements"]["labelled"] == d["labelled_tokens"] * d["vocab"]
@@ -101,6 +104,7 @@ def test_bench_logits_labelled_positions_hold_less_than_the_whole_logits():
         assert set(d[key]) == SPREAD_KEYS and d[key]["rounds"] == 1 and 0 < d[key]["median"] < 1
 
 
+@pytest.mark.slow
 def test_bench_packing_trains_the_same_loss_from_fewer_fuller_rows():
     d = run_tool("tools/bench_packing.py", "--rounds", "1", "--step-samples", "8", "--pack-tokens", "200")
     assert d["samples"] == 8 and d["padded"]["micro_batches"] == 4  # the recipe's 2 rows each
@@ -110,6 +114,7 @@ def test_bench_packing_trains_the_same_loss_from_fewer_fuller_rows():
     assert set(d["tokens_per_s_packed_over_padded"]) == SPREAD_KEYS
 
 
+@pytest.mark.slow
 def test_bench_vision_gives_the_tower_one_copy_of_each_prompts_images():
     d = run_tool("tools/bench_vision.py", "--rounds", "1", "--prompts", "2", "--set", "grpo.num_generations=4")
     assert d["num_generations"] == 4 and d["rows_per_micro_batch"] == 2 * 4
@@ -132,6 +137,7 @@ def test_measure_memory_grpo_phases_against_their_estimates():
     assert 0.5 < row["ratio_estimate_to_measured"] < 2  # the estimate and the measurement describe one step
 
 
+@pytest.mark.slow
 def test_measure_memory_estimate_against_the_measured_step():
     d = run_tool("tools/measure_memory.py", "--family", "qwen2_5_vl")
     (row,) = d["families"]
@@ -139,6 +145,7 @@ def test_measure_memory_estimate_against_the_measured_step():
     assert 0.5 < row["ratio_estimate_to_measured"] < 2  # the estimate and the measurement describe one step
 
 
+@pytest.mark.slow
 def test_gpu_policy_check_on_the_cpu(tiny_dirs, tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "OUT"} | {"CUDA_VISIBLE_DEVICES": ""}
     d = run_tool(
