@@ -64,9 +64,14 @@ def run_data(tmp_path_factory) -> list[str]:
     return sets(f"data.path={path}", f"data.synthetic={{{spec}}}", "logger.wandb_mode=disabled")
 
 
+def submit_args(run: Path, *args: str, recipe: str = TINY) -> list[str]:
+    """The arguments of `vlmrun submit RECIPE --cluster local --run-dir RUN ARGS --wait`."""
+    return ["submit", recipe, "--cluster", "local", "--run-dir", str(run), *args, "--wait"]
+
+
 def submit(run: Path, *args: str, recipe: str = TINY, timeout: float = 600) -> Path:
     """`vlmrun submit RECIPE --cluster local --run-dir RUN ARGS --wait`, which must complete."""
-    out = vlmrun("submit", recipe, "--cluster", "local", "--run-dir", str(run), *args, "--wait", timeout=timeout)
+    out = vlmrun(*submit_args(run, *args, recipe=recipe), timeout=timeout)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     return run
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 from data_samples import FAMILIES, free_port, make_recipe, rank_policy, start_ranks
 
-pytestmark = pytest.mark.slow  # two spawned ranks per layout import torch and build FSDP2: ~15 s a test
+pytestmark = pytest.mark.slow  # two ranks per layout build FSDP2 and train: ~3-7 s a test
 STEPS = 4
 
 

@@ -10,7 +10,7 @@ import dataclasses
 import pytest
 import torch
 from data_samples import FAMILIES, free_port, make_recipe, rank_policy, read_raw_samples
-from shared_runs import submit
+from shared_runs import submit, submit_args
 from vlmrun_cli import GRPO, TINY, Launcher, sealed, sets, states, vlmrun, wait_for
 
 from vlmrun.config.families import family_spec
@@ -197,10 +197,6 @@ def test_a_packed_run_trains_the_padded_numbers_and_v1_killed_and_resumed_equals
     for step, row in v2.items():
         assert (v1[step]["loss"], v1[step]["grad_norm"]) == (row["loss"], row["grad_norm"]), step
         assert v1[step]["sample_ids"] == row["sample_ids"], step
-
-
-def submit_args(run, *args: str) -> list[str]:
-    return ["submit", TINY, "--cluster", "local", "--run-dir", str(run), *args, "--wait"]
 
 
 @pytest.mark.parametrize(
