@@ -95,7 +95,11 @@ def take_counting(shard, n: int) -> tuple[list, list]:
 
 @pytest.mark.slow  # a loader shard with its worker, read and restored again: seconds per case
 @pytest.mark.timeout(HANG_S)
-@pytest.mark.parametrize("saves", [[7], [30], [6, 1]], ids=["mid-group", "later", "again-right-after-a-restore"])
+@pytest.mark.parametrize(
+    "saves",
+    [[7], [30], [6, 1], [30, 1]],
+    ids=["mid-group", "later", "again-right-after-a-restore", "later-and-again-right-after"],
+)
 def test_a_restored_shard_gives_the_same_batches_and_counts_at_every_batch(long_set, tiny_dirs, saves):
     from data_samples import same_batches
 
@@ -119,6 +123,61 @@ def test_a_restored_shard_gives_the_same_batches_and_counts_at_every_batch(long_
     current.close()
     assert same_batches(got + batches, want) and got_counts + counts == want_counts
     assert want_counts[-1].dropped >= 1 and want_counts[-1].truncated >= 1
+
+
+@pytest.mark.slow  # three loader shards, one worker held back for seconds
+@pytest.mark.timeout(HANG_S)
+def test_a_save_that_a_late_worker_answers_before_its_own_restore_still_resumes_exactly(
+    long_set, tiny_dirs, monkeypatch
+):
+    """Energon's race (see `vlmrun.data.loader_state.settle_quiet_workers`), made certain: in the
+    restored shard, worker 1 starts late and then lets its command thread answer the save before it
+    has restored itself."""
+    import threading
+    import time
+    import types
+
+    from data_samples import same_batches
+    from megatron.energon import savable_loader
+
+    def shard():
+        return open_shard(long_set, tiny_dirs, num_workers=2, on_bad_sample="drop")
+
+    straight = shard()
+    want, _ = take_counting(straight, 6 + 1 + 12)
+    straight.close()
+    first = shard()
+    got, _ = take_counting(first, 6)
+    state = first.state_dict()
+    first.close()
+
+    init_worker = savable_loader._init_worker
+
+    def late_worker_one(seeds, worker_id):
+        init_worker(seeds, worker_id)
+        if worker_id == 1:
+            time.sleep(3)  # the restored shard's save is sent meanwhile
+
+    class CommandsFirst(threading.Thread):
+        def start(self):
+            super().start()
+            time.sleep(1)  # the command thread takes the lock before the worker's own restore
+
+    monkeypatch.setattr(savable_loader, "_init_worker", late_worker_one)
+    monkeypatch.setattr(
+        savable_loader, "threading", types.SimpleNamespace(**{**vars(threading), "Thread": CommandsFirst})
+    )
+    second = shard()
+    second.load_state_dict(state)
+    batches, _ = take_counting(second, 1)
+    state = second.state_dict()
+    second.close()
+    monkeypatch.undo()
+    third = shard()
+    third.load_state_dict(state)
+    rest, _ = take_counting(third, 12)
+    third.close()
+    assert same_batches(got + batches + rest, want)
 
 
 @pytest.mark.timeout(HANG_S)

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import copy
 import logging
 import os
 import warnings
@@ -147,6 +148,9 @@ class LoaderShard:
         self._batches = 0
         self._counts = SampleCounts()
         self._closed = False
+        self._num_workers = d.num_workers
+        self._started_from: list | None = None  # the loaded state's worker checkpoints (None: not loaded)
+        self._handed_out: set[int] = set()  # Energon workers that gave this shard a group
 
     def next_batch(self) -> Batch:
         """The next micro-batch (`train.micro_batch_size` samples); epochs follow each other forever.
@@ -210,19 +214,24 @@ class LoaderShard:
         self._to_rebuild = []
 
     def _next_group(self):
+        group = None
         if self._iter is not None:
             try:
-                return next(self._iter)
+                group = next(self._iter)
             except StopIteration:  # the end of a virtual epoch: the next one starts where it stopped
                 pass
-        # The first group of an epoch: that is when torch warns (once per epoch) about pin_memory
-        with _quiet_pin_memory():
-            self._iter = iter(self._loader)
-            return next(self._iter)
+        if group is None:
+            # The first group of an epoch: that is when torch warns (once per epoch) about pin_memory
+            with _quiet_pin_memory():
+                self._iter = iter(self._loader)
+                group = next(self._iter)
+        if self._num_workers:  # its restore key: ("SavableDatasetWrapper", global worker id, index, ...)
+            self._handed_out.add(group.__restore_key__[1] % self._num_workers)
+        return group
 
     def state_dict(self) -> dict:
         """Where this shard stands, with its fingerprint; plain data for `torch.save`/`torch.load`."""
-        from vlmrun.data.loader_state import to_plain
+        from vlmrun.data.loader_state import settle_quiet_workers, to_plain
 
         pending = [
             {
@@ -233,6 +242,9 @@ class LoaderShard:
             for g in self._held
             if g.batches
         ]
+        energon = self._loader.save_state_rank()
+        if self._num_workers:
+            energon = settle_quiet_workers(energon, self._started_from, self._handed_out)
         return {
             "format": LOADER_FORMAT,
             "fingerprint": dict(self.fingerprint),
@@ -240,7 +252,7 @@ class LoaderShard:
             "corrupt_keys": self._budget.keys(),
             "dropped_samples": self._counts.dropped,
             "truncated_samples": self._counts.truncated,
-            "energon": to_plain(self._loader.save_state_rank()),
+            "energon": to_plain(energon),
             "pending_groups": self._to_rebuild + pending,
         }
 
@@ -264,7 +276,10 @@ class LoaderShard:
                 f"(keys: {sorted(state) if isinstance(state, dict) else type(state).__name__})",
             )
         check_same_identity(state["fingerprint"], self.fingerprint, shard=self.shard)
-        self._loader.restore_state_rank(from_plain(state["energon"]))
+        energon = from_plain(state["energon"])
+        if energon is not None and self._num_workers:
+            self._started_from = copy.deepcopy(energon.worker_states)  # Energon's restore scales offsets in place
+        self._loader.restore_state_rank(energon)
         self._batches = int(state.get("batches", 0))
         self._counts = SampleCounts(int(state.get("dropped_samples", 0)), int(state.get("truncated_samples", 0)))
         self._budget.reset(list(state.get("corrupt_keys") or ()))

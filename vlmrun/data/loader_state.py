@@ -4,10 +4,14 @@ Energon's `save_state_rank()` returns dataclasses (`SavableDataLoaderState`, che
 states with numpy arrays) that the weights-only unpickler refuses. `to_plain` turns them into
 dicts, lists, tuples, strings, numbers, bytes and tensors; `from_plain` rebuilds them, and only
 instantiates dataclasses defined inside `megatron.energon` (a checkpoint cannot name other code).
+
+`settle_quiet_workers` corrects what Energon 7.4 saves for a loader worker that handed out nothing
+since the loader started.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import importlib
 from typing import Any
@@ -74,6 +78,33 @@ def from_plain(value: Any) -> Any:
                 setattr(obj, k, v)
         return obj
     raise LoaderStateError(f"unknown entry in a loader state: {sorted(value)}")
+
+
+def settle_quiet_workers(saved: Any, started_from: list | None, handed_out: set[int]) -> Any:
+    """`saved` (from `save_state_rank()`) with every worker not in `handed_out` put back where the
+    loader started it: its checkpoint in `started_from` (the restored state's `worker_states`), or
+    the initial state when the loader was not restored (`started_from` None).
+
+    Energon 7.4 gets such a worker wrong. After a restore its "last emitted sample" counter is
+    the restored checkpoint's index, which leaves out the checkpoint's offset, so a second save
+    forgets the samples the first state had already skipped. Then there is a race: a worker process
+    that has not reached its own restore when the save command arrives answers from its
+    pre-restore checkpoint (index -1). Both ways, a run resumed again soon after a resume
+    silently repeats or skips transfer groups. Measured: take 30 micro-batches, save, restore, take 1,
+    save, restore: the 37th micro-batch differs from an uninterrupted stream's. A worker that handed
+    out a group has restored and counts from what it emitted, so its checkpoint is right.
+    """
+    if saved is None:
+        return None
+    from megatron.energon.savable_loader import SavableDatasetCheckpoint
+
+    for worker in range(len(saved.worker_states)):
+        if worker not in handed_out:
+            start = started_from[worker] if started_from is not None else None
+            saved.worker_states[worker] = (
+                copy.deepcopy(start) if start is not None else SavableDatasetCheckpoint(state=None, offset=0)
+            )
+    return saved
 
 
 def _qualified(cls: type) -> str:
