@@ -180,10 +180,18 @@ def test_3_cancel_of_a_detached_attempt_checkpoints_and_says_cancelled(chain, re
     marker, _, _ = reaper_of(node)
     chain.past()
     holder = f"pid {node} on {os.uname().nodename} (job local-{node}"
-    for refused in (
-        vlmrun("resume", str(run)),
-        vlmrun("submit", TINY, "--cluster", "local", "--run-dir", str(run), *chain.args),
-    ):
+    # The run's steps take ~0.3 s: its controller is held still while the two refusals are checked, so
+    # a slow machine cannot let the run finish before the cancel comes.
+    controller = next(pid for pid, name in census(marker).items() if "SftController" in name)
+    os.kill(controller, signal.SIGSTOP)
+    try:
+        refusals = (
+            vlmrun("resume", str(run)),
+            vlmrun("submit", TINY, "--cluster", "local", "--run-dir", str(run), *chain.args),
+        )
+    finally:
+        os.kill(controller, signal.SIGCONT)
+    for refused in refusals:
         assert refused.returncode == 2 and holder in refused.stderr, refused.stderr  # while it runs
     cancel = vlmrun("cancel", str(run))
     assert cancel.returncode == 0, cancel.stderr[-2000:]
@@ -213,6 +221,10 @@ def test_6_a_second_ctrl_c_kills_hard(chain):
     node = node_pid(chain.run)
     marker, temp_root, _ = reaper_of(node)
     chain.past()
+    # The controller is held still: the first press's graceful stop cannot end (a step that takes long)
+    # before the second press, however fast the machine (steps take ~0.3 s).
+    controller = next(pid for pid, name in census(marker).items() if "SftController" in name)
+    os.kill(controller, signal.SIGSTOP)
     launcher.ctrl_c()
     time.sleep(0.3)  # two presses, not one coalesced signal
     t0 = time.monotonic()

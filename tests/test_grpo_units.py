@@ -12,10 +12,12 @@ from vlmrun.algorithms.grpo.advantages import group_advantages
 from vlmrun.algorithms.grpo.loss import ClippedPgLoss, k3
 from vlmrun.algorithms.grpo.micro_batches import (
     PgMicroBatch,
+    batch_response_values,
     model_batches,
     pg_micro_batches,
     place_response_values,
     response_values,
+    sequence_starts,
 )
 from vlmrun.algorithms.grpo.partition import (
     StageGets,
@@ -169,7 +171,7 @@ def fake_micro_batch(logits: torch.Tensor, advantages: list[float], prev_shift: 
     mask = labels[:, 1:] != IGNORE_INDEX
     return PgMicroBatch(
         batch=batch,
-        advantages=torch.tensor(advantages),
+        advantages=torch.tensor(advantages)[:, None].expand(mask.shape).masked_fill(~mask, 0.0),
         prev_logprobs=(current + prev_shift).masked_fill(~mask, 0.0),
         generation_logprobs=current.clone(),
         ref_logprobs=current.clone(),
@@ -284,9 +286,28 @@ def test_micro_batches_put_prompt_then_response_and_read_values_back():
     assert b.attention_mask.tolist() == [[1, 1, 1, 1, 0], [1, 1, 1, 1, 1]]
     assert b.labels.tolist() == [[-100, -100, 3, 9, -100], [-100, -100, 4, 4, 4]]
     values = [torch.tensor([0.5, 0.25]), torch.tensor([1.0, 2.0, 3.0])]
-    placed = place_response_values(values, [2, 2], b.input_ids.shape[1])
+    assert sequence_starts(b) == [(0, 0), (1, 0)]
+    placed = place_response_values(values, sequence_starts(b), [2, 2], tuple(b.input_ids.shape))
     assert placed.tolist() == [[0.0, 0.5, 0.25, 0.0], [0.0, 1.0, 2.0, 3.0]]
-    assert [v.tolist() for v in response_values(placed, [2, 2], [2, 3])] == [[0.5, 0.25], [1.0, 2.0, 3.0]]
+    assert [v.tolist() for v in response_values(placed, [(0, 0), (1, 0)], [2, 2], [2, 3])] == [
+        [0.5, 0.25],
+        [1.0, 2.0, 3.0],
+    ]
+
+
+def test_packed_micro_batches_put_sequences_end_to_end_and_read_values_back():
+    rows = joined_rows()  # prompts [5, 6] x 2 and [7, 8, 6] x 2; responses [3, 9], [4, 4, 4], [9], [2, 9]
+    (b,) = model_batches(rows, 4, family="qwen2_5_vl", pad_token_id=0, pixel_dtype=None, pack_tokens=9)
+    assert b.input_ids.tolist() == [[5, 6, 3, 9, 5, 6, 4, 4, 4], [7, 8, 6, 9, 7, 8, 6, 2, 9]]
+    assert b.attention_mask.tolist() == [[1, 1, 1, 1, 2, 2, 2, 2, 2]] * 2 and b.is_packed
+    assert b.labels.tolist() == [[-100, -100, 3, 9, -100, -100, 4, 4, 4], [-100, -100, -100, 9, -100, -100, -100, 2, 9]]
+    assert sequence_starts(b) == [(0, 0), (0, 4), (1, 0), (1, 4)]
+    values = [torch.tensor([0.5, 0.25]), torch.tensor([1.0, 2.0, 3.0]), torch.tensor([7.0]), torch.tensor([8.0, 9.0])]
+    placed = place_response_values(values, sequence_starts(b), [2, 2, 3, 3], tuple(b.input_ids.shape))
+    assert placed.tolist() == [[0.0, 0.5, 0.25, 0.0, 0.0, 1.0, 2.0, 3.0], [0.0, 0.0, 7.0, 0.0, 0.0, 0.0, 8.0, 9.0]]
+    assert [v.tolist() for v in batch_response_values(placed, b, rows, 0)] == [v.tolist() for v in values]
+    with pytest.raises(ValueError, match="does not fit a packed row of 4"):
+        model_batches(rows, 4, family="qwen2_5_vl", pad_token_id=0, pixel_dtype=None, pack_tokens=4)
 
 
 def test_train_micro_batches_carry_advantages_and_logprobs_on_the_response():
@@ -295,7 +316,7 @@ def test_train_micro_batches_carry_advantages_and_logprobs_on_the_response():
     rows.columns["prev_logprobs"] = [torch.full((k,), -1.0) for k in n]
     rows.columns["advantages"] = [torch.tensor(float(i)) for i in range(4)]
     mbs = pg_micro_batches(rows, 2, family="qwen2_5_vl", pad_token_id=0, pixel_dtype=None)
-    assert mbs[1].advantages.tolist() == [2.0, 3.0] and mbs[1].ref_logprobs is None
+    assert mbs[1].advantages.tolist() == [[0.0, 0.0, 2.0, 0.0], [0.0, 0.0, 3.0, 3.0]] and mbs[1].ref_logprobs is None
     assert mbs[1].mask.tolist() == [[False, False, True, False], [False, False, True, True]]  # next-token positions
     assert mbs[1].prev_logprobs[mbs[1].mask].tolist() == [-1.0] * 3
 

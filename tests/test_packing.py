@@ -212,6 +212,24 @@ def test_a_recipe_that_cannot_pack_is_refused_naming_the_field(overrides, words)
     assert words in str(e.value)
 
 
-def test_grpo_refuses_packing():
-    with pytest.raises(InputError, match="GRPO lays out its own rows"):
-        load_recipe(GRPO, ["data.pack_tokens=512"])
+def test_grpo_packs_rows_that_hold_a_prompt_and_its_longest_response():
+    with pytest.raises(InputError, match="data.pack_tokens") as e:
+        load_recipe(GRPO, ["data.pack_tokens=256"])
+    assert "must be at least data.max_seq_len + grpo.max_new_tokens = 264" in str(e.value)
+    assert load_recipe(GRPO, ["data.pack_tokens=264"]).data.pack_tokens == 264
+
+
+@pytest.mark.slow  # a short GRPO run through the CLI (~40 s)
+def test_a_packed_grpo_run_keeps_the_ratio_at_one_and_trains_the_padded_runs_first_step(tmp_path, grpo_sets, grpo_want):
+    """GRPO's logprob and train stages with `data.pack_tokens` (algorithms/grpo/micro_batches.py): the
+    rollouts of step 1 come from the same weights, so its rewards are the padded run's and its loss and
+    gradient norm equal the padded run's to float round-off; with one inner step the ratio is exactly 1."""
+    run = submit(tmp_path / "run", *grpo_sets, *sets("train.max_steps=2", "data.pack_tokens=528"), recipe=GRPO)
+    got, want = history(run / "metrics.jsonl"), history(grpo_want / "metrics.jsonl")
+    assert sorted(got) == [1, 2]
+    for row in got.values():
+        assert row["probs_ratio_min"] == 1.0 == row["probs_ratio_max"] and row["grad_norm"] > 0
+    for key in ("sample_ids", "reward", "advantage_mean", "valid_tokens"):
+        assert got[1][key] == want[1][key], key
+    assert got[1]["loss"] == pytest.approx(want[1]["loss"], rel=1e-5, abs=1e-7)
+    assert got[1]["grad_norm"] == pytest.approx(want[1]["grad_norm"], rel=1e-4)

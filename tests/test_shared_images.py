@@ -120,7 +120,7 @@ def test_the_logprob_and_train_stages_encode_each_prompts_images_once_with_the_s
         policy.model.zero_grad(set_to_none=True)
         for mb in mbs:
             logp = policy._logprobs(policy.model, mb)  # the train step's own forward
-            (-(logp * mb.advantages[:, None])[mb.mask].sum()).backward()
+            (-(logp * mb.advantages)[mb.mask].sum()).backward()
         grads[share] = {n: p.grad.clone() for n, p in policy.model.named_parameters() if p.grad is not None}
     tower = [n for n in grads[True] if ".visual." in f".{n}" or "vision" in n]
     assert tower and grads[True].keys() == grads[False].keys()
@@ -130,17 +130,69 @@ def test_the_logprob_and_train_stages_encode_each_prompts_images_once_with_the_s
 
 def _with_train_columns(got, policy, layout):
     """`got` with what the train stage reads beside it: advantages and the logprob columns."""
-    from vlmrun.algorithms.grpo.micro_batches import response_values
+    from vlmrun.algorithms.grpo.micro_batches import batch_response_values
 
     columns = dict(got.columns)
     prev = []
     start = 0
     for b in model_batches(got, len(got), **layout):
-        a = [p.numel() for p in got["prompt_ids"][start : start + len(b)]]
-        n = [r.numel() for r in got["response_ids"][start : start + len(b)]]
-        prev += response_values(policy.logprobs(b), a, n)
+        prev += batch_response_values(policy.logprobs(b), b, got, start)
         start += len(b)
     columns["prev_logprobs"] = prev
     columns["generation_logprobs"] = prev
     columns["advantages"] = [torch.tensor(float(i % 3) - 1.0) for i in range(len(got))]
     return type(got)(sample_ids=list(got.sample_ids), columns=columns)
+
+
+@pytest.mark.parametrize("family", [f for f in FAMILIES if f != "nemotron_omni"])  # Mamba: no packing
+def test_packed_stages_give_the_padded_logprobs_and_gradients_and_read_their_images_once(
+    family, prompts_of, clevr_set, tiny_dirs
+):
+    """GRPO with `data.pack_tokens`: a micro-batch's responses end to end in rows (micro_batches.py, 2)."""
+    from vlmrun.algorithms.grpo.micro_batches import batch_response_values
+
+    g = HfGenerator(model=ModelSpec(directory=tiny_dirs[family]))
+    g.setup()
+    rollouts = g.generate(prompts_of(family), SAMPLING, n=G)
+    scored = [Scored(reward=float(i % 2), correct=False, well_formed=True) for i in range(len(rollouts))]
+    written = rollout_columns(rollouts, scored, family=family, image_token_id=g.image_token_id)
+    got = join(written.prompts, written.responses)
+    longest = max(p.numel() + r.numel() for p, r in zip(got["prompt_ids"], got["response_ids"], strict=True))
+    rows = 2 * G
+    policy, _ = rank_policy(make_recipe(clevr_set, family=family), 0, 1, tiny_dirs[family], {}, free_port())
+    seen = vision_rows(policy.model)
+    padded = {"family": family, "pad_token_id": g.pad_token_id, "pixel_dtype": None}
+    packed = {**padded, "pack_tokens": 3 * longest}
+
+    values, tower = {}, {}
+    for name, layout in (("padded", padded), ("packed", packed)):
+        batches = model_batches(got, rows, **layout)
+        seen.clear()
+        values[name], start = [], 0
+        for b in batches:
+            scores = policy.logprobs(b)
+            assert torch.equal(scores, policy.logprobs(b))  # what makes GRPO's ratio exactly 1
+            values[name] += batch_response_values(scores, b, got, start)
+            start += len(b)
+        tower[name] = list(seen)
+        if name == "packed":  # 2 prompts x G responses in 2 rows of 3 sequences, then G in 1 row
+            assert [b.input_ids.shape[0] for b in batches] == [2, 1] and all(b.is_packed for b in batches)
+    assert tower["packed"] == tower["padded"]  # each prompt's image through the tower once, packed or not
+    for a, b in zip(values["packed"], values["padded"], strict=True):
+        assert a.shape == b.shape and torch.allclose(a, b, rtol=0, atol=1e-5)
+
+    grads, sums = {}, {}
+    for name, layout in (("padded", padded), ("packed", packed)):
+        policy.model.zero_grad(set_to_none=True)
+        total = 0.0
+        for mb in pg_micro_batches(_with_train_columns(got, policy, padded), rows, **layout):
+            logp = policy._logprobs(policy.model, mb)  # the train step's own forward
+            loss = -(logp * mb.advantages)[mb.mask].sum()
+            loss.backward()
+            total += float(loss.detach())
+        sums[name] = total
+        grads[name] = {n: p.grad.clone() for n, p in policy.model.named_parameters() if p.grad is not None}
+    assert sums["packed"] == pytest.approx(sums["padded"], rel=1e-5, abs=1e-5)
+    assert grads["packed"].keys() == grads["padded"].keys()
+    for n, v in grads["padded"].items():
+        assert torch.allclose(grads["packed"][n], v, rtol=1e-4, atol=1e-5), (n, (grads["packed"][n] - v).abs().max())

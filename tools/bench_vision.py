@@ -91,7 +91,7 @@ class TowerClock:
 
 def measure(recipe, family: str, rounds: int, prompts: int, work: Path) -> dict:
     from vlmrun.algorithms.grpo.loss import ClippedPgLoss
-    from vlmrun.algorithms.grpo.micro_batches import model_batches, pg_micro_batches, response_values
+    from vlmrun.algorithms.grpo.micro_batches import batch_response_values, model_batches, pg_micro_batches
     from vlmrun.algorithms.grpo.rewards import Scored
     from vlmrun.algorithms.grpo.rollout_rows import join, rollout_columns
     from vlmrun.config.dtype import torch_dtype
@@ -143,9 +143,7 @@ def measure(recipe, family: str, rounds: int, prompts: int, work: Path) -> dict:
         t0 = time.perf_counter()
         prev, start = [], 0
         for b in model_batches(got, rows, **layout, share_images=share):
-            a = [p.numel() for p in got["prompt_ids"][start : start + len(b)]]
-            n = [r.numel() for r in got["response_ids"][start : start + len(b)]]
-            prev += response_values(policy.logprobs(b), a, n)
+            prev += batch_response_values(policy.logprobs(b), b, got, start)
             start += len(b)
         out["logprob"] = _stage(time.perf_counter() - t0, clock)
         columns = {**got.columns, "prev_logprobs": prev, "generation_logprobs": prev}

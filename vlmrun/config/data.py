@@ -48,9 +48,11 @@ class DataConfig(Section):
     pack_tokens: int | None = Field(
         None,
         ge=16,
-        description="SFT: each micro-batch's conversations packed end to end into rows of at most this many "
-        "tokens instead of a padded row each (the same samples per micro-batch; each sequence attends to "
-        "itself only, its own positions); at least data.max_seq_len. Qwen-VL families; None: padded rows",
+        description="each micro-batch's sequences packed end to end into rows of at most this many tokens "
+        "instead of a padded row each (the same samples per micro-batch; each sequence attends to itself only, "
+        "its own positions): SFT's conversations (at least data.max_seq_len), GRPO's prompt-and-response "
+        "sequences in its logprob and train stages (at least data.max_seq_len + grpo.max_new_tokens). "
+        "Qwen-VL families; None: padded rows",
     )
     on_bad_sample: Literal["refuse", "drop"] = Field(
         "refuse",

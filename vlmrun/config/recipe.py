@@ -130,17 +130,15 @@ class Recipe(Section):
 
 def _check_packing(r: Recipe) -> None:
     d = r.data
-    if r.train.algorithm == "grpo":
-        raise CrossFieldError(
-            "data.pack_tokens", d.pack_tokens, "packs SFT's micro-batches; GRPO lays out its own rows (leave it unset)"
-        )
     if (why := PACKING_REFUSED.get(r.family)) is not None:
         raise CrossFieldError("data.pack_tokens", d.pack_tokens, f"cannot pack model.family {r.family!r}: {why}")
-    if d.pack_tokens < d.max_seq_len:
+    if r.train.algorithm == "grpo":  # a sequence is a prompt (at most data.max_seq_len) and its response
+        longest, what = d.max_seq_len + r.grpo.max_new_tokens, "data.max_seq_len + grpo.max_new_tokens"
+    else:
+        longest, what = d.max_seq_len, "data.max_seq_len"
+    if d.pack_tokens < longest:
         raise CrossFieldError(
-            "data.pack_tokens",
-            d.pack_tokens,
-            f"must be at least data.max_seq_len = {d.max_seq_len}: every conversation must fit a row",
+            "data.pack_tokens", d.pack_tokens, f"must be at least {what} = {longest}: every sequence must fit a row"
         )
 
 

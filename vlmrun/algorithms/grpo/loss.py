@@ -36,7 +36,7 @@ class ClippedPgLoss(TokenLoss):
     def __call__(self, logp: torch.Tensor, mb: PgMicroBatch) -> LossTerms:
         mask = mb.mask
         ratio = torch.exp(logp - mb.prev_logprobs)
-        adv = mb.advantages[:, None]
+        adv = mb.advantages
         clipped = ratio.clamp(1 - self.clip_low, 1 + self.clip_high)
         per_token = -torch.minimum(ratio * adv, clipped * adv)
         kl = torch.zeros_like(logp)

@@ -2,16 +2,20 @@
 
 1. A sample is one response: its prompt (`prompt_ids`, unpadded), its response (`response_ids`, up
    to and including the end-of-turn token), the prompt's per-token inputs and its packed media.
-2. `model_batches` lays out `rows` samples per micro-batch, prompt then response, right-padded to the
-   micro-batch's longest, labels on the response tokens; media in sample order, cast to the policy's
-   dtype, each prompt's images once however many of its responses the micro-batch holds, with
-   `image_source` saying which rows show them (models/shared_images.py: the policy encodes each image
-   once and every response reads its features). The logprob stages and the train stage call it on
-   the same samples in the same order, so the policy sees identical inputs: with one inner step the
-   ratio is exactly 1.
-3. Per-token values of a response (logprobs) sit at positions [len(prompt) - 1, len(prompt) - 1 + L)
-   of a [B, T-1] tensor of next-token scores: `response_values` reads them out per sample,
-   `place_response_values` puts them back.
+2. `model_batches` lays out `rows` samples per micro-batch, each a sequence of its prompt then its
+   response, labels on the response tokens: one right-padded row per sample, or with `pack_tokens`
+   (the recipe's `data.pack_tokens`) the sequences end to end in rows of at most that many tokens, in
+   order (data/packing.py: the attention mask holds each token's sequence number in its row, the
+   policy gives every sequence its own positions and attention). Media in sample order, cast to the
+   policy's dtype, each prompt's images once however many of its responses the micro-batch holds,
+   with `image_source` saying which images they are (models/shared_images.py: the policy encodes
+   each image once and every response reads its features). The logprob stages and the train stage
+   call it on the same samples in the same order, so the policy sees identical inputs: with one inner
+   step the ratio is exactly 1.
+3. Per-token values of a response (logprobs, advantages) sit in a [rows, T-1] tensor of next-token
+   scores at positions [start + len(prompt) - 1, start + len(prompt) - 1 + L) of the sample's row,
+   where `start` is where its sequence begins (`sequence_starts`): `response_values` reads them out
+   per sample, `place_response_values` puts them back.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import torch
 
 from vlmrun.config.families import family_spec
 from vlmrun.data.batch import IGNORE_INDEX, Batch
+from vlmrun.data.packing import rows_in_order
 from vlmrun.models.shared_images import repeated_images
 from vlmrun.models.shared_images import share_images as shared_image_media
 from vlmrun.plane.interface import SampleBatch
@@ -31,7 +36,7 @@ from vlmrun.plane.interface import SampleBatch
 @dataclass
 class PgMicroBatch:
     """A train micro-batch: the model inputs and, per next-token position [B, T-1], the logprobs the
-    loss compares (0 off the response); `advantages` [B] one per response."""
+    loss compares and each response's advantage (0 off the responses)."""
 
     batch: Batch
     advantages: torch.Tensor
@@ -41,6 +46,27 @@ class PgMicroBatch:
 
     def model_inputs(self) -> dict[str, torch.Tensor]:
         return self.batch.model_inputs()
+
+    # A packed micro-batch's inputs are built from its fields (models/packing.py: packed_inputs)
+    @property
+    def is_packed(self) -> bool:
+        return self.batch.is_packed
+
+    @property
+    def input_ids(self) -> torch.Tensor:
+        return self.batch.input_ids
+
+    @property
+    def attention_mask(self) -> torch.Tensor:
+        return self.batch.attention_mask
+
+    @property
+    def token_inputs(self) -> dict[str, torch.Tensor]:
+        return self.batch.token_inputs
+
+    @property
+    def media(self) -> dict[str, torch.Tensor]:
+        return self.batch.media
 
     @property
     def labels(self) -> torch.Tensor:
@@ -65,31 +91,46 @@ def model_batches(
     pad_token_id: int,
     pixel_dtype: torch.dtype | None,
     share_images: bool = True,
+    pack_tokens: int | None = None,
 ) -> list[Batch]:
-    """`got`'s samples, `rows` per micro-batch, in order (module doc, 2). Uses `response_mask` for the
-    labels where `got` holds it (the train stage), else labels every response token."""
+    """`got`'s samples, `rows` per micro-batch, in order, padded or packed into rows of `pack_tokens`
+    (module doc, 2). Uses `response_mask` for the labels where `got` holds it (the train stage), else
+    labels every response token."""
     spec = family_spec(family)
     return [
-        _one_batch(got, range(start, min(start + rows, len(got))), spec, pad_token_id, pixel_dtype, share_images)
+        _one_batch(
+            got, range(start, min(start + rows, len(got))), spec, pad_token_id, pixel_dtype, share_images, pack_tokens
+        )
         for start in range(0, len(got), rows)
     ]
 
 
-def _one_batch(got: SampleBatch, idx: range, spec, pad_token_id: int, pixel_dtype, share_images: bool) -> Batch:
+def _one_batch(
+    got: SampleBatch, idx: range, spec, pad_token_id: int, pixel_dtype, share_images: bool, pack_tokens: int | None
+) -> Batch:
     prompts = [got["prompt_ids"][i] for i in idx]
     responses = [got["response_ids"][i] for i in idx]
     masks = [got["response_mask"][i] for i in idx] if "response_mask" in got.columns else None
-    width = max(p.numel() + r.numel() for p, r in zip(prompts, responses, strict=True))
-    input_ids = torch.full((len(idx), width), pad_token_id, dtype=torch.long)
-    attention = torch.zeros((len(idx), width), dtype=torch.long)
-    labels = torch.full((len(idx), width), IGNORE_INDEX, dtype=torch.long)
-    tokens = {k: torch.zeros((len(idx), width), dtype=torch.long) for k in spec.token_keys}
-    for row, (p, r) in enumerate(zip(prompts, responses, strict=True)):
-        a, n = p.numel(), p.numel() + r.numel()
-        input_ids[row, :a], input_ids[row, a:n], attention[row, :n] = p, r, 1
-        labels[row, a:n] = r if masks is None else r.masked_fill(~masks[row].bool(), IGNORE_INDEX)
-        for k, t in tokens.items():
-            t[row, :a] = got[k][idx[row]]
+    lengths = [p.numel() + r.numel() for p, r in zip(prompts, responses, strict=True)]
+    if pack_tokens is None:
+        layout = [[k] for k in range(len(idx))]
+    else:
+        layout = rows_in_order(lengths, pack_tokens)  # raises for a sequence longer than a row
+    width = max(sum(lengths[k] for k in row) for row in layout)
+    input_ids = torch.full((len(layout), width), pad_token_id, dtype=torch.long)
+    attention = torch.zeros((len(layout), width), dtype=torch.long)
+    labels = torch.full((len(layout), width), IGNORE_INDEX, dtype=torch.long)
+    tokens = {k: torch.zeros((len(layout), width), dtype=torch.long) for k in spec.token_keys}
+    for row, members in enumerate(layout):
+        at = 0
+        for j, k in enumerate(members):  # the row's j-th sequence is sample k: its sequence number is j + 1
+            p, r = prompts[k], responses[k]
+            a, n = at + p.numel(), at + lengths[k]
+            input_ids[row, at:a], input_ids[row, a:n], attention[row, at:n] = p, r, j + 1
+            labels[row, a:n] = r if masks is None else r.masked_fill(~masks[k].bool(), IGNORE_INDEX)
+            for key, t in tokens.items():
+                t[row, at:a] = got[key][idx[k]]
+            at = n
     pixels, grid = spec.media_keys
     per_row = [{k: _one(got[k][i]) for k in (pixels, grid)} if got[pixels][i] else {} for i in idx]
     if share_images:  # a prompt's responses show its images: each through the tower once (module doc, 2)
@@ -122,19 +163,46 @@ def _prompt_of(sample_id: str) -> str:
     return prompt if sep else sample_id
 
 
-def response_values(scores: torch.Tensor, prompt_lengths: Sequence[int], response_lengths: Sequence[int]) -> list:
-    """Per sample, its response's values out of next-token `scores` [B, T-1] (module doc, 3)."""
+def sequence_starts(batch: Batch) -> list[tuple[int, int]]:
+    """(row, column) where each sample's sequence begins, in sample order (module doc, 3): a token whose
+    sequence number differs from the one before it (data/packing.py's attention mask)."""
+    seq = batch.attention_mask
+    before = torch.nn.functional.pad(seq, (1, 0))[:, :-1]
+    return [tuple(x) for x in ((seq > 0) & (seq != before)).nonzero().tolist()]
+
+
+def response_values(
+    scores: torch.Tensor,
+    starts: Sequence[tuple[int, int]],
+    prompt_lengths: Sequence[int],
+    response_lengths: Sequence[int],
+) -> list:
+    """Per sample, its response's values out of next-token `scores` [rows, T-1] (module doc, 3)."""
     return [
-        scores[row, a - 1 : a - 1 + n].clone()
-        for row, (a, n) in enumerate(zip(prompt_lengths, response_lengths, strict=True))
+        scores[row, at + a - 1 : at + a - 1 + n].clone()
+        for (row, at), a, n in zip(starts, prompt_lengths, response_lengths, strict=True)
     ]
 
 
-def place_response_values(values: Sequence[torch.Tensor], prompt_lengths: Sequence[int], width: int) -> torch.Tensor:
-    """The inverse of `response_values`: [B, width - 1] float32, 0 off the responses."""
-    out = torch.zeros((len(values), width - 1), dtype=torch.float32)
-    for row, (v, a) in enumerate(zip(values, prompt_lengths, strict=True)):
-        out[row, a - 1 : a - 1 + v.numel()] = v
+def batch_response_values(scores: torch.Tensor, batch: Batch, got: SampleBatch, first: int) -> list:
+    """`response_values` of micro-batch `batch`, which holds `got`'s samples from `first` on."""
+    idx = range(first, first + len(batch))
+    a = [got["prompt_ids"][i].numel() for i in idx]
+    n = [got["response_ids"][i].numel() for i in idx]
+    return response_values(scores, sequence_starts(batch), a, n)
+
+
+def place_response_values(
+    values: Sequence[torch.Tensor],
+    starts: Sequence[tuple[int, int]],
+    prompt_lengths: Sequence[int],
+    shape: tuple[int, int],
+) -> torch.Tensor:
+    """The inverse of `response_values`: float32 of `shape` ([rows, T] of the micro-batch), less its
+    last column, 0 off the responses."""
+    out = torch.zeros((shape[0], shape[1] - 1), dtype=torch.float32)
+    for v, (row, at), a in zip(values, starts, prompt_lengths, strict=True):
+        out[row, at + a - 1 : at + a - 1 + v.numel()] = v
     return out
 
 
@@ -144,15 +212,16 @@ def pg_micro_batches(got: SampleBatch, rows: int, **layout) -> list[PgMicroBatch
     for start, batch in zip(range(0, len(got), rows), model_batches(got, rows, **layout), strict=True):
         idx = range(start, start + len(batch))
         a = [got["prompt_ids"][i].numel() for i in idx]
-        width = batch.input_ids.shape[1]
+        starts, shape = sequence_starts(batch), tuple(batch.input_ids.shape)
 
-        def placed(name: str, a=a, idx=idx, width=width) -> torch.Tensor:
-            return place_response_values([got[name][i] for i in idx], a, width)
+        def placed(name: str, a=a, idx=idx, starts=starts, shape=shape) -> torch.Tensor:
+            return place_response_values([got[name][i] for i in idx], starts, a, shape)
 
+        each = [got["advantages"][i].float().expand(got["response_ids"][i].numel()) for i in idx]
         out.append(
             PgMicroBatch(
                 batch=batch,
-                advantages=torch.stack([got["advantages"][i] for i in idx]).float(),
+                advantages=place_response_values(each, starts, a, shape),
                 prev_logprobs=placed("prev_logprobs"),
                 generation_logprobs=placed("generation_logprobs"),
                 ref_logprobs=placed("ref_logprobs") if "ref_logprobs" in got.columns else None,

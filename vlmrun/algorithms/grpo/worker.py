@@ -28,7 +28,7 @@ from vlmrun.algorithms.common.checkpoint import Checkpoint, PendingCheckpoint
 from vlmrun.algorithms.common.refit import refit
 from vlmrun.algorithms.common.worker import RankWorker
 from vlmrun.algorithms.grpo.loss import ClippedPgLoss
-from vlmrun.algorithms.grpo.micro_batches import model_batches, pg_micro_batches, response_values
+from vlmrun.algorithms.grpo.micro_batches import batch_response_values, model_batches, pg_micro_batches
 from vlmrun.algorithms.grpo.partition import (
     StageGets,
     StagePlane,
@@ -144,11 +144,9 @@ class GrpoWorker(RankWorker):
         out: dict[str, list] = {"prev_logprobs": [], **({"ref_logprobs": []} if kl else {})}
         start = 0
         for b in self._model_batches(got):
-            a = [p.numel() for p in got["prompt_ids"][start : start + len(b)]]
-            n = [r.numel() for r in got["response_ids"][start : start + len(b)]]
-            out["prev_logprobs"] += response_values(self.policy.logprobs(b), a, n)
+            out["prev_logprobs"] += batch_response_values(self.policy.logprobs(b), b, got, start)
             if kl:
-                out["ref_logprobs"] += response_values(self.policy.reference_logprobs(b), a, n)
+                out["ref_logprobs"] += batch_response_values(self.policy.reference_logprobs(b), b, got, start)
             start += len(b)
         report = ScoreReport(times={"logprob": time.perf_counter() - t0})
         if self.plane is None:
@@ -208,7 +206,12 @@ class GrpoWorker(RankWorker):
         return model_batches(got, self.rows_per_micro, **self._layout())
 
     def _layout(self) -> dict:
-        return {"family": self.recipe.family, "pad_token_id": self.pad_token_id, "pixel_dtype": self.dtype}
+        return {
+            "family": self.recipe.family,
+            "pad_token_id": self.pad_token_id,
+            "pixel_dtype": self.dtype,
+            "pack_tokens": self.recipe.data.pack_tokens,
+        }
 
     # ---- the controller's reach into a process-local plane ----------------------------------------
     @side_call
