@@ -1,6 +1,7 @@
 """A GRPO prompt's images go through the vision tower once per stage, however many responses it has
 (models/shared_images.py), and the responses get the log-probs, samples and gradients that encoding
-each copy gave: in generation, in the logprob stages and in training, for every family."""
+each copy gave: in generation, in the logprob stages and in training, for every family; and so do
+the stages' packed rows (data.pack_tokens), to fp32 round-off, for the Qwen-VL families."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import pytest
 import torch
 from data_samples import FAMILIES, free_port, make_recipe, rank_policy, read_raw_samples
 
-from vlmrun.algorithms.grpo.micro_batches import model_batches, pg_micro_batches
+from vlmrun.algorithms.grpo.micro_batches import batch_response_values, model_batches, pg_micro_batches
 from vlmrun.algorithms.grpo.rewards import Scored
 from vlmrun.algorithms.grpo.rollout_rows import join, rollout_columns
 from vlmrun.config.families import family_spec
@@ -17,6 +18,7 @@ from vlmrun.data.cookers import cook_conversation
 from vlmrun.data.loader import load_processor
 from vlmrun.generation.hf import HfGenerator
 from vlmrun.generation.interface import SamplingParams
+from vlmrun.models.packing import packing_refusal
 from vlmrun.models.shared_images import share_images
 from vlmrun.models.spec import ModelSpec
 
@@ -83,20 +85,26 @@ def test_generation_encodes_each_prompts_images_once_and_samples_the_same(family
         assert torch.equal(shared.media[k], v)
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-def test_the_logprob_and_train_stages_encode_each_prompts_images_once_with_the_same_values(
-    family, prompts_of, clevr_set, tiny_dirs
-):
+def stage_inputs(family: str, prompts_of, clevr_set, tiny_dirs):
+    """The joined rollout columns of G responses to each of the CLEVR prompts, the rank's policy, and
+    the padded layout of `model_batches`."""
     g = HfGenerator(model=ModelSpec(directory=tiny_dirs[family]))
     g.setup()
     rollouts = g.generate(prompts_of(family), SAMPLING, n=G)
     scored = [Scored(reward=float(i % 2), correct=False, well_formed=True) for i in range(len(rollouts))]
     written = rollout_columns(rollouts, scored, family=family, image_token_id=g.image_token_id)
-    got = join(written.prompts, written.responses)
-    rows = 2 * G  # two prompts' responses per micro-batch, the last holds one prompt's
     policy, _ = rank_policy(make_recipe(clevr_set, family=family), 0, 1, tiny_dirs[family], {}, free_port())
-    seen = vision_rows(policy.model)
     layout = {"family": family, "pad_token_id": g.pad_token_id, "pixel_dtype": None}
+    return join(written.prompts, written.responses), policy, layout
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_logprob_and_train_stages_encode_each_prompts_images_once_with_the_same_values(
+    family, prompts_of, clevr_set, tiny_dirs
+):
+    got, policy, layout = stage_inputs(family, prompts_of, clevr_set, tiny_dirs)
+    rows = 2 * G  # two prompts' responses per micro-batch, the last holds one prompt's
+    seen = vision_rows(policy.model)
 
     shared = model_batches(got, rows, **layout)
     plain = model_batches(got, rows, **layout, share_images=False)
@@ -130,8 +138,6 @@ def test_the_logprob_and_train_stages_encode_each_prompts_images_once_with_the_s
 
 def _with_train_columns(got, policy, layout):
     """`got` with what the train stage reads beside it: advantages and the logprob columns."""
-    from vlmrun.algorithms.grpo.micro_batches import batch_response_values
-
     columns = dict(got.columns)
     prev = []
     start = 0
@@ -144,24 +150,15 @@ def _with_train_columns(got, policy, layout):
     return type(got)(sample_ids=list(got.sample_ids), columns=columns)
 
 
-@pytest.mark.parametrize("family", [f for f in FAMILIES if f != "nemotron_omni"])  # Mamba: no packing
+@pytest.mark.parametrize("family", [f for f in FAMILIES if packing_refusal(f) is None])  # not Mamba's
 def test_packed_stages_give_the_padded_logprobs_and_gradients_and_read_their_images_once(
     family, prompts_of, clevr_set, tiny_dirs
 ):
     """GRPO with `data.pack_tokens`: a micro-batch's responses end to end in rows (micro_batches.py, 2)."""
-    from vlmrun.algorithms.grpo.micro_batches import batch_response_values
-
-    g = HfGenerator(model=ModelSpec(directory=tiny_dirs[family]))
-    g.setup()
-    rollouts = g.generate(prompts_of(family), SAMPLING, n=G)
-    scored = [Scored(reward=float(i % 2), correct=False, well_formed=True) for i in range(len(rollouts))]
-    written = rollout_columns(rollouts, scored, family=family, image_token_id=g.image_token_id)
-    got = join(written.prompts, written.responses)
+    got, policy, padded = stage_inputs(family, prompts_of, clevr_set, tiny_dirs)
     longest = max(p.numel() + r.numel() for p, r in zip(got["prompt_ids"], got["response_ids"], strict=True))
     rows = 2 * G
-    policy, _ = rank_policy(make_recipe(clevr_set, family=family), 0, 1, tiny_dirs[family], {}, free_port())
     seen = vision_rows(policy.model)
-    padded = {"family": family, "pad_token_id": g.pad_token_id, "pixel_dtype": None}
     packed = {**padded, "pack_tokens": 3 * longest}
 
     values, tower = {}, {}
