@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from vlmrun.cluster.reaper import MARKER_ENV, marked_processes, sweep, wait_for_exit
+from vlmrun.cluster.reaper import MARKER_ENV, marked_processes, sweep, temp_root_name, wait_for_exit
 from vlmrun.run.directory import LOCK_HOLDER_FILE as HOLDER_FILE
 from vlmrun.run.lock import FD_ENV, Holder, RunLock, RunLocked, live_holder, read_holder
 from vlmrun.run.process import process_alive, start_time
@@ -165,6 +165,28 @@ def test_sweep_kills_only_the_marked_processes_and_removes_the_temp_root(tmp_pat
         for p in (*marked, other):
             p.kill()
             p.wait()
+
+
+def test_sweep_also_kills_a_process_that_lost_the_marker_but_holds_a_file_of_the_attempt(tmp_path):
+    """Ray's agents retitle themselves, which writes over what /proc/PID/environ shows; a file they hold
+    open under the attempt's temp root (their logs, deleted or not) still names them as the attempt's."""
+    mine, theirs = secrets.token_hex(6), secrets.token_hex(6)
+    roots = {m: tmp_path / temp_root_name(m) for m in (mine, theirs)}
+    clean = {k: v for k, v in os.environ.items() if k != MARKER_ENV}
+    started = []
+    for root in roots.values():
+        root.mkdir()
+        with open(root / "agent.out", "w") as log:  # the child keeps it open as its stdout
+            started.append(subprocess.Popen(["sleep", "60"], stdout=log, env=clean))
+    (roots[mine] / "agent.out").unlink()  # the temp root may be half removed already: a deleted file counts
+    try:
+        assert marked_processes(mine) == [started[0].pid]
+        assert sweep(mine, [roots[mine]]) == 1
+        assert started[0].wait(timeout=5) == -signal.SIGKILL and started[1].poll() is None
+    finally:
+        for proc in started:
+            proc.kill()
+            proc.wait()
 
 
 def test_reaper_ends_the_attempt_when_its_node_is_killed():

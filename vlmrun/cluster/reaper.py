@@ -10,6 +10,9 @@
    pidfd), then `sweep`s: SIGKILL to every process of this user whose environment carries the
    marker, until none is left, then the temp root goes. On node 0 it then records the attempt KILLED
    in job.json (under the run lock) when the node ended without recording how it ended.
+   A process whose environment no longer shows the marker still counts when it holds a file open under
+   the attempt's temp root: Ray's agents retitle themselves (setproctitle writes over the memory that
+   /proc/PID/environ reads), and once their raylet was gone they lived on for a minute without it.
 3. The node sweeps too at the end of a normal teardown, so a finished attempt leaves nothing behind
    by the time it exits; the reaper's sweep then finds nothing.
 4. A second line for the case where the reaper dies with the node (both SIGKILLed, a kill of every
@@ -57,7 +60,7 @@ class AttemptScope:
         if len(str(base)) > 40:
             base = Path("/tmp")
         marker = secrets.token_hex(6)
-        root = base / f"vlmrun-{marker}"
+        root = base / temp_root_name(marker)
         root.mkdir(mode=0o700, parents=True)
         return cls(marker, root)
 
@@ -87,9 +90,16 @@ class AttemptScope:
         return sweep(self.marker, [self.temp_root])
 
 
+def temp_root_name(marker: str) -> str:
+    """The name of the temp root of the attempt with `marker` (in the system's temp dir)."""
+    return f"vlmrun-{marker}"
+
+
 def marked_processes(marker: str) -> list[int]:
-    """Pids of this user's live processes (not the caller) whose environment carries `marker`."""
+    """Pids of this user's live processes (not the caller) of the attempt with `marker`: its environment
+    carries the marker, or it holds a file open under the attempt's temp root (module doc, 2)."""
     entry = f"{MARKER_ENV}={marker}".encode()
+    inside = f"/{temp_root_name(marker)}/"
     me, uid = os.getpid(), os.getuid()
     found = []
     for name in os.listdir("/proc"):
@@ -104,9 +114,24 @@ def marked_processes(marker: str) -> list[int]:
                 state = f.read().rsplit(b")", 1)[1].split()[0]
         except (OSError, IndexError):
             continue
-        if state != b"Z" and entry in env.split(b"\0"):
+        if state != b"Z" and (entry in env.split(b"\0") or _holds_file_under(name, inside)):
             found.append(int(name))
     return found
+
+
+def _holds_file_under(pid: str, inside: str) -> bool:
+    """Whether process `pid` has an open file (a deleted one included) whose path contains `inside`."""
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return False
+    for fd in fds:
+        try:
+            if inside in os.readlink(f"/proc/{pid}/fd/{fd}"):
+                return True
+        except OSError:
+            continue
+    return False
 
 
 def sweep(marker: str, remove: list[Path], *, deadline_s: float = _SWEEP_S) -> int:
