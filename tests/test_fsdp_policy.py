@@ -1,9 +1,9 @@
 """The hf policy sharded with FSDP2 against the replicated policy, on CPU with 2 gloo ranks.
 
 Each layout runs in its own pair of spawned processes over the same micro-batches (image batches from
-the session's CLEVR set; rank 0's last is text-only, so the vision tower gets no gradient from it); losses, gradient norms and final parameters must be bitwise equal. Then the sharded policy
-saves through DCP, a fresh pair loads it and must take the same next step, and a single rank loads
-the 2-rank checkpoint (DCP reshards).
+the session's CLEVR set; rank 0's last is text-only, so the vision tower gets no gradient from it); losses, gradient norms and final parameters must be bitwise equal. The optimizer
+state a sharded resume loads into is torch's own layout. (A sharded checkpoint resumed: tests/test_gpu_check.py,
+tests/test_sharded_load.py and, through the CLI, tests/test_fsdp_runs.py.)
 """
 
 from __future__ import annotations
@@ -83,3 +83,53 @@ def test_bf16_mixed_precision_trains_with_a_rank_of_text_only_micro_batches(setu
     losses = [row[0] for row in got["rows"]]
     assert all(loss == loss and loss < 20 for loss in losses) and losses[-1] < losses[0]
     assert {w.dtype for w in got["weights"].values() if w.is_floating_point()} == {torch.float32}  # fp32 masters
+
+
+def _describe(optimizer) -> list[dict]:
+    """Per parameter, per state key: what a DCP load needs of the tensor it fills."""
+
+    def one(t) -> tuple:
+        local = t.to_local() if hasattr(t, "to_local") else t
+        return (
+            type(t).__name__,
+            t.dtype,
+            tuple(t.shape),
+            str(getattr(t, "placements", "")),
+            tuple(local.shape),
+            local.device.type,
+        )
+
+    return [
+        {key: one(value) for key, value in optimizer.state[p].items()}
+        for group in optimizer.param_groups
+        for p in group["params"]
+    ]
+
+
+def _state_layouts(rank, world, recipe, model_dir, port, out):
+    from torch.distributed.checkpoint.state_dict import _init_optim_state
+
+    from vlmrun.policy.optimizer import allocate_state
+
+    torch.set_num_threads(1)
+    policy, _ = rank_policy(recipe, rank, world, model_dir, {"fsdp": True}, port)
+    allocate_state(policy.optimizer)
+    ours = _describe(policy.optimizer)
+    policy.optimizer.state.clear()
+    _init_optim_state(policy.optimizer)  # what torch's get_state_dict does for an optimizer without state
+    if rank == 0:
+        torch.save({"ours": ours, "torch": _describe(policy.optimizer)}, out)
+    policy.shutdown()
+    os._exit(0)
+
+
+@pytest.mark.parametrize("setup", ["qwen2_5_vl"], indirect=True)
+def test_the_state_a_sharded_resume_loads_into_has_torchs_layout(setup, tmp_path):
+    """`allocate_state` (vlmrun/policy/optimizer.py) stands in for torch's zero-gradient step: each
+    parameter's AdamW state has the keys, dtypes, shapes, shard placements and devices torch makes."""
+    recipe, model_dir, _ = setup
+    out = tmp_path / "layouts.pt"
+    start_ranks(_state_layouts, (2, recipe, model_dir, free_port(), str(out)))
+    got = torch.load(out, weights_only=False)
+    assert got["ours"] == got["torch"] and len(got["ours"]) > 10
+    assert {v[0] for row in got["ours"] for v in row.values()} == {"DTensor", "Tensor"}  # moments sharded, step not

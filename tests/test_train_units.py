@@ -58,6 +58,31 @@ def test_lr_schedule_warmup_then_cosine_to_min():
     assert lr_factor(50, max_steps=100, warmup_steps=0, schedule="constant", min_lr_ratio=0.0) == 1.0
 
 
+def test_adamw_state_allocated_for_a_resume_steps_like_a_fresh_optimizer():
+    """`allocate_state` (the target a resume's load fills) is the state a fresh AdamW starts from: the
+    same steps follow whether or not a load came; torch's own init (a zero-gradient step) is not."""
+    from torch.distributed.checkpoint.state_dict import _init_optim_state
+
+    from vlmrun.config.train import TrainConfig
+    from vlmrun.policy.optimizer import allocate_state, build_optimizer
+
+    torch.manual_seed(0)
+    start, grads = torch.randn(4, 3), [torch.randn(4, 3) for _ in range(3)]
+
+    def trained(prepare) -> torch.Tensor:
+        w = torch.nn.Parameter(start.clone())
+        optimizer, _ = build_optimizer([w], TrainConfig(weight_decay=0.1), max_steps=10)
+        prepare(optimizer)
+        for g in grads:
+            w.grad = g.clone()
+            optimizer.step()
+        return w.detach()
+
+    fresh = trained(lambda o: None)
+    assert torch.equal(trained(allocate_state), fresh)
+    assert not torch.equal(trained(_init_optim_state), fresh)  # its step count starts at 1
+
+
 def test_step_plan_caps_by_epochs():
     r = load_recipe(TINY, ["train.max_steps=1000", "train.epochs=2"])
     plan = plan_steps(r, train_samples=80)

@@ -63,6 +63,7 @@ from vlmrun.policy.interface import (
     TokenLoss,
 )
 from vlmrun.policy.loss import NllLoss, labelled_logprobs, scored_positions
+from vlmrun.policy.optimizer import allocate_state, build_optimizer
 
 
 class HfPolicy(PolicyBackend):
@@ -112,7 +113,7 @@ class HfPolicy(PolicyBackend):
         self.model = self._build_unread() if unread else self._build_model()
         self.model.train()
         self.params = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer, self.scheduler = self._build_optimizer(self.max_steps)
+        self.optimizer, self.scheduler = build_optimizer(self.params, self.train, self.max_steps)
 
     def load_model_weights(self) -> None:
         self.model = self.params = self.optimizer = self.scheduler = None  # the unread build goes first
@@ -173,24 +174,6 @@ class HfPolicy(PolicyBackend):
         if self.sharding.activation_checkpointing:
             checkpoint_layers(model, decoder_layers(model))
         return materialize_buffers(model, self.device)
-
-    def _build_optimizer(self, max_steps: int):
-        from vlmrun.policy.lr_schedule import lr_factor
-
-        t = self.train
-        if t.optimizer == "adamw":
-            optimizer = torch.optim.AdamW(
-                self.params, lr=t.lr, betas=t.betas, weight_decay=t.weight_decay, foreach=False
-            )
-        else:
-            optimizer = torch.optim.SGD(self.params, lr=t.lr, weight_decay=t.weight_decay, foreach=False)
-        scheduler = torch.optim.lr_scheduler.LambdaLR(
-            optimizer,
-            lambda s: lr_factor(
-                s, max_steps=max_steps, warmup_steps=t.warmup_steps, schedule=t.lr_schedule, min_lr_ratio=t.min_lr_ratio
-            ),
-        )
-        return optimizer, scheduler
 
     def train_step(self, micro_batches: list, loss: TokenLoss | None = None) -> StepResult:
         t0 = time.perf_counter()
@@ -276,6 +259,7 @@ class HfPolicy(PolicyBackend):
         if self.sharded:
             from torch.distributed.checkpoint.state_dict import get_state_dict
 
+            allocate_state(self.optimizer)  # a resume's load target, without torch's zero-gradient step
             model, optimizer = get_state_dict(self.model, self.optimizer)
         else:
             model, optimizer = self.model.state_dict(), self.optimizer.state_dict()
