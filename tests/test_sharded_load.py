@@ -141,21 +141,31 @@ def test_fsdp_ranks_read_their_rows_and_hold_what_from_pretrained_loads(tmp_path
             assert rows == -(-shape[name].shape[0] // 2), name
 
 
-def _resume_rank_main(rank, world, recipe, model_dir, unread_dir, folder, ports, out):
+def _resume_rank_main(rank, world, recipe, model_dir, unread_dir, folder, ports, batches, out):
+    """A trained policy saves, then takes one more step; a resumed one (no weights read from its
+    directory) restores the weights, then the optimizer part while its step's forward runs: the read of
+    that part waits until the forward and backward are done, and the step must wait for it."""
+    import threading
+
     import torch.distributed as dist
     from data_samples import rank_policy
 
     from vlmrun.algorithms.common.checkpoint import Checkpoint, PendingCheckpoint
     from vlmrun.models.spec import ModelSpec
     from vlmrun.policy import open_policy
+    from vlmrun.policy.interface import MODEL_PART, OPTIMIZER_PART, PolicyState
 
     torch.set_num_threads(1)
-    trained, _ = rank_policy(recipe, rank, world, model_dir, {"fsdp": True}, ports[0], max_steps=2)
+    first, then = batches[rank::world][:1], batches[rank::world][1:2]
+    trained, _ = rank_policy(recipe, rank, world, model_dir, {"fsdp": True}, ports[0], max_steps=4)
+    trained.train_step(first)  # AdamW's moments and the schedule move
     with torch.no_grad():  # weights no file of the model directory holds
         for p in trained.model.parameters():
             p.add_(0.5)
     files = PendingCheckpoint(1, folder).write_policy(trained.checkpoint_state(), rank=rank)
     want = {n: t.full_tensor() for n, t in trained.model.state_dict().items()}
+    step = trained.train_step(then)
+    after = {n: t.full_tensor() for n, t in trained.model.state_dict().items()}
     trained.shutdown()
     resumed = open_policy(
         "hf",
@@ -165,32 +175,53 @@ def _resume_rank_main(rank, world, recipe, model_dir, unread_dir, folder, ports,
         train=recipe.train,
         parallel=recipe.parallel.model_copy(update={"dp": world, "fsdp": True}),
     )
-    info = resumed.setup(master_addr="127.0.0.1", master_port=ports[1], max_steps=2, weights="checkpoint")
+    info = resumed.setup(master_addr="127.0.0.1", master_port=ports[1], max_steps=4, weights="checkpoint")
     names = [None] * world
     dist.all_gather_object(names, files)
     found = Checkpoint(1, Path(folder), {"format": 2, "files": {n: d for f in names for n, d in f.items()}})
-    resumed.load_checkpoint_state(found.read_policy(resumed.checkpoint_state()))
+    state = resumed.checkpoint_state()
+    resumed.load_checkpoint_state(found.read_policy(PolicyState(state.storage, {MODEL_PART: state.parts[MODEL_PART]})))
     got = {n: t.full_tensor() for n, t in resumed.model.state_dict().items()}
     buffers = {n: b.clone() for n, b in resumed.model.named_buffers()}
-    torch.save({"info": info, "got": got, "want": want, "buffers": buffers}, f"{out}.{rank}")
+    backward_done, group = threading.Event(), dist.new_group(backend="gloo")
+    resumed.on_phase = lambda phase: phase == "forward_backward" and backward_done.set()
+
+    def read_after_the_backward():
+        if not backward_done.wait(60):
+            raise TimeoutError("the step waited for the optimizer part before its forward and backward")
+        return found.read_policy(PolicyState(state.storage, {OPTIMIZER_PART: state.parts[OPTIMIZER_PART]}), group)
+
+    resumed.load_checkpoint_state_later(read_after_the_backward)
+    again = resumed.train_step(then)
+    got_after = {n: t.full_tensor() for n, t in resumed.model.state_dict().items()}
+    rows = [(r.loss, r.grad_norm, r.lr) for r in (step, again)]
+    torch.save({"info": info, "got": got, "want": want, "buffers": buffers, "rows": rows}, f"{out}.{rank}")
+    torch.save({"after": after, "got_after": got_after}, f"{out}.after.{rank}")
     resumed.shutdown()
     os._exit(0)
 
 
 @pytest.mark.slow
-def test_a_resumed_policy_reads_no_weights_of_its_model_directory(tmp_path, clevr_set, tiny_dirs):
+def test_a_resumed_policy_reads_no_weights_of_its_model_directory_and_its_optimizer_during_the_step(
+    tmp_path, clevr_set, tiny_dirs
+):
     """A resume's ranks allocate the model unread and the checkpoint fills every tensor (the weights'
-    files here are gone: only config, tokenizer and processor remain)."""
+    files here are gone: only config, tokenizer and processor remain); the optimizer part arrives while
+    the first step's forward and backward run, and that step equals the uninterrupted policy's."""
     import shutil
 
     from data_samples import free_port, make_recipe
     from transformers import AutoModelForImageTextToText
 
+    from vlmrun.data.loader import val_batches
+
     unread = tmp_path / "model"
     shutil.copytree(tiny_dirs["qwen2_5_vl"], unread, ignore=shutil.ignore_patterns("*.safetensors"))
     out, folder = tmp_path / "state", tmp_path / "checkpoint"
     recipe = make_recipe(clevr_set)
-    args = (2, recipe, tiny_dirs["qwen2_5_vl"], str(unread), str(folder), (free_port(), free_port()), str(out))
+    batches, _, _ = val_batches(recipe, processor_dir=tiny_dirs["qwen2_5_vl"], samples=8, batch_size=2)
+    ports = (free_port(), free_port())
+    args = (2, recipe, tiny_dirs["qwen2_5_vl"], str(unread), str(folder), ports, batches, str(out))
     start_ranks(_resume_rank_main, args)
     got = torch.load(f"{out}.0", weights_only=False)
     assert got["info"]["load"] == "from the checkpoint it resumed (the model's own weights not read)"
@@ -200,6 +231,11 @@ def test_a_resumed_policy_reads_no_weights_of_its_model_directory(tmp_path, clev
     original = AutoModelForImageTextToText.from_pretrained(tiny_dirs["qwen2_5_vl"], dtype=torch.float32)
     for name, b in original.named_buffers():  # the buffers no checkpoint holds, computed (rotary frequencies)
         assert torch.equal(got["buffers"][name], b), name
+    step, again = got["rows"]
+    assert again == step  # loss, gradient norm and the LR the restored schedule gave, bit for bit
+    weights = torch.load(f"{out}.after.0", weights_only=False)
+    for name, t in weights["after"].items():
+        assert torch.equal(weights["got_after"][name], t), name
 
 
 def test_the_model_on_disk_is_found_by_name(tiny_dirs):

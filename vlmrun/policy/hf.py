@@ -24,6 +24,7 @@ import os
 import resource
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -181,7 +182,8 @@ class HfPolicy(PolicyBackend):
         local_tokens = sum(loss.tokens(b) for b in micro_batches)
         (global_tokens,) = all_reduce_sum([float(local_tokens)])
         denom = max(global_tokens, 1.0)
-        self.optimizer.zero_grad(set_to_none=True)
+        for p in self.params:  # not the optimizer's zero_grad: a resume may still be restoring the optimizer
+            p.grad = None
         local_loss, stats = 0.0, _StatsAccumulator()
         for k, b in enumerate(micro_batches):
             if self.sharded:  # reduce-scatter once, after the step's last micro-batch (or after each)
@@ -198,6 +200,7 @@ class HfPolicy(PolicyBackend):
         norm = grad_norm(self.params, sharded=self.sharded)
         clip_gradients(self.params, norm, self.train.grad_clip)
         self._phase_done("grad_norm_clip")
+        self._restored()
         lr = self.optimizer.param_groups[0]["lr"]
         self.optimizer.step()
         self.scheduler.step()
@@ -256,6 +259,7 @@ class HfPolicy(PolicyBackend):
         return self._logprobs(self._reference, b).cpu()
 
     def checkpoint_state(self) -> PolicyState:
+        self._restored()
         if self.sharded:
             from torch.distributed.checkpoint.state_dict import get_state_dict
 
@@ -269,15 +273,35 @@ class HfPolicy(PolicyBackend):
         )
 
     def load_checkpoint_state(self, state: PolicyState) -> None:
-        model, optimizer = state.parts[MODEL_PART], state.parts[OPTIMIZER_PART]
+        model, optimizer = state.parts.get(MODEL_PART), state.parts.get(OPTIMIZER_PART)
         if self.sharded:
-            from torch.distributed.checkpoint.state_dict import set_state_dict
+            from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
-            set_state_dict(self.model, self.optimizer, model_state_dict=model, optim_state_dict=optimizer["optimizer"])
+            if model is not None:
+                set_model_state_dict(self.model, model)
+            if optimizer is not None:
+                set_optimizer_state_dict(self.model, self.optimizer, optimizer["optimizer"])
         else:
-            self.model.load_state_dict(model)
-            self.optimizer.load_state_dict(optimizer["optimizer"])
-        self.scheduler.load_state_dict(optimizer["scheduler"])
+            if model is not None:
+                self.model.load_state_dict(model)
+            if optimizer is not None:
+                self.optimizer.load_state_dict(optimizer["optimizer"])
+        if optimizer is not None:
+            self.scheduler.load_state_dict(optimizer["scheduler"])
+
+    def load_checkpoint_state_later(self, read: Callable[[], PolicyState]) -> None:
+        """On a thread of this process (interface doc); `train_step` waits for it before the optimizer's
+        step, `checkpoint_state` before it reads the state."""
+        self._restored()
+        pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vlmrun-restore")
+        self._restoring = pool.submit(lambda: self.load_checkpoint_state(read()))
+        pool.shutdown(wait=False)  # the thread ends with the work
+
+    def _restored(self) -> None:
+        """Wait for a `load_checkpoint_state_later` in flight; raises what it raised (once)."""
+        restoring, self._restoring = getattr(self, "_restoring", None), None
+        if restoring is not None:
+            restoring.result()
 
     def weights_for_refit(
         self, *, dtype: str | None = None, bucket_bytes: int = REFIT_BUCKET_BYTES
@@ -341,6 +365,9 @@ class HfPolicy(PolicyBackend):
         """Drop the model, its reference copy and the optimizer, then leave the process group: nothing
         may hold the group past its destroy (an FSDP module or device mesh still alive at interpreter
         exit can abort the process there in gloo's destructors)."""
+        restoring, self._restoring = getattr(self, "_restoring", None), None
+        if restoring is not None:
+            restoring.exception()  # waits; what it raised was the step's to report
         for name in ("model", "_reference", "params", "optimizer", "scheduler"):
             self.__dict__.pop(name, None)
         gc.collect()

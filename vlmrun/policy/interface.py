@@ -15,6 +15,8 @@ the same order (as with torch.distributed itself).
 4. `checkpoint_state` / `load_checkpoint_state`: the backend's share of a checkpoint as a
    `PolicyState`, whose `storage` says how it is written (one copy for all ranks, or every rank its
    shard, together); the checkpoint store writes and reads it in one call and decides where it goes.
+   A resume may restore the weights now and the optimizer part while the first step's forward and
+   backward run (`load_checkpoint_state_later`): AdamW's moments are two thirds of the bytes.
 5. `weights_for_refit`: the full weights, by parameter name, streamed to a generation engine in buckets
    of whole tensors (`REFIT_BUCKET_BYTES`), each gathered from the shards only when its bucket is
    drawn: a refit never holds a second whole model (collective when sharded: every rank draws every
@@ -146,7 +148,14 @@ class PolicyBackend(abc.ABC):
 
     @abc.abstractmethod
     def load_checkpoint_state(self, state: PolicyState) -> None:
-        """Restore what `checkpoint_state` returned (as the checkpoint store read it back)."""
+        """Restore what `checkpoint_state` returned (as the checkpoint store read it back), or some of
+        its parts."""
+
+    def load_checkpoint_state_later(self, read: Callable[[], PolicyState]) -> None:
+        """`load_checkpoint_state(read())` while the caller goes on; the backend waits for it before
+        anything that needs those parts (and raises there what it raised). `read` must not use the
+        process group the steps use. This default restores now."""
+        self.load_checkpoint_state(read())
 
     @abc.abstractmethod
     def weights_for_refit(self, *, dtype: str | None = None, bucket_bytes: int = REFIT_BUCKET_BYTES) -> Iterator[dict]:

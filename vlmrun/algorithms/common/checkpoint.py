@@ -243,16 +243,17 @@ class Checkpoint:
         sharded = f"{SHARDED_POLICY}/{_DCP_METADATA}" in self.manifest["files"]
         return Storage.SHARDED if sharded else Storage.REPLICATED
 
-    def read_policy(self, into: PolicyState) -> PolicyState:
+    def read_policy(self, into: PolicyState, group=None) -> PolicyState:
         """The policy's parts named in `into`, as this checkpoint holds them. One copy: read whole (`into`
         only names the parts). Sharded: loaded in place into `into`'s tensors, which DCP reshards to their
-        layout (a process group's DTensors: collective, like `write_policy`; plain tensors: the whole
-        state assembled in this one process); returns `into`."""
+        layout (a process group's DTensors: collective over `group`, default the default group, like
+        `write_policy`; plain tensors: the whole state assembled in this one process); returns `into`."""
         if self.policy_storage is Storage.REPLICATED:
             return PolicyState(Storage.REPLICATED, {part: self.read(part) for part in into.parts})
         import torch.distributed.checkpoint as dcp
 
-        dcp.load(into.parts, storage_reader=dcp.FileSystemReader(str(self.path / SHARDED_POLICY)))
+        reader = dcp.FileSystemReader(str(self.path / SHARDED_POLICY))
+        dcp.load(into.parts, storage_reader=reader, process_group=group)
         return into
 
     def _file(self, part: str, index: int | None) -> str:

@@ -30,7 +30,7 @@ from vlmrun.generation import open_generator
 from vlmrun.generation.interface import GenerationBackend
 from vlmrun.models.spec import ModelSpec
 from vlmrun.policy import open_policy, rng
-from vlmrun.policy.interface import PolicyBackend, Storage
+from vlmrun.policy.interface import MODEL_PART, OPTIMIZER_PART, PolicyBackend, PolicyState, Storage
 
 
 class RankWorker(RankActor):
@@ -94,16 +94,16 @@ class RankWorker(RankActor):
     def setup(self, master_addr: str, master_port: int, max_steps: int, weights: str = "load") -> dict:
         """`weights`: "checkpoint" when a checkpoint's load follows (a resume): the policy reads none of
         the model directory's weights."""
+        import torch.distributed as dist
         from transformers import AutoTokenizer
 
         info = self.policy.setup(master_addr=master_addr, master_port=master_port, max_steps=max_steps, weights=weights)
         self.image_token_id = self.generator.setup()["image_token_id"] if self.generator is not None else None
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
         self.pad_token_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
-        if self.recipe.checkpoint.async_save and self.policy.checkpoint_state().storage is Storage.SHARDED:
-            import torch.distributed as dist
-
-            # collective, every rank at once: the background write's collectives go over a group of their own
+        if dist.is_initialized():
+            # collective, every rank at once: a background write's or restore's collectives (a sharded
+            # policy's) go over a group of their own, never interleaved with the steps'
             self._checkpoint_group = dist.new_group(backend="gloo")
         return info
 
@@ -190,7 +190,11 @@ class RankWorker(RankActor):
                 message=f"parallel.fsdp: checkpoint {checkpoint.path} was written with parallel.fsdp: {written}; "
                 f"resume with parallel.fsdp: {written}",
             )
-        self.policy.load_checkpoint_state(checkpoint.read_policy(state))
+        weights = PolicyState(state.storage, {MODEL_PART: state.parts[MODEL_PART]})
+        self.policy.load_checkpoint_state(checkpoint.read_policy(weights))
+        rest = PolicyState(state.storage, {OPTIMIZER_PART: state.parts[OPTIMIZER_PART]})
+        # the optimizer part (AdamW's moments: 2/3 of the bytes) while the first step's forward runs
+        self.policy.load_checkpoint_state_later(lambda: checkpoint.read_policy(rest, group=self._checkpoint_group))
         if restart_data:
             return
         rng.set_rng_state(checkpoint.read("rng", index=self.rank))
