@@ -144,7 +144,7 @@ def test_fsdp_ranks_read_their_rows_and_hold_what_from_pretrained_loads(tmp_path
 def _resume_rank_main(rank, world, recipe, model_dir, unread_dir, folder, ports, batches, out):
     """A trained policy saves, then takes one more step; a resumed one (no weights read from its
     directory) restores the weights, then the optimizer part while its step's forward runs: the read of
-    that part waits until the forward and backward are done, and the step must wait for it."""
+    that part starts only once the forward has begun, and the step must wait for it."""
     import threading
 
     import torch.distributed as dist
@@ -183,15 +183,15 @@ def _resume_rank_main(rank, world, recipe, model_dir, unread_dir, folder, ports,
     resumed.load_checkpoint_state(found.read_policy(PolicyState(state.storage, {MODEL_PART: state.parts[MODEL_PART]})))
     got = {n: t.full_tensor() for n, t in resumed.model.state_dict().items()}
     buffers = {n: b.clone() for n, b in resumed.model.named_buffers()}
-    backward_done, group = threading.Event(), dist.new_group(backend="gloo")
-    resumed.on_phase = lambda phase: phase == "forward_backward" and backward_done.set()
+    forward, group = threading.Event(), dist.new_group(backend="gloo")
+    resumed.model.register_forward_pre_hook(lambda *_: forward.set())
 
-    def read_after_the_backward():
-        if not backward_done.wait(60):
-            raise TimeoutError("the step waited for the optimizer part before its forward and backward")
+    def read_once_the_forward_began():
+        if not forward.wait(60):
+            raise TimeoutError("the step waited for the optimizer part before its forward")
         return found.read_policy(PolicyState(state.storage, {OPTIMIZER_PART: state.parts[OPTIMIZER_PART]}), group)
 
-    resumed.load_checkpoint_state_later(read_after_the_backward)
+    resumed.load_checkpoint_state_later(read_once_the_forward_began)
     again = resumed.train_step(then)
     got_after = {n: t.full_tensor() for n, t in resumed.model.state_dict().items()}
     rows = [(r.loss, r.grad_norm, r.lr) for r in (step, again)]

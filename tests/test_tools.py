@@ -199,3 +199,13 @@ def test_bench_load_sharded_against_the_whole_load():
     assert resume["load"] == "from the checkpoint it resumed (the model's own weights not read)"
     assert resume["checkpoint_bytes"] > 3 * d["model_bytes"] and finite(resume["verify_s"][0])  # model + AdamW
     assert set(d["resume_over_cold_s"]) == SPREAD_KEYS
+
+
+@pytest.mark.slow
+def test_bench_resume_times_a_resumes_first_step_against_a_cold_starts():
+    d = run_tool("tools/bench_resume.py", "--size", "tiny", "--rounds", "1", "--json", timeout=400)
+    assert d["rounds"] == 1 and d["checkpoint_bytes"] > d["weights_bytes_bf16"] > 0
+    assert d["cold"]["policy_load"] == "each rank read only its own rows of the weights' files"
+    assert d["resume"]["policy_load"] == "from the checkpoint it resumed (the model's own weights not read)"
+    assert all(finite(s) for side in ("cold", "resume") for s in d[side]["first_step_s"])
+    assert set(d["resume_over_cold_first_step"]) == SPREAD_KEYS and finite(d["resume_over_cold_first_step"]["median"])

@@ -290,18 +290,20 @@ class HfPolicy(PolicyBackend):
             self.scheduler.load_state_dict(optimizer["scheduler"])
 
     def load_checkpoint_state_later(self, read: Callable[[], PolicyState]) -> None:
-        """On a thread of this process (interface doc); `train_step` waits for it before the optimizer's
-        step, `checkpoint_state` before it reads the state."""
+        """`read` on a thread of this process (interface doc): it fills the state's tensors; the state is
+        applied here, in the caller's thread, where `train_step` waits for it (before the optimizer's
+        step) or `checkpoint_state` does. Never applied on the thread: FSDP2 swaps the modules'
+        parameters for unsharded ones during a forward, which the optimizer's state is mapped through."""
         self._restored()
         pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vlmrun-restore")
-        self._restoring = pool.submit(lambda: self.load_checkpoint_state(read()))
+        self._restoring = pool.submit(read)
         pool.shutdown(wait=False)  # the thread ends with the work
 
     def _restored(self) -> None:
-        """Wait for a `load_checkpoint_state_later` in flight; raises what it raised (once)."""
+        """Apply what a `load_checkpoint_state_later` read, once its read is done; raises what it raised."""
         restoring, self._restoring = getattr(self, "_restoring", None), None
         if restoring is not None:
-            restoring.result()
+            self.load_checkpoint_state(restoring.result())
 
     def weights_for_refit(
         self, *, dtype: str | None = None, bucket_bytes: int = REFIT_BUCKET_BYTES

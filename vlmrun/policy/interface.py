@@ -152,9 +152,9 @@ class PolicyBackend(abc.ABC):
         its parts."""
 
     def load_checkpoint_state_later(self, read: Callable[[], PolicyState]) -> None:
-        """`load_checkpoint_state(read())` while the caller goes on; the backend waits for it before
-        anything that needs those parts (and raises there what it raised). `read` must not use the
-        process group the steps use. This default restores now."""
+        """`load_checkpoint_state(read())`, `read` running while the caller goes on; the backend applies
+        what it read before anything that needs those parts (and raises there what it raised). `read`
+        must not use the process group the steps use, nor the model. This default restores now."""
         self.load_checkpoint_state(read())
 
     @abc.abstractmethod
