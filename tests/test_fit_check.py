@@ -119,6 +119,50 @@ def test_host_memory_at_load_counts_a_share_per_sharded_rank_and_the_whole_model
         check_memory_fit(load_recipe(qwen3b, ["cluster.mem_gb=10"]))
 
 
+def test_offload_during_generation_takes_the_policy_off_the_gpu_for_the_rollout_and_onto_the_host():
+    """The optimizer's state leaves the GPU for the refit, the weights and the reference for the
+    generation; the host holds them meanwhile. A CPU rank's host is its device: nothing changes there."""
+    qwen3b = RECIPES / "qwen2.5-vl-3b-clevr-grpo-1n2g.yaml"
+    kept = check_memory_fit(load_recipe(qwen3b, ["grpo.kl_coef=0.01"])).estimate
+    moved = check_memory_fit(load_recipe(qwen3b, ["grpo.kl_coef=0.01", "parallel.offload_during_generation=true"]))
+    e = moved.estimate
+    assert e.reference == e.weights > 0 and e.optimizer == 2 * e.weights
+    assert e.phase_total("refit") == kept.phase_total("refit") - e.optimizer
+    assert e.phase_total("generation") == kept.phase_total("generation") - e.optimizer - e.weights - e.reference
+    assert {p: e.phase_total(p) for p in ("forward", "backward")} == {
+        p: kept.phase_total(p) for p in ("forward", "backward")
+    }
+    assert e.rollout_host == e.weights + e.reference + e.optimizer and moved.host_per_node == 2 * e.rollout_host
+    assert "moved there for the rollout" in "\n".join(moved.report_lines())
+    with pytest.raises(InputError, match=r"cluster.mem_gb: parallel.offload_during_generation moves ~"):
+        check_memory_fit(load_recipe(qwen3b, ["parallel.offload_during_generation=true", "cluster.mem_gb=40"]))
+    with pytest.raises(InputError, match="parallel.offload_during_generation: .*cpu_offload: true"):
+        load_recipe(qwen3b, ["parallel.offload_during_generation=true", "parallel.cpu_offload=true"])
+    cpu = RECIPES / "tiny-grpo-cpu.yaml"
+    assert check_memory_fit(load_recipe(cpu, ["parallel.offload_during_generation=true"])).to_json() == (
+        check_memory_fit(load_recipe(cpu)).to_json()
+    )
+
+
+def test_a_rollout_that_does_not_fit_names_offload_during_generation():
+    """The Omni GRPO recipe with its state on the GPUs peaks while it generates (the engine's 61.5 GiB
+    beside the policy's shards); moving the policy off the GPU for the rollout is one of the changes
+    its refusal names, with the estimate it gives (the check of each claim: the test above)."""
+    on_gpu = load_recipe(RECIPES / "omni-clevr-grpo-1n8g.yaml", ["parallel.cpu_offload=false"])
+    with pytest.raises(InputError) as e:
+        check_memory_fit(on_gpu)
+    assert "(end of the generation)" in str(e.value)
+    claimed = dict(REMEDY.findall(str(e.value)))
+    after = check_memory_fit(
+        load_recipe(
+            RECIPES / "omni-clevr-grpo-1n8g.yaml",
+            ["parallel.cpu_offload=false", "parallel.offload_during_generation=true", "cluster.gpu_memory_gb=4096"],
+        )
+    ).estimate
+    assert float(claimed["parallel.offload_during_generation=true"]) == round(after.device_total / GIB, 1)
+    assert after.peak_phase == "backward"  # the rollout no longer sets the peak
+
+
 def test_within_10_percent_warns_and_the_dry_run_shows_it(tmp_path):
     estimate = check_memory_fit(load_recipe(OMNI)).estimate.device_total
     tight = next(gb for gb in range(1, 4097) if device_bytes(gb) >= estimate)  # the smallest GPU it fits on

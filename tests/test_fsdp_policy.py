@@ -25,9 +25,11 @@ def _text_only_batch(tokenizer, rank: int):
     return Batch([f"text-{rank}"], ids, torch.ones_like(ids), ids.clone())
 
 
-def _rank_main(rank, world, recipe, model_dir, batches, layout, port, out, all_text):
+def _rank_main(rank, world, recipe, model_dir, batches, layout, port, out, all_text, offload):
     """One rank: STEPS steps (rank 0's last micro-batch is text-only, or all of them with `all_text`);
-    rank 0 writes rows and weights."""
+    rank 0 writes rows and weights. With `offload`, each step is followed by a GRPO rollout's moves
+    (the optimizer's state to the host, a refit, the weights and the reference model's), checked
+    empty on the device, and back."""
     torch.set_num_threads(1)
     policy, _ = rank_policy(recipe, rank, world, model_dir, layout, port)
     mine = batches[rank::world]
@@ -36,7 +38,11 @@ def _rank_main(rank, world, recipe, model_dir, batches, layout, port, out, all_t
 
         text = _text_only_batch(AutoTokenizer.from_pretrained(model_dir), rank)
         mine = [text] * len(mine) if all_text else [*mine[:-1], text]
-    rows = [policy.train_step(mine) for _ in range(STEPS)]
+    rows = []
+    for _ in range(STEPS):
+        rows.append(policy.train_step(mine))
+        if offload:
+            _offloaded_and_back(policy, mine[0])
     weights = {name: t for bucket in policy.weights_for_refit(bucket_bytes=1 << 16) for name, t in bucket.items()}
     if rank == 0:
         torch.save({"rows": [(r.loss, r.grad_norm, r.valid_tokens) for r in rows], "weights": weights}, out)
@@ -44,9 +50,28 @@ def _rank_main(rank, world, recipe, model_dir, batches, layout, port, out, all_t
     os._exit(0)  # skip interpreter teardown: gloo's threads sometimes abort in C++ destructors at exit
 
 
-def _run(tmp_path, name, recipe, model_dir, batches, *, layout, all_text=False):
+def _offloaded_and_back(policy, batch) -> None:
+    """GrpoWorker.rollout's moves with parallel.offload_during_generation, checked: what moved holds no
+    device memory until it is back, and the reference model scores `batch` as before."""
+    from vlmrun.policy.interface import MODEL_PART, OPTIMIZER_PART
+
+    def held(tensors) -> int:
+        return sum((t.to_local() if hasattr(t, "to_local") else t).untyped_storage().nbytes() for t in tensors)
+
+    state = [t for s in policy.optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
+    before = policy.reference_logprobs(batch)  # builds the reference model the first time
+    moved = policy.offload_to_host((OPTIMIZER_PART,))
+    assert held(state) == 0 and moved > 0 and held(policy.model.parameters()) > 0
+    assert any(t.numel() for bucket in policy.weights_for_refit(bucket_bytes=1 << 16) for t in bucket.values())
+    moved += policy.offload_to_host((MODEL_PART,))
+    assert held(policy.model.parameters()) == held(policy._reference.parameters()) == 0
+    assert policy.restore_from_host() == moved and held(state) > 0
+    assert torch.equal(policy.reference_logprobs(batch), before)
+
+
+def _run(tmp_path, name, recipe, model_dir, batches, *, layout, all_text=False, offload=False):
     out = tmp_path / f"{name}.pt"
-    args = (2, recipe, model_dir, batches, layout, free_port(), str(out), all_text)
+    args = (2, recipe, model_dir, batches, layout, free_port(), str(out), all_text, offload)
     start_ranks(_rank_main, args)
     return torch.load(out, weights_only=False)
 
@@ -63,9 +88,11 @@ def setup(clevr_set, tiny_dirs, request):
 
 @pytest.mark.parametrize("setup", FAMILIES, indirect=True)
 def test_fsdp_matches_replicated_bitwise_with_a_text_only_micro_batch(setup, tmp_path):
+    """The sharded policy's state also goes to host memory and back after every step (GRPO's rollout
+    with parallel.offload_during_generation): nothing of it changes."""
     recipe, model_dir, batches = setup
     replicated = _run(tmp_path, "replicated", recipe, model_dir, batches, layout={"fsdp": False})
-    sharded = _run(tmp_path, "sharded", recipe, model_dir, batches, layout={"fsdp": True})
+    sharded = _run(tmp_path, "sharded", recipe, model_dir, batches, layout={"fsdp": True}, offload=True)
     assert sharded["rows"] == replicated["rows"]
     assert len({r[1] for r in sharded["rows"]}) == STEPS  # the steps moved the weights
     assert sharded["weights"].keys() == replicated["weights"].keys()

@@ -212,9 +212,12 @@ def test_dead_plane_servers_fail_the_attempt_naming_them_and_resume_matches(tmp_
 @pytest.mark.parametrize("plane", ["local", "driver"])
 def test_a_sigkilled_node_leaves_nothing_behind_and_resume_matches(tmp_path, grpo_sets, grpo_want, plane):
     """The process-local plane (the recipe's), and none (every field through the driver, whose
-    controller holds the loader shards): SIGKILL of the node, then `vlmrun resume`."""
+    controller holds the loader shards): SIGKILL of the node, then `vlmrun resume`. The local one
+    also moves the policy to host memory and back around every rollout
+    (parallel.offload_during_generation): the numbers are the run's without."""
     run = tmp_path / "run"
-    setting = sets("data_plane.impl=local" if plane == "local" else "data_plane.enabled=false")
+    local = ["data_plane.impl=local", "parallel.offload_during_generation=true"]
+    setting = sets(*local) if plane == "local" else sets("data_plane.enabled=false")
     submit_args = ["submit", GRPO, "--cluster", "local", "--run-dir", str(run), *grpo_sets, *setting]
     seen = kill_mid_step(tmp_path, run, submit_args, "node")
     assert_killed_and_gone(seen, ("raylet", "ray::GrpoWorker"))

@@ -103,6 +103,7 @@ def test_overrides_coerce_types():
         ("parallel.mixed_precision=bf16", "parallel.mixed_precision", "needs parallel.fsdp: true"),
         ("parallel.fsdp=maybe", "parallel.fsdp", "valid boolean"),
         ("parallel.cpu_offload=true", "parallel.cpu_offload", "needs GPUs"),
+        ("parallel.offload_during_generation=true", "parallel.offload_during_generation", "around GRPO's rollouts"),
         ("model.backend=megatron", "model.backend", "'hf'"),
         ("generation.backend=vllm", "generation.backend", "'hf'"),
         ("generation.engine=hf", "generation.engine", "valid keys are backend"),

@@ -226,12 +226,10 @@ def measure_grpo_phases(family: str, recipe, cache: Path | None = None) -> dict:
         policy.shutdown()
         engine.shutdown()
     estimate = estimate_memory(load_architecture(recipe.model).architecture, shape)
-    resident = sum(estimate.resident_terms().values()) + estimate.overhead
-    phases = estimate.phase_terms()
     estimated = {
-        "refit": resident + sum(phases["refit"].values()),
-        "generation": resident + sum(phases["generation"].values()),
-        "training": resident + max(sum(phases["forward"].values()), sum(phases["backward"].values())),
+        "refit": estimate.phase_total("refit"),
+        "generation": estimate.phase_total("generation"),
+        "training": max(estimate.phase_total("forward"), estimate.phase_total("backward")),
     }
     return {
         "family": family,

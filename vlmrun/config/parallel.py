@@ -36,6 +36,14 @@ class ParallelConfig(Section):
     )
     activation_checkpointing: bool = Field(False, description="recompute each decoder layer in the backward")
     cpu_offload: bool = Field(False, description="keep sharded parameters and optimizer state in host memory (fsdp)")
+    offload_during_generation: bool = Field(
+        False,
+        description="GRPO: move the policy's optimizer state to host memory before each rollout's refit and its "
+        "weights (the reference model's too) right after it, and both back once the engine has generated, so "
+        "the engine's weights and KV cache have the GPU to themselves (the memory check counts the rollout "
+        "without them, the host with them); on a CPU rank the host is the device: the same moves, no memory "
+        "freed",
+    )
     dp_shard: int | None = Field(
         None,
         ge=1,

@@ -63,6 +63,18 @@ class Recipe(Section):
                 "needs GPUs (cluster.gpus_per_node > 0): it moves GPU-resident state to host memory, "
                 "where a CPU run keeps it already",
             )
+        if p.offload_during_generation and self.train.algorithm != "grpo":
+            raise CrossFieldError(
+                "parallel.offload_during_generation",
+                True,
+                f"moves the policy off the device around GRPO's rollouts; train.algorithm is {self.train.algorithm!r}",
+            )
+        if p.offload_during_generation and p.cpu_offload:
+            raise CrossFieldError(
+                "parallel.offload_during_generation",
+                True,
+                "with parallel.cpu_offload: true the policy's state lives in host memory already: set one of them",
+            )
         if p.dp_shard is not None and p.dp % p.dp_shard:
             raise CrossFieldError(
                 "parallel.dp_shard", p.dp_shard, f"must divide parallel.dp = {p.dp} (HSDP: dp / dp_shard replicas)"

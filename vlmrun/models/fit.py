@@ -59,6 +59,8 @@ class MemoryFit:
         lines += [f"  {name:<22} {_size(value):>10}" for name, value in e.peak_terms().items()]
         verdict = f"of {_size(self.limit)} (cluster.gpu_memory_gb)" if self.limit else ""
         lines.append(f"  {'total':<22} {_size(e.device_total):>10} {verdict}".rstrip())
+        phases = ", ".join(f"{phase} {_size(e.phase_total(phase))}" for phase in e.phase_terms())
+        lines.append(f"  {'each phase':<22} {phases}")
         if self.limit is not None:
             lines.append(f"  {'host, per node':<22} {_size(self.host_per_node):>10} ({_host_words(self)})")
         lines.append(f"  assuming {self.assumption}")
@@ -129,6 +131,8 @@ def training_shape(recipe) -> tuple[TrainingShape, str]:
         refit_bucket=recipe.generation.refit_bucket_mb << 20,
         image_share=per_prompt,  # a GRPO prompt's responses read one encoding of its image
         scored_tokens=recipe.grpo.max_new_tokens if grpo else None,  # a GRPO row's labels are its response
+        # on a CPU rank the host is the device: the moves free nothing there
+        offload_during_generation=p.offload_during_generation and recipe.cluster.gpus_per_node > 0,
     )
     seqs = f"{t.micro_batch_size} x {per_prompt}" if grpo else f"{t.micro_batch_size}"
     where = "data.synthetic.image_size" if d.synthetic is not None else "assumed: data.synthetic is unset"
@@ -177,6 +181,8 @@ def _refusal(recipe, fit: MemoryFit, found: ArchitectureSource) -> str:
 def _host_words(fit: MemoryFit) -> str:
     """What the node's host memory peak is, in words."""
     e, n = fit.estimate, fit.ranks_per_node
+    if e.rollout_host and e.rollout_host >= e.load_host:
+        return f"weights and optimizer state of {n} rank(s), moved there for the rollout"
     if e.offloaded and e.host_per_rank >= e.load_host:
         return f"weights, gradients and optimizer state of {n} rank(s), offloaded"
     how = "each its share of the weights' files" if e.load_sharded else "each the whole model"
@@ -191,6 +197,13 @@ def _host_refusal(recipe, fit: MemoryFit) -> str:
             f"optimizer state in host memory per node ({fit.ranks_per_node} ranks x {_gib(e.host_per_rank)}), "
             f"more than cluster.mem_gb={recipe.cluster.mem_gb}; raise cluster.mem_gb, or raise parallel.dp "
             "(more nodes), or model.dtype=bfloat16 (halves it, at the cost of bf16 master weights)"
+        )
+    if e.rollout_host and e.rollout_host >= e.load_host:
+        return (
+            f"cluster.mem_gb: parallel.offload_during_generation moves ~{_gib(fit.host_per_node)} of weights and "
+            f"optimizer state to host memory per node for each rollout ({fit.ranks_per_node} ranks x "
+            f"{_gib(e.rollout_host)}), more than cluster.mem_gb={recipe.cluster.mem_gb}; raise cluster.mem_gb, "
+            "or raise parallel.dp (more nodes), or parallel.offload_during_generation=false"
         )
     sharded = recipe.parallel.sharded
     fix = "raise parallel.dp (more nodes)" if sharded else "parallel.fsdp=true (each rank reads only its share)"
@@ -248,6 +261,8 @@ def _candidates(recipe) -> list[tuple[dict[str, Any], str]]:
     ]
     if grpo and not recipe.generation.release_weights:
         out.insert(1, ({"generation.release_weights": True}, "generation.release_weights=true"))
+    if grpo and not p.offload_during_generation:
+        out.insert(1, ({"parallel.offload_during_generation": True}, "parallel.offload_during_generation=true"))
     if grpo:
         out += [
             ({"grpo.kl_coef": 0.0}, "grpo.kl_coef=0"),

@@ -50,6 +50,7 @@ class TrainingShape:
     refit_bucket: int = 0  # bytes of one refit bucket (generation.refit_bucket_mb)
     scored_tokens: int | None = None  # labelled tokens per sequence at most (None: seq_len)
     image_share: int = 1  # sequences that show one image, encoded once for them (GRPO: a prompt's G responses)
+    offload_during_generation: bool = False  # the policy's state goes to host memory for the rollout (item 17)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -76,6 +77,7 @@ class MemoryEstimate:
     engine_resident: bool = False
     load_host: int = 0  # host bytes per rank while the policy loads (item 16)
     load_sharded: bool = False  # each rank reads only its share of the files (item 16)
+    offload_during_generation: bool = False  # item 17
 
     @property
     def sharded_state(self) -> int:
@@ -87,17 +89,28 @@ class MemoryEstimate:
         return self.sharded_state + self.reference if self.offloaded else 0
 
     @property
-    def host_peak_per_rank(self) -> int:
-        """Host memory per rank at its peak: while loading (16), or the offloaded state after (4)."""
-        return max(self.load_host, self.host_per_rank + (self.load_host if self.offloaded and self.reference else 0))
+    def rollout_host(self) -> int:
+        """Host bytes per rank while the rollout runs with offload_during_generation (17): the weights,
+        the reference's and the optimizer's state."""
+        return self.weights + self.reference + self.optimizer if self.offload_during_generation else 0
 
-    def resident_terms(self) -> dict[str, int]:
-        """Device bytes held through the whole step (the overhead is added last, in `peak_terms`)."""
+    @property
+    def host_peak_per_rank(self) -> int:
+        """Host memory per rank at its peak: while loading (16), the offloaded state after (4), or the
+        state moved there for the rollout (17)."""
+        offloaded = self.host_per_rank + (self.load_host if self.offloaded and self.reference else 0)
+        return max(self.load_host, offloaded, self.rollout_host)
+
+    def resident_terms(self, phase: str | None = None) -> dict[str, int]:
+        """Device bytes the policy and the engine hold through `phase` (None: the whole step; the
+        overhead is added last, in `peak_terms`): with offload_during_generation (17) the optimizer's
+        state is on the host from the refit on, and the weights during generation."""
         on_device = 0 if self.offloaded else 1
+        away = self.offload_during_generation
         return {
-            "weights": self.weights * on_device,
-            "optimizer": self.optimizer * on_device,
-            "reference model": self.reference * on_device,
+            "weights": 0 if away and phase == "generation" else self.weights * on_device,
+            "optimizer": 0 if away and phase in ("refit", "generation") else self.optimizer * on_device,
+            "reference model": 0 if away and phase == "generation" else self.reference * on_device,
             "generation engine": self.engine_weights if self.engine_resident else 0,
         }
 
@@ -125,14 +138,18 @@ class MemoryEstimate:
                 phases["generation"] = engine | {"generation": self.generation}
         return phases
 
+    def phase_total(self, phase: str) -> int:
+        """Device bytes at the end of `phase` (a key of `phase_terms`), the overhead included."""
+        return sum(self.resident_terms(phase).values()) + sum(self.phase_terms()[phase].values()) + self.overhead
+
     @property
     def peak_phase(self) -> str:
-        phases = self.phase_terms()
-        return max(phases, key=lambda name: sum(phases[name].values()))
+        return max(self.phase_terms(), key=self.phase_total)
 
     def peak_terms(self) -> dict[str, int]:
         """The non-zero terms that sum to `device_total`."""
-        terms = self.resident_terms() | self.phase_terms()[self.peak_phase] | {"overhead": self.overhead}
+        phase = self.peak_phase
+        terms = self.resident_terms(phase) | self.phase_terms()[phase] | {"overhead": self.overhead}
         return {name: value for name, value in terms.items() if value}
 
     @property
@@ -144,6 +161,7 @@ class MemoryEstimate:
         out = asdict(self)
         out.update(device_total=self.device_total, host_per_rank=self.host_per_rank, peak_phase=self.peak_phase)
         out["host_peak_per_rank"] = self.host_peak_per_rank
+        out["phase_totals"] = {phase: self.phase_total(phase) for phase in self.phase_terms()}
         return out
 
 
@@ -197,6 +215,10 @@ def estimate_memory(arch: Architecture, shape: TrainingShape) -> MemoryEstimate:
     15. Refit bucket: the whole tensors the policy streams to the engine at once
         (`generation.refit_bucket_mb`; a tensor larger than that alone).
     13. Overhead: CUDA context, NCCL buffers and allocator slack, 2 GiB on a GPU; none on CPU.
+    17. offload_during_generation (GRPO): the optimizer's state (3) leaves the device before the refit,
+        the weights (1) and the reference (10) right after it; all come back once the engine has
+        generated. The refit phase then holds no optimizer state, generation none of the policy; the
+        host holds 1, 3 and 10 per rank meanwhile (`rollout_host`).
     16. Host memory at load, per rank: sharded (FSDP), the rank reads only its rows of the files
         (models/sharded_load.py): its share of the weights (1) plus the 64 MB staging buffer, and
         on a GPU the largest of its tensor shards staged on the way to the device; replicated, the
@@ -229,6 +251,7 @@ def estimate_memory(arch: Architecture, shape: TrainingShape) -> MemoryEstimate:
         engine_resident=shape.engine and shape.engine_resident,
         load_host=_load_host(arch, shape, sharded * master, master),
         load_sharded=shape.fsdp,
+        offload_during_generation=shape.offload_during_generation and shape.engine,
     )
 
 

@@ -21,6 +21,7 @@ upgrade that changes them fails there.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import re
 import struct
@@ -117,7 +118,10 @@ def read_rows(src: DiskTensor, first: int, out: torch.Tensor, *, chunk_bytes: in
 
 
 def _read_exactly(f, into: torch.Tensor, src: DiskTensor) -> None:
-    view = memoryview(into.numpy()).cast("B")
+    """Fill the contiguous uint8 CPU tensor `into` from `f`. Through a view of its address, not
+    `.numpy()`, which marks the storage not resizable for good (a policy's shard must stay movable:
+    policy/host_offload.py)."""
+    view = memoryview((ctypes.c_char * into.numel()).from_address(into.data_ptr())).cast("B")
     got = 0
     while got < len(view):
         n = f.readinto(view[got:])

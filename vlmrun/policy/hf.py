@@ -52,9 +52,11 @@ from vlmrun.policy.fsdp import (
     touch_towers,
 )
 from vlmrun.policy.grad_sync import all_reduce_extreme, all_reduce_gradients, all_reduce_sum
+from vlmrun.policy.host_offload import HostCopies
 from vlmrun.policy.interface import (
     MODEL_PART,
     OPTIMIZER_PART,
+    POLICY_PARTS,
     REFIT_BUCKET_BYTES,
     LossTerms,
     PolicyBackend,
@@ -343,6 +345,29 @@ class HfPolicy(PolicyBackend):
         for name, t in self.model.state_dict().items():
             if name not in later:
                 yield name, t
+
+    def offload_to_host(self, parts: tuple[str, ...]) -> int:
+        """The parts' tensors on this rank's device (host_offload.py): the model part is the policy's
+        parameters and buffers and its reference model's; the optimizer part its state (the gradients
+        are freed at each optimizer step already). Offloaded shards (parallel.cpu_offload) stay."""
+        unknown = set(parts) - set(POLICY_PARTS)
+        if unknown:
+            raise ValueError(f"parts {sorted(unknown)} are not policy parts ({', '.join(POLICY_PARTS)})")
+        self._restored()  # a resume's optimizer part is applied before it moves
+        if getattr(self, "_host", None) is None:
+            self._host = HostCopies()
+        tensors: list[torch.Tensor] = []
+        if MODEL_PART in parts:
+            for model in (self.model, getattr(self, "_reference", None)):
+                if model is not None:
+                    tensors += [*model.parameters(), *model.buffers()]
+        if OPTIMIZER_PART in parts:
+            tensors += [t for state in self.optimizer.state.values() for t in state.values() if torch.is_tensor(t)]
+        return self._host.move(tensors, self.device)
+
+    def restore_from_host(self) -> int:
+        host, self._host = getattr(self, "_host", None), None
+        return host.restore() if host is not None else 0
 
     def export(self, read: Callable[[PolicyState], PolicyState], out: Path) -> None:
         """A Hugging Face model directory: config, generation config and safetensors weights in the spec's

@@ -22,6 +22,8 @@ the same order (as with torch.distributed itself).
    drawn: a refit never holds a second whole model (collective when sharded: every rank draws every
    bucket, in order).
 6. `export`: the trained weights as a model directory a recipe's `model.path` can name.
+7. `offload_to_host` / `restore_from_host`: parts of the policy's state moved to host memory while a
+   generation engine uses the device (GRPO's rollout, `parallel.offload_during_generation`), and back.
 """
 
 from __future__ import annotations
@@ -163,6 +165,16 @@ class PolicyBackend(abc.ABC):
         larger tensor alone), in the recipe dtype `dtype` (None: the policy's own), on the policy's
         device; every name once, over all buckets. A bucket is read before the next is drawn and may
         view the live weights: the consumer copies it (`GenerationBackend.load_weights`)."""
+
+    @abc.abstractmethod
+    def offload_to_host(self, parts: tuple[str, ...]) -> int:
+        """Move `parts` (of POLICY_PARTS: the weights, with the reference model's; the optimizer's state)
+        to host memory, freeing their device memory; returns the bytes moved. Nothing of them may be
+        used until `restore_from_host` (a refit between the optimizer's move and the weights' is fine)."""
+
+    @abc.abstractmethod
+    def restore_from_host(self) -> int:
+        """Everything `offload_to_host` moved back on the device, unchanged; returns the bytes."""
 
     @abc.abstractmethod
     def export(self, read: Callable[[PolicyState], PolicyState], out: Path) -> None:

@@ -10,7 +10,8 @@
     advantage_mean/min/max                over the step's responses
     response_length_mean/max              response tokens, end-of-turn included
     time_<stage>_s                        rollout (= loader + refit + generation + reward + plane), generation,
-                                          refit, reward, logprob, advantage, train, data_plane
+                                          refit, reward, logprob, advantage, train, data_plane (refit with
+                                          parallel.offload_during_generation: the policy's moves too)
     time_plane_<stage>_s                  the data plane's part of rollout, logprob, advantage (the controller), train;
                                           advantage_beside: all of the controller's, beside the ranks' logprobs
     data_plane_fraction, plane_bytes      plane seconds / step seconds; bytes put and got, all processes

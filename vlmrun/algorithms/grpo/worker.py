@@ -54,6 +54,7 @@ from vlmrun.generation.interface import SamplingParams
 from vlmrun.generation.prompts import join_prompts
 from vlmrun.plane.fields import Stage
 from vlmrun.plane.interface import Put, SampleBatch
+from vlmrun.policy.interface import MODEL_PART, OPTIMIZER_PART
 
 
 class GrpoWorker(RankWorker):
@@ -92,13 +93,22 @@ class GrpoWorker(RankWorker):
             self.plane.put_many([Put(part, prompt_rows.sample_ids, prompt_rows.columns)], wait=False)
             response_ids = response_sample_ids(prompt_rows.sample_ids, g)
             self.plane.prefetch([self._gets(part, response_ids, Stage.PREV_LOGPROB).prompts])  # partition.py, 3
+        offload = self.recipe.parallel.offload_during_generation
         t0 = time.perf_counter()
+        if offload:  # the engine's weights and KV cache take the optimizer's memory, then the weights'
+            self.policy.offload_to_host((OPTIMIZER_PART,))
         refit(self.generator, self.policy, bucket_bytes=self.refit_bytes)
+        if offload:
+            self.policy.offload_to_host((MODEL_PART,))
         times["refit"] = time.perf_counter() - t0
         rollouts = self.generator.generate(batch, self.sampling, n=g)
         times["generation"] = rollouts.generate_s
         if self.recipe.generation.release_weights:  # the training stages run without the engine's copy
             self.generator.release_weights()
+        if offload:
+            t0 = time.perf_counter()
+            self.policy.restore_from_host()
+            times["refit"] += time.perf_counter() - t0
         t0 = time.perf_counter()
         scored = self._score(rollouts)
         responses = response_columns(rollouts, scored, prompt_rows.sample_ids)
