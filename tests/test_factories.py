@@ -44,7 +44,7 @@ def _random_init_policy(config: dict, seed: int):
     "open_backend, field",
     [
         (lambda: open_policy("megatron", model=ModelSpec(directory="/m"), rank=0, world_size=1, train=TRAIN), "model"),
-        (lambda: open_generator("vllm", model=ModelSpec(directory="/m")), "generation"),
+        (lambda: open_generator("sglang", model=ModelSpec(directory="/m")), "generation"),
     ],
 )
 def test_an_unknown_backend_is_refused_naming_its_field(open_backend, field):

@@ -62,3 +62,18 @@ def test_every_policy_tensor_fills_exactly_one_parameter_of_vllms_class(probed, 
     assert set(d["filled"]) == {p for t in d["targets"].values() for p in t} and len(d["filled"]) == d["engine_params"]
     assert d["engine_params"] < d["policy_tensors"]  # vLLM fuses q, k, v and gate, up into one parameter each
     assert d["unfused_equal"] and d["unfused"] > 0 and d["buckets"] > 1  # the bucketed refit, tensor for tensor
+
+
+def test_the_backend_builds_vllms_sampling_params_and_reads_its_outputs(probed):
+    """vLLM's own SamplingParams from the vllm backend's options (seeded, raw log-probs of the drawn
+    token, stop at end of turn, placeholders never drawn, greedy without a seed), and its own
+    RequestOutput / CompletionOutput / Logprob read back into rollouts (vlmrun/generation/vllm.py)."""
+    got = probed["qwen2_vl"]["backend"]
+    seed, temperature, top_p, logprobs, max_tokens = got["sampled"]
+    assert seed > 0 and (temperature, top_p, logprobs, max_tokens) == (0.7, 0.9, 0, 3)
+    assert got["stop_token_ids"] == got["eos"] and got["greedy_temperature"] == 0.0
+    assert got["logit_bias"] == got["never_generated"] and got["never_generated"]
+    eos, pad = got["eos"][0], got["pad"]
+    assert got["response_ids"] == [[11, eos, pad], [13, 14, 15]]
+    assert got["response_mask"] == [[1, 1, 0], [1, 1, 1]]
+    assert got["logprobs"] == [[-0.5, -1.0, 0.0], [-0.5, -1.0, -1.5]]

@@ -73,6 +73,61 @@ def probe(model_dir: str, first: bool) -> dict:
         "unfused_equal": equal,
         "unfused": len(same),
         "buckets": len(buckets),
+        "backend": backend_objects(model_dir) if first else None,
+    }
+
+
+def backend_objects(model_dir: str) -> dict:
+    """vLLM's own SamplingParams from the backend's options, and its own output objects read back
+    into rollouts (vlmrun/generation/vllm.py)."""
+    from vllm import SamplingParams
+    from vllm.logprobs import Logprob
+    from vllm.outputs import CompletionOutput, RequestOutput
+
+    from vlmrun.data.batch import PromptBatch
+    from vlmrun.generation.interface import SamplingParams as Ours
+    from vlmrun.generation.special_tokens import SpecialTokens
+    from vlmrun.generation.vllm import response_seed, rollouts_from, sampling_options
+
+    tokens = SpecialTokens.of_directory(model_dir)
+    ours = Ours(temperature=0.7, top_p=0.9, max_new_tokens=3, seed=5)
+    sampled = SamplingParams(**sampling_options(ours, response_seed(5, 0, "a", 1), tokens))
+    greedy = SamplingParams(**sampling_options(ours, None, tokens))
+    eos = tokens.eos_ids[0]
+    drawn = [[11, eos, 12], [13, 14, 15]]
+    outputs = [
+        RequestOutput(
+            request_id=str(i),
+            prompt=None,
+            prompt_token_ids=[1, 2],
+            prompt_logprobs=None,
+            outputs=[
+                CompletionOutput(
+                    index=0,
+                    text="",
+                    token_ids=ids,
+                    cumulative_logprob=None,
+                    logprobs=[{t: Logprob(-0.5 * (k + 1))} for k, t in enumerate(ids)],
+                    finish_reason="stop" if eos in ids else "length",
+                )
+            ],
+            finished=True,
+        )
+        for i, ids in enumerate(drawn)
+    ]
+    batch = PromptBatch(["p", "p"], torch.tensor([[1, 2], [1, 2]]), torch.ones(2, 2, dtype=torch.long), ["3", "3"])
+    rollouts = rollouts_from(outputs, batch, n=2, tokens=tokens, generate_s=0.0)
+    return {
+        "sampled": [sampled.seed, sampled.temperature, sampled.top_p, sampled.logprobs, sampled.max_tokens],
+        "stop_token_ids": list(sampled.stop_token_ids or []),
+        "greedy_temperature": greedy.temperature,
+        "logit_bias": sorted((sampled.logit_bias or {}).keys()),
+        "never_generated": list(tokens.never_generated),
+        "eos": list(tokens.eos_ids),
+        "response_ids": rollouts.response_ids.tolist(),
+        "response_mask": rollouts.response_mask.tolist(),
+        "logprobs": rollouts.logprobs.tolist(),
+        "pad": tokens.pad_token_id,
     }
 
 

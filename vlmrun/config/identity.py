@@ -18,7 +18,7 @@ from typing import Any
 from vlmrun.errors import InputError
 
 #: Dotted recipe fields: batch sizes, layout, seed, data and its splits, sequence length, loop,
-#: algorithm, GRPO's group size and model.
+#: algorithm, GRPO's group size, the generation engine (its sampling stream is in the checkpoint) and model.
 IDENTITY_FIELDS = (
     "train.algorithm",
     "train.loop",
@@ -36,6 +36,7 @@ IDENTITY_FIELDS = (
     "data.val_split",
     "data.max_seq_len",
     "grpo.num_generations",
+    "generation.backend",
     "model.family",
     "model.path",
     "model.tiny",

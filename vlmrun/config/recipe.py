@@ -9,7 +9,7 @@ from vlmrun.config.data import DataConfig
 from vlmrun.config.data_plane import DataPlaneConfig
 from vlmrun.config.dtype import compute_dtype
 from vlmrun.config.families import PACKING_REFUSED
-from vlmrun.config.generation import GenerationConfig
+from vlmrun.config.generation import VLLM_FAMILIES, GenerationConfig
 from vlmrun.config.grpo import BUILTIN_REWARDS, GrpoConfig
 from vlmrun.config.logger import LoggerConfig
 from vlmrun.config.model import ModelConfig
@@ -75,6 +75,7 @@ class Recipe(Section):
                 True,
                 "with parallel.cpu_offload: true the policy's state lives in host memory already: set one of them",
             )
+        _check_generation(self)
         if p.dp_shard is not None and p.dp % p.dp_shard:
             raise CrossFieldError(
                 "parallel.dp_shard", p.dp_shard, f"must divide parallel.dp = {p.dp} (HSDP: dp / dp_shard replicas)"
@@ -138,6 +139,34 @@ class Recipe(Section):
     @property
     def family(self) -> str:
         return self.data.family or self.model.family
+
+
+def _check_generation(r: Recipe) -> None:
+    g = r.generation
+    if g.vllm is not None and g.backend != "vllm":
+        raise CrossFieldError("generation.vllm", "set", f"applies to generation.backend: vllm (here {g.backend!r})")
+    if g.backend != "vllm":
+        return
+    if not r.cluster.gpus_per_node:
+        raise CrossFieldError(
+            "generation.backend",
+            "vllm",
+            "needs GPUs (cluster.gpus_per_node > 0): vLLM's engine runs on CUDA; a CPU run generates with "
+            "generation.backend: hf",
+        )
+    if r.family not in VLLM_FAMILIES:
+        raise CrossFieldError(
+            "generation.backend",
+            "vllm",
+            f"runs model.family {', '.join(VLLM_FAMILIES)} here, not {r.family!r}: set generation.backend: hf",
+        )
+    longest = r.data.max_seq_len + r.grpo.max_new_tokens
+    if g.vllm is not None and g.vllm.max_model_len is not None and g.vllm.max_model_len < longest:
+        raise CrossFieldError(
+            "generation.vllm.max_model_len",
+            g.vllm.max_model_len,
+            f"must hold a prompt and its response: at least data.max_seq_len + grpo.max_new_tokens = {longest}",
+        )
 
 
 def _check_packing(r: Recipe) -> None:

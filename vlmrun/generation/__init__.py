@@ -3,8 +3,9 @@ weights from the policy.
 
 `interface.py` is the seam (`GenerationBackend`, `SamplingParams`); `rollouts.py` the record it returns;
 `prompts.py` selects prompts of a `PromptBatch` with their media; `hf.py` the transformers backend (one
-replica in this process) and `group.py` replicas of any backend in Ray actors. `vllm_weights.py` is the
-refit half of the coming `vllm` backend: the policy's buckets into a vLLM model class's `load_weights`.
+replica in this process), `vllm.py` vLLM's engine in the rank's process on its GPU (`vllm_weights.py`:
+the policy's buckets into a vLLM model class's `load_weights`), and `group.py` replicas of any backend
+in Ray actors.
 
 `open_generator` is the one way to get a backend (keyed on the recipe's `generation.backend`); no
 module outside `vlmrun.generation` imports a backend module (an import-linter contract in
@@ -22,7 +23,7 @@ if TYPE_CHECKING:
     from vlmrun.models.spec import ModelSpec
 
 #: generation.backend -> "module:class" of its GenerationBackend.
-BACKENDS = {"hf": "vlmrun.generation.hf:HfGenerator"}
+BACKENDS = {"hf": "vlmrun.generation.hf:HfGenerator", "vllm": "vlmrun.generation.vllm:VllmGenerator"}
 
 
 def open_generator(
@@ -33,6 +34,7 @@ def open_generator(
     device: str = "cpu",
     threads: int | None = None,
     weights: str = "load",
+    options: dict | None = None,
 ) -> GenerationBackend:
     """Replica `replica` of the `backend` engine in this process, on `device` (call `setup` next).
 
@@ -40,13 +42,15 @@ def open_generator(
     init); its dtype is the engine's. `weights="load"` reads them at `setup`; `weights="refit"` reads
     none: the engine is built without them and gets them from its first `load_weights` (a policy
     refit; `generate` before it is refused), so a training rank never holds a second whole copy from
-    disk, in host memory or on its GPU, before it needs one. `threads` caps torch's CPU threads. Raises
-    InputError naming `generation.backend` for a backend that is not in BACKENDS.
+    disk, in host memory or on its GPU, before it needs one. `threads` caps torch's CPU threads.
+    `options` are the engine's own settings (`GenerationConfig.engine_options`: vLLM's; none for hf).
+    Raises InputError naming `generation.backend` for a backend that is not in BACKENDS.
     """
     if weights not in ("load", "refit"):
         raise ValueError(f"open_generator: weights={weights!r}, allowed: load, refit")
+    extra = {"options": options} if options else {}
     return generator_class(backend)(
-        model=model, replica=replica, device=device, threads=threads, weights_from_refit=weights == "refit"
+        model=model, replica=replica, device=device, threads=threads, weights_from_refit=weights == "refit", **extra
     )
 
 

@@ -33,11 +33,10 @@ from vlmrun.data.batch import PromptBatch
 from vlmrun.generation.interface import GenerationBackend, SamplingParams
 from vlmrun.generation.prompts import select_prompts, shared_prompt_media
 from vlmrun.generation.rollouts import Rollouts, response_mask
+from vlmrun.generation.special_tokens import SpecialTokens
 from vlmrun.models.build import build_model, materialize_buffers
 from vlmrun.models.shared_images import vision_once
 from vlmrun.models.spec import ModelSpec
-
-PLACEHOLDER_IDS = ("image_token_id", "video_token_id", "audio_token_id")
 
 
 class HfGenerator(GenerationBackend):
@@ -72,17 +71,10 @@ class HfGenerator(GenerationBackend):
             materialize_buffers(self.model, torch.device(self.device))
         else:
             self.model = build_model(self.spec, device=self.device).to(self.device).eval()
-        saved, config = self.model.generation_config, self.model.config
-        eos = saved.eos_token_id if saved.eos_token_id is not None else config.get_text_config().eos_token_id
-        self.eos_ids = [eos] if isinstance(eos, int) else list(eos)
-        pad = saved.pad_token_id if saved.pad_token_id is not None else self.eos_ids[0]
-        self.pad_token_id = int(pad)
-        self.image_token_id = getattr(config, "image_token_id", None)
-        placeholders = [getattr(config, name, None) for name in PLACEHOLDER_IDS]
-        self.never_generated = sorted({*(saved.suppress_tokens or ()), *(t for t in placeholders if t is not None)})
-        self.token_ids = {"eos_token_id": self.eos_ids, "pad_token_id": self.pad_token_id}
-        if saved.bos_token_id is not None:
-            self.token_ids["bos_token_id"] = saved.bos_token_id
+        self.tokens = SpecialTokens.of(self.model.config, self.model.generation_config)
+        self.eos_ids, self.pad_token_id = list(self.tokens.eos_ids), self.tokens.pad_token_id
+        self.image_token_id, self.never_generated = self.tokens.image_token_id, list(self.tokens.never_generated)
+        self.token_ids = self.tokens.generation_ids()
         self.model.generation_config = GenerationConfig(**self.token_ids)
         params = sum(p.numel() for p in self.model.parameters())
         if self.weights_from_refit:

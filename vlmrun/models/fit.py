@@ -91,6 +91,18 @@ def check_memory_fit(recipe) -> MemoryFit:
     except UnknownArchitecture as e:
         return MemoryFit(None, "", limit, warning=f"memory fit not checked: {e}")
     fit = _fit(recipe, found, limit)
+    e = fit.estimate
+    if e.engine_budget and e.engine_weights >= e.engine_budget:
+        raise InputError(
+            "generation.vllm.gpu_memory_utilization",
+            recipe.generation.engine_options(max_model_len=1)["gpu_memory_utilization"],
+            message=(
+                f"generation.vllm.gpu_memory_utilization: the vllm engine's share of the GPU, {_gib(e.engine_budget)}, "
+                f"cannot hold its whole copy of the weights ({_gib(e.engine_weights)}, {_count(e.params)} parameters in "
+                "the compute dtype) beside a KV cache: raise it, or run the engine over several GPUs (tensor "
+                "parallel, not built yet), or generation.backend: hf"
+            ),
+        )
     if on_gpu and fit.estimate.device_total > limit:
         message = _refusal(recipe, fit, found)
         raise InputError("cluster.gpu_memory_gb", recipe.cluster.gpu_memory_gb, message=message)
@@ -127,12 +139,13 @@ def training_shape(recipe) -> tuple[TrainingShape, str]:
         reference_model=grpo and recipe.grpo.kl_coef > 0,
         generation_sequences=t.micro_batch_size * per_prompt if grpo else 0,
         engine=grpo or t.val_samples > 0,
-        engine_resident=grpo and not recipe.generation.release_weights,
+        engine_resident=grpo and not recipe.generation.sleeps_between_uses,
         refit_bucket=recipe.generation.refit_bucket_mb << 20,
         image_share=per_prompt,  # a GRPO prompt's responses read one encoding of its image
         scored_tokens=recipe.grpo.max_new_tokens if grpo else None,  # a GRPO row's labels are its response
         # on a CPU rank the host is the device: the moves free nothing there
         offload_during_generation=p.offload_during_generation and recipe.cluster.gpus_per_node > 0,
+        engine_budget=_engine_budget(recipe),
     )
     seqs = f"{t.micro_batch_size} x {per_prompt}" if grpo else f"{t.micro_batch_size}"
     where = "data.synthetic.image_size" if d.synthetic is not None else "assumed: data.synthetic is unset"
@@ -142,6 +155,15 @@ def training_shape(recipe) -> tuple[TrainingShape, str]:
         f"{'per prompt, encoded once for its responses' if grpo else 'each'} ({where})"
     )
     return shape, said
+
+
+def _engine_budget(recipe) -> int:
+    """The bytes a vLLM engine may take on its GPU (0 for other backends): its gpu_memory_utilization
+    of what the device offers."""
+    g = recipe.generation
+    if g.backend != "vllm":
+        return 0
+    return int(g.engine_options(max_model_len=1)["gpu_memory_utilization"] * device_bytes(recipe.cluster.gpu_memory_gb))
 
 
 def _fit(recipe, found: ArchitectureSource, limit: int | None) -> MemoryFit:
@@ -259,7 +281,7 @@ def _candidates(recipe) -> list[tuple[dict[str, Any], str]]:
         ({"train.micro_batch_size": t.micro_batch_size // 2}, f"train.micro_batch_size={t.micro_batch_size // 2}"),
         ({"data.max_seq_len": d.max_seq_len // 2}, f"data.max_seq_len={d.max_seq_len // 2}"),
     ]
-    if grpo and not recipe.generation.release_weights:
+    if grpo and not recipe.generation.sleeps_between_uses:
         out.insert(1, ({"generation.release_weights": True}, "generation.release_weights=true"))
     if grpo and not p.offload_during_generation:
         out.insert(1, ({"parallel.offload_during_generation": True}, "parallel.offload_during_generation=true"))

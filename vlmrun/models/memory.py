@@ -51,6 +51,7 @@ class TrainingShape:
     scored_tokens: int | None = None  # labelled tokens per sequence at most (None: seq_len)
     image_share: int = 1  # sequences that show one image, encoded once for them (GRPO: a prompt's G responses)
     offload_during_generation: bool = False  # the policy's state goes to host memory for the rollout (item 17)
+    engine_budget: int = 0  # bytes a vLLM engine takes while it generates (gpu_memory_utilization x GPU; item 18)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -78,6 +79,7 @@ class MemoryEstimate:
     load_host: int = 0  # host bytes per rank while the policy loads (item 16)
     load_sharded: bool = False  # each rank reads only its share of the files (item 16)
     offload_during_generation: bool = False  # item 17
+    engine_budget: int = 0  # item 18
 
     @property
     def sharded_state(self) -> int:
@@ -215,6 +217,9 @@ def estimate_memory(arch: Architecture, shape: TrainingShape) -> MemoryEstimate:
     15. Refit bucket: the whole tensors the policy streams to the engine at once
         (`generation.refit_bucket_mb`; a tensor larger than that alone).
     13. Overhead: CUDA context, NCCL buffers and allocator slack, 2 GiB on a GPU; none on CPU.
+    18. A vLLM engine (generation.backend: vllm) takes `engine_budget` while it generates (its
+        weights, 14, and a KV cache pool filling the rest of its gpu_memory_utilization: 11 is that
+        rest) and sleeps while the policy trains (weights and KV cache freed: never resident).
     17. offload_during_generation (GRPO): the optimizer's state (3) leaves the device before the refit,
         the weights (1) and the reference (10) right after it; all come back once the engine has
         generated. The refit phase then holds no optimizer state, generation none of the policy; the
@@ -243,15 +248,18 @@ def estimate_memory(arch: Architecture, shape: TrainingShape) -> MemoryEstimate:
         vision_activations=_vision_activations(arch, shape.image_size, _images(shape.sequences, shape)) * compute,
         logits=shape.sequences * min(shape.scored_tokens or shape.seq_len, shape.seq_len) * arch.vocab * (compute + 8),
         reference=sharded * master if shape.reference_model else 0,
-        generation=_generation(arch, shape, compute),
+        generation=max(0, shape.engine_budget - arch.total * compute)
+        if shape.engine_budget
+        else _generation(arch, shape, compute),
         overhead=GPU_OVERHEAD if shape.on_gpu else 0,
         replica_accumulates=accumulates and not shape.fsdp,
         engine_weights=arch.total * compute if shape.engine else 0,
         refit_bucket=min(shape.refit_bucket, arch.total * compute) if shape.engine else 0,
-        engine_resident=shape.engine and shape.engine_resident,
+        engine_resident=shape.engine and shape.engine_resident and not shape.engine_budget,
         load_host=_load_host(arch, shape, sharded * master, master),
         load_sharded=shape.fsdp,
         offload_during_generation=shape.offload_during_generation and shape.engine,
+        engine_budget=shape.engine_budget if shape.engine else 0,
     )
 
 

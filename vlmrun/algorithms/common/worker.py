@@ -89,6 +89,7 @@ class RankWorker(RankActor):
             device="cuda" if r.cluster.gpus_per_node else "cpu",
             threads=self.threads,
             weights="refit",  # every use refits first: nothing of the directory's weights is read twice
+            options=r.generation.engine_options(max_model_len=r.data.max_seq_len + r.grpo.max_new_tokens),
         )
 
     def setup(self, master_addr: str, master_port: int, max_steps: int, weights: str = "load") -> dict:
@@ -132,7 +133,7 @@ class RankWorker(RankActor):
         """The algorithm's own engine, or one that lives only for this pass (module doc, 4)."""
         if self.generator is not None:
             yield self.generator
-            if self.recipe.generation.release_weights:
+            if self.recipe.generation.sleeps_between_uses:
                 self.generator.release_weights()
             return
         engine = self._open_engine()

@@ -103,7 +103,7 @@ class GrpoWorker(RankWorker):
         times["refit"] = time.perf_counter() - t0
         rollouts = self.generator.generate(batch, self.sampling, n=g)
         times["generation"] = rollouts.generate_s
-        if self.recipe.generation.release_weights:  # the training stages run without the engine's copy
+        if self.recipe.generation.sleeps_between_uses:  # the training stages run without the engine's copy
             self.generator.release_weights()
         if offload:
             t0 = time.perf_counter()
