@@ -6,6 +6,7 @@ those the model computes for it alone. Nemotron-Omni's Mamba layers cannot be pa
 from __future__ import annotations
 
 import dataclasses
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -21,8 +22,14 @@ from vlmrun.data.cookers import cook_conversation
 from vlmrun.data.loader import load_processor
 from vlmrun.data.packing import pack, padding_fraction, rows_in_order
 from vlmrun.errors import InputError
-from vlmrun.models.packing import packed_inputs, packed_position_ids, packing_refusal, sequences_in_rows
-from vlmrun.policy.loss import NllLoss
+from vlmrun.models.packing import (
+    packed_inputs,
+    packed_position_ids,
+    packing_refusal,
+    runs_as_one_row,
+    sequences_in_rows,
+)
+from vlmrun.policy.loss import NllLoss, labelled_logprobs, scored_positions
 from vlmrun.run.metrics import history
 
 PACKED = [f for f in FAMILIES if packing_refusal(f) is None]
@@ -130,6 +137,14 @@ def test_packed_sequences_get_their_padded_logprobs_loss_gradients_and_mrope_ids
         assert torch.allclose(got[r, a : a + n - 1], want[i, : n - 1], rtol=0, atol=1e-5), samples[i].key
     assert got.abs().sum() > 0
 
+    # flash-attention's layout (runs_as_one_row): the rows end to end as one row, the same log-probs
+    keep = scored_positions(packed.labels)
+    with torch.no_grad():
+        one = packed_inputs(model, packed, one_row=True)
+        assert one["input_ids"].shape == (1, packed.input_ids.numel())
+        logits = model(**one, use_cache=False, logits_to_keep=keep.reshape(1, -1)).logits
+    assert torch.allclose(labelled_logprobs(logits, packed.labels), got, rtol=0, atol=1e-5)
+
     grads = []
     for batch in (padded, packed):
         model.zero_grad(set_to_none=True)
@@ -145,6 +160,15 @@ def test_packed_sequences_get_their_padded_logprobs_loss_gradients_and_mrope_ids
     for n, v in g_padded.items():
         assert torch.allclose(g_packed[n], v, rtol=1e-4, atol=1e-6), n
     policy.shutdown()
+
+
+def test_a_flash_attention_model_takes_a_packed_batch_as_one_row():
+    """transformers' flash-attention path finds packed sequences from the position ids of a one-row
+    batch only (several rows would each run as one causal sequence): such a model gets one row."""
+    flash, sdpa = (
+        SimpleNamespace(config=SimpleNamespace(_attn_implementation=a)) for a in ("flash_attention_2", "sdpa")
+    )
+    assert runs_as_one_row(flash) and not runs_as_one_row(sdpa)
 
 
 def test_nemotron_is_not_packed(encoded, tiny_dirs):

@@ -4,7 +4,8 @@ transformers' Qwen-VL models (Qwen2-VL, Qwen2.5-VL, Qwen3-VL) take packed sequen
 given position ids of shape [4, rows, tokens] and no attention mask: the first of the four is the
 text position, which builds the causal mask (a position that does not follow the one before starts
 a sequence: masking_utils.find_packed_sequence_indices, so each token attends to its own sequence
-only, with SDPA as with flash-attention), and the other three are the 3-D mRoPE ids. Those are
+only; flash-attention finds them the same way, but in a batch of one row only: `runs_as_one_row`),
+and the other three are the 3-D mRoPE ids. Those are
 computed here for each sequence alone, by the model's own `get_rope_index` over the sequence's
 tokens and its images' grid rows (a text-only sequence: its positions on all three axes), so a
 packed sequence is rotated exactly as it is alone; a packed rotary table built over the whole row
@@ -99,12 +100,26 @@ def _runs_of_ones(kinds: torch.Tensor) -> int:
     return int((ones[1:] > ones[:-1]).sum()) + int(ones[0]) if ones.numel() else 0
 
 
-def packed_inputs(model: torch.nn.Module, batch) -> dict[str, torch.Tensor]:
+def runs_as_one_row(model: torch.nn.Module) -> bool:
+    """Whether `model` attends with a flash-attention kernel, which takes packed sequences as one row.
+
+    transformers finds the sequences of a flash-attention forward from the position ids only when the
+    batch is one row (`_is_packed_sequence`: batch size 1), then runs the varlen kernel over them; given
+    several rows it would run each row as one causal sequence, every sequence seeing the ones before it
+    in its row. So a packed batch goes to such a model as its rows laid end to end (`packed_inputs`):
+    the padding at a row's end is a sequence of its own there too, and the tokens keep their order, so
+    the logits come back in the rows' row-major order."""
+    return str(getattr(model.config, "_attn_implementation", "")).startswith("flash_attention")
+
+
+def packed_inputs(model: torch.nn.Module, batch, *, one_row: bool | None = None) -> dict[str, torch.Tensor]:
     """The forward's inputs of a packed `batch`: its tokens, per-token inputs and media, the position ids
-    of `packed_position_ids` and no attention mask (module doc)."""
-    return {
-        "input_ids": batch.input_ids,
-        **batch.token_inputs,
-        **batch.media,
-        "position_ids": packed_position_ids(model, batch),
-    }
+    of `packed_position_ids` and no attention mask (module doc); its rows laid end to end as one row
+    when `one_row` (default: `runs_as_one_row(model)`), which changes no value (positions restart at
+    every sequence either way)."""
+    positions = packed_position_ids(model, batch)
+    inputs = {"input_ids": batch.input_ids, **batch.token_inputs}
+    if runs_as_one_row(model) if one_row is None else one_row:
+        inputs = {k: v.reshape(1, -1) for k, v in inputs.items()}
+        positions = positions.reshape(positions.shape[0], 1, -1)
+    return {**inputs, **batch.media, "position_ids": positions}

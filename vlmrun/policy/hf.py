@@ -238,9 +238,11 @@ class HfPolicy(PolicyBackend):
         """`b`'s labelled tokens' log-probs under `model`, [B, T-1]: the LM head projects only the
         positions that score a labelled token (policy/loss.py); rows that show the same images (GRPO's
         responses to one prompt, `b.image_source`) read one vision pass (models/shared_images.py)."""
-        keep = scored_positions(b.labels)
+        inputs = self._inputs(model, b)
+        # a packed batch may run as one row (flash-attention: models/packing.py), the same tokens in order
+        keep = scored_positions(b.labels).reshape(inputs["input_ids"].shape)
         with vision_once(model, b.image_source):
-            logits = model(**self._inputs(model, b), use_cache=False, logits_to_keep=keep).logits
+            logits = model(**inputs, use_cache=False, logits_to_keep=keep).logits
         return labelled_logprobs(logits, b.labels)
 
     @torch.no_grad()
