@@ -284,6 +284,13 @@ def test_flash_attention_needs_bf16_compute_and_the_package_where_the_ranks_run(
     preflight.check_local_attention("sdpa")  # needs nothing
 
 
+def test_the_vllm_engine_needs_its_package_where_the_ranks_run(monkeypatch):
+    monkeypatch.setattr("importlib.util.find_spec", lambda name: None)  # vllm is not installed
+    with pytest.raises(InputError, match=r"vllm package on the nodes.*vlmrun\[vllm\].*generation.backend: hf"):
+        preflight.check_local_generation("vllm")
+    preflight.check_local_generation("hf")  # needs nothing
+
+
 # ---------------------------------------------------------------- GPU detection without torch
 
 

@@ -42,6 +42,7 @@ def preflight_run(recipe, *, runs_here: bool, dry_run: bool = False) -> None:
         check_local_gpus(recipe.cluster.gpus_per_node)
         check_local_mooncake(recipe.data_plane)
         check_local_attention(recipe.model.attn_implementation)
+        check_local_generation(recipe.generation.backend)
 
 
 def check_rewards(recipe) -> None:
@@ -65,6 +66,21 @@ def check_local_attention(attn_implementation: str) -> None:
             message="model.attn_implementation: flash_attention_2 needs the flash-attn package on the nodes, "
             "and it is not installed here (pip install 'vlmrun[gpu]' on a CUDA machine, or the container); "
             "or set model.attn_implementation: sdpa",
+        )
+
+
+def check_local_generation(backend: str) -> None:
+    """generation.backend: vllm needs the vllm package where the ranks run (found, not imported: it
+    imports torch and CUDA's libraries)."""
+    import importlib.util
+
+    if backend == "vllm" and importlib.util.find_spec("vllm") is None:
+        raise InputError(
+            "generation.backend",
+            backend,
+            message="generation.backend: vllm needs the vllm package on the nodes, and it is not installed here "
+            "(pip install 'vlmrun[vllm]' where vLLM's torch is, or the container built with WITH_VLLM=1); "
+            "or set generation.backend: hf",
         )
 
 

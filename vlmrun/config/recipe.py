@@ -9,7 +9,7 @@ from vlmrun.config.data import DataConfig
 from vlmrun.config.data_plane import DataPlaneConfig
 from vlmrun.config.dtype import compute_dtype
 from vlmrun.config.families import PACKING_REFUSED
-from vlmrun.config.generation import VLLM_FAMILIES, GenerationConfig
+from vlmrun.config.generation import VLLM_FAMILIES, VLLM_MISSING, GenerationConfig
 from vlmrun.config.grpo import BUILTIN_REWARDS, GrpoConfig
 from vlmrun.config.logger import LoggerConfig
 from vlmrun.config.model import ModelConfig
@@ -155,10 +155,11 @@ def _check_generation(r: Recipe) -> None:
             "generation.backend: hf",
         )
     if r.family not in VLLM_FAMILIES:
+        why = VLLM_MISSING.get(r.family, "")
         raise CrossFieldError(
             "generation.backend",
             "vllm",
-            f"runs model.family {', '.join(VLLM_FAMILIES)} here, not {r.family!r}: set generation.backend: hf",
+            f"runs model.family {', '.join(VLLM_FAMILIES)} here, not {r.family!r}{why}: set generation.backend: hf",
         )
     longest = r.data.max_seq_len + r.grpo.max_new_tokens
     if g.vllm is not None and g.vllm.max_model_len is not None and g.vllm.max_model_len < longest:
