@@ -134,7 +134,8 @@ def test_where_vllm_cannot_run_it_is_refused_naming_the_fix(tiny_dirs, monkeypat
     "recipe, sets, field, words",
     [
         ("recipes/tiny-grpo-cpu.yaml", ["generation.backend=vllm"], "generation.backend", "needs GPUs"),
-        ("recipes/omni-clevr-grpo-1n8g.yaml", ["generation.backend=vllm"], "generation.backend", "nemotron_omni"),
+        ("recipes/omni-clevr-grpo-1n8g.yaml", ["generation.backend=vllm"], "generation.backend", "tensor parallel"),
+        ("recipes/qwen2.5-vl-3b-clevr-1n2g.yaml", ["generation.backend=vllm"], "generation.backend", "GRPO's rollouts"),
         (GPU_GRPO, ["generation.vllm={enforce_eager: true}"], "generation.vllm", "generation.backend: vllm"),
         (
             GPU_GRPO,

@@ -154,6 +154,13 @@ def _check_generation(r: Recipe) -> None:
             "needs GPUs (cluster.gpus_per_node > 0): vLLM's engine runs on CUDA; a CPU run generates with "
             "generation.backend: hf",
         )
+    if r.train.algorithm != "grpo":
+        raise CrossFieldError(
+            "generation.backend",
+            "vllm",
+            "serves GRPO's rollouts; an SFT run generates only for validation, where an engine started for "
+            "each pass costs more than it saves: set generation.backend: hf",
+        )
     if r.family not in VLLM_FAMILIES:
         why = VLLM_MISSING.get(r.family, "")
         raise CrossFieldError(
