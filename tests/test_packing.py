@@ -20,8 +20,9 @@ from vlmrun.data.batch import IGNORE_INDEX
 from vlmrun.data.chat_encoding import ConversationEncoder
 from vlmrun.data.cookers import cook_conversation
 from vlmrun.data.loader import load_processor
-from vlmrun.data.packing import pack, padding_fraction, rows_in_order
+from vlmrun.data.packing import by_tokens, pack, padding_fraction, rows_for, rows_in_order, unpack
 from vlmrun.errors import InputError
+from vlmrun.models.fit import training_shape
 from vlmrun.models.packing import (
     packed_inputs,
     packed_position_ids,
@@ -41,6 +42,33 @@ def test_rows_are_filled_in_order_and_a_sequence_longer_than_a_row_is_refused():
     assert rows_in_order([8, 1], 8) == [[0], [1]]
     with pytest.raises(ValueError, match="a sequence of 9 tokens does not fit a packed row of 8"):
         rows_in_order([3, 9], 8)
+
+
+def test_by_tokens_lays_a_steps_sequences_out_again_as_rows_of_the_budget(encoded):
+    """`data.pack_by: tokens`: a rank's micro-batches of a step (packed by samples) become `count`
+    one-row micro-batches of at most the budget, the same sequences (tokens, labels, per-token inputs,
+    images with their pixel rows) in the same order; more micro-batches than the rows need split the
+    fullest row, never fewer than it needs nor more than there are sequences."""
+    encoder, samples = encoded["qwen2_5_vl"]
+    family = encoder.family
+    lengths = [s.input_ids.numel() for s in samples]
+    budget = max(lengths[0] + lengths[1], lengths[2] + lengths[3])
+    loaded = [pack(samples[k : k + 2], row_tokens=max(lengths), pad_token_id=0, family=family) for k in (0, 2)]
+    assert [b.input_ids.shape[0] for b in loaded] == [2, 2]  # one sequence a row: padded-like
+    assert rows_for(loaded, budget) == 2
+    for count in (2, 3, 4):
+        got = by_tokens(loaded, row_tokens=budget, count=count, pad_token_id=0, family=family)
+        assert len(got) == count and all(b.input_ids.shape[0] == 1 and b.input_ids.shape[1] <= budget for b in got)
+        again = [seq for b in got for seq in unpack(b, family)]
+        assert [seq.key for seq in again] == [s.key for s in samples]
+        for seq, s in zip(again, samples, strict=True):
+            assert torch.equal(seq.input_ids, s.input_ids) and torch.equal(seq.labels[1:], s.labels[1:])
+            assert seq.token_inputs.keys() == s.token_inputs.keys()
+            assert all(torch.equal(seq.token_inputs[k], s.token_inputs[k]) for k in s.token_inputs)
+            assert seq.media.keys() == s.media.keys() and all(torch.equal(seq.media[k], s.media[k]) for k in s.media)
+    for count in (1, 5):
+        with pytest.raises(ValueError, match="sequences fill 2 rows"):
+            by_tokens(loaded, row_tokens=budget, count=count, pad_token_id=0, family=family)
 
 
 def test_the_packable_families_and_the_refused_one():
@@ -193,12 +221,15 @@ PACKED_STEPS = 16
 
 @pytest.mark.slow  # two short runs and a resume through the CLI (~90 s)
 def test_a_packed_run_trains_the_padded_numbers_and_v1_killed_and_resumed_equals_v2(tmp_path, finished_run, run_data):
-    """`data.pack_tokens` lays each micro-batch out packed: the same samples in the same order, so the
-    run trains the padded run's numbers to float round-off. A packed SFT v1 run SIGKILLed once it sealed
-    step 4 and resumed with `vlmrun resume` equals the uninterrupted packed v2 run bitwise at every step
-    (the loader's position and the packed layout come back exactly)."""
+    """`data.pack_tokens` lays each micro-batch out packed, and `data.pack_by: tokens` lays each rank's
+    samples of a step out again as rows of the budget (here each rank's 2 micro-batches of 2 samples
+    become 1 row of up to 1024 tokens, the count agreed over the 2 ranks): the same samples in the same
+    order, so the run trains the padded run's numbers to float round-off. A packed SFT v1 run SIGKILLed
+    once it sealed step 4 and resumed with `vlmrun resume` equals the uninterrupted packed v2 run
+    bitwise at every step (the loader's position and the packed layout come back exactly)."""
     quick = [f"train.max_steps={PACKED_STEPS}", "checkpoint.save_period=2", "train.val_samples=0"]
-    packed = sets(*quick, "data.num_workers=0", "train.lr_schedule=constant", "data.pack_tokens=256")
+    budget = ["data.pack_tokens=1024", "data.pack_by=tokens"]
+    packed = sets(*quick, "data.num_workers=0", "train.lr_schedule=constant", *budget)
     v2 = history(submit(tmp_path / "v2", *run_data, *packed) / "metrics.jsonl")
     run = tmp_path / "v1"
     launcher = Launcher(tmp_path, *submit_args(run, *run_data, *packed, *sets("train.loop=v1")))
@@ -241,6 +272,16 @@ def test_grpo_packs_rows_that_hold_a_prompt_and_its_longest_response():
         load_recipe(GRPO, ["data.pack_tokens=256"])
     assert "must be at least data.max_seq_len + grpo.max_new_tokens = 264" in str(e.value)
     assert load_recipe(GRPO, ["data.pack_tokens=264"]).data.pack_tokens == 264
+    with pytest.raises(InputError, match="data.pack_by: 'tokens' .* built for SFT"):
+        load_recipe(GRPO, ["data.pack_tokens=264", "data.pack_by=tokens"])
+    with pytest.raises(InputError, match="data.pack_by: 'tokens' .* needs data.pack_tokens"):
+        load_recipe(TINY, ["data.pack_by=tokens"])
+
+
+def test_the_memory_check_counts_a_micro_batch_of_the_budget_by_tokens():
+    by_samples = load_recipe(TINY, ["data.pack_tokens=1024"])
+    by_budget = load_recipe(TINY, ["data.pack_tokens=1024", "data.pack_by=tokens"])
+    assert training_shape(by_samples)[0].sequences == 2 and training_shape(by_budget)[0].sequences == 4
 
 
 @pytest.mark.slow  # a short GRPO run through the CLI (~40 s)

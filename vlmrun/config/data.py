@@ -54,6 +54,13 @@ class DataConfig(Section):
         "sequences in its logprob and train stages (at least data.max_seq_len + grpo.max_new_tokens). "
         "Qwen-VL families; None: padded rows",
     )
+    pack_by: Literal["samples", "tokens"] = Field(
+        "samples",
+        description="with data.pack_tokens: samples keeps train.micro_batch_size samples per micro-batch; tokens "
+        "lays each rank's samples of a step out again as micro-batches of one row of at most data.pack_tokens "
+        "tokens each, as few as the rank that needs the most takes, the same number on every rank (SFT; the "
+        "step's samples, their order and the loss are unchanged)",
+    )
     on_bad_sample: Literal["refuse", "drop"] = Field(
         "refuse",
         description="a sample the run cannot train on (longer than data.max_seq_len where no cut keeps its media "

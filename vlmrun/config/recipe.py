@@ -130,6 +130,10 @@ class Recipe(Section):
             )
         if self.data.pack_tokens is not None:
             _check_packing(self)
+        elif self.data.pack_by != "samples":
+            raise CrossFieldError(
+                "data.pack_by", self.data.pack_by, "needs data.pack_tokens: the row a micro-batch fills"
+            )
         if self.train.algorithm == "grpo":
             _check_grpo(self)
         else:
@@ -185,6 +189,10 @@ def _check_packing(r: Recipe) -> None:
         longest, what = d.max_seq_len + r.grpo.max_new_tokens, "data.max_seq_len + grpo.max_new_tokens"
     else:
         longest, what = d.max_seq_len, "data.max_seq_len"
+    if d.pack_by == "tokens" and r.train.algorithm == "grpo":
+        raise CrossFieldError(
+            "data.pack_by", "tokens", "is built for SFT; GRPO's stages pack by samples (data.pack_by: samples)"
+        )
     if d.pack_tokens < longest:
         raise CrossFieldError(
             "data.pack_tokens", d.pack_tokens, f"must be at least {what} = {longest}: every sequence must fit a row"

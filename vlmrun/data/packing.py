@@ -25,6 +25,7 @@ models/packing.py says why.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -106,3 +107,98 @@ def pack(
 def padding_fraction(batch: Batch) -> float:
     """The share of a batch's token slots that hold padding."""
     return 1.0 - float((batch.attention_mask > 0).sum()) / batch.attention_mask.numel()
+
+
+@dataclass(frozen=True)
+class PackedSequence:
+    """One sequence of a packed batch, in the fields `pack` reads of an encoded sample."""
+
+    key: str
+    input_ids: torch.Tensor
+    labels: torch.Tensor
+    token_inputs: dict[str, torch.Tensor]
+    media: dict[str, torch.Tensor]
+
+
+def unpack(batch: Batch, family: FamilySpec) -> list[PackedSequence]:
+    """The sequences of packed `batch` in order, each with its tokens, labels (its first one IGNORE_INDEX,
+    as `pack` left it), per-token inputs and media: packing them again gives them back. A sequence's
+    images are the runs of image tokens in its per-token image marks (`family.token_keys`' first), each
+    taking the next grid row and that many pixel rows."""
+    pixels, grid = family.media_keys
+    grids = batch.media.get(grid)
+    marks = batch.token_inputs.get(family.token_keys[0]) if family.token_keys else None
+    out: list[PackedSequence] = []
+    image = row_of_pixels = 0
+    for r in range(batch.input_ids.shape[0]):
+        numbers = batch.attention_mask[r]
+        for seq in range(1, int(numbers.max()) + 1):
+            where = (numbers == seq).nonzero().flatten()
+            a, b = int(where[0]), int(where[-1]) + 1
+            media: dict[str, torch.Tensor] = {}
+            shown = _image_runs(marks[r, a:b]) if marks is not None else 0
+            if shown:
+                rows = int(grids[image : image + shown].prod(dim=-1).sum())
+                media = {
+                    pixels: batch.media[pixels][row_of_pixels : row_of_pixels + rows],
+                    grid: grids[image : image + shown],
+                }
+                image, row_of_pixels = image + shown, row_of_pixels + rows
+            out.append(
+                PackedSequence(
+                    key=batch.sample_ids[len(out)],
+                    input_ids=batch.input_ids[r, a:b],
+                    labels=batch.labels[r, a:b],
+                    token_inputs={k: v[r, a:b] for k, v in batch.token_inputs.items()},
+                    media=media,
+                )
+            )
+    if len(out) != len(batch.sample_ids) or (grids is not None and image != grids.shape[0]):
+        raise ValueError(f"a packed batch of {len(batch.sample_ids)} samples held {len(out)} sequences")
+    return out
+
+
+def _image_runs(marks: torch.Tensor) -> int:
+    """Runs of 1 in a sequence's image marks: its images."""
+    ones = (marks == 1).long()
+    return int((ones.diff() == 1).sum()) + int(ones[0]) if ones.numel() else 0
+
+
+def rows_for(batches: Sequence[Batch], row_tokens: int) -> int:
+    """How many rows of at most `row_tokens` tokens the sequences of packed `batches` fill, in order."""
+    lengths = [int(n) for b in batches for n in _lengths(b)]
+    return len(rows_in_order(lengths, row_tokens))
+
+
+def _lengths(batch: Batch) -> list[int]:
+    return [
+        int((batch.attention_mask[r] == s).sum())
+        for r in range(batch.attention_mask.shape[0])
+        for s in range(1, int(batch.attention_mask[r].max()) + 1)
+    ]
+
+
+def by_tokens(
+    batches: Sequence[Batch], *, row_tokens: int, count: int, pad_token_id: int, family: FamilySpec
+) -> list[Batch]:
+    """The sequences of packed `batches` (a rank's micro-batches of one step) laid out again as `count`
+    micro-batches of one row of at most `row_tokens` tokens each, in order (`data.pack_by: tokens`): the
+    rows `rows_in_order` fills, then, while there are fewer than `count`, the row with the most tokens
+    split at the sequence boundary nearest its middle (every rank of a step takes the same number of
+    micro-batches: the most any of them fills)."""
+    sequences = [s for b in batches for s in unpack(b, family)]
+    lengths = [s.input_ids.numel() for s in sequences]
+    rows = rows_in_order(lengths, row_tokens)
+    if not len(rows) <= count <= len(sequences):
+        raise ValueError(f"{len(sequences)} sequences fill {len(rows)} rows of {row_tokens} tokens, not {count}")
+    while len(rows) < count:
+        splittable = [i for i, row in enumerate(rows) if len(row) > 1]
+        i = max(splittable, key=lambda k: sum(lengths[j] for j in rows[k]))
+        row, half = rows[i], sum(lengths[j] for j in rows[i]) / 2
+        cuts = [sum(lengths[j] for j in row[:c]) for c in range(1, len(row))]
+        c = 1 + min(range(len(cuts)), key=lambda k: abs(cuts[k] - half))
+        rows[i : i + 1] = [row[:c], row[c:]]
+    return [
+        pack([sequences[j] for j in row], row_tokens=row_tokens, pad_token_id=pad_token_id, family=family)
+        for row in rows
+    ]

@@ -122,6 +122,9 @@ def training_shape(recipe) -> tuple[TrainingShape, str]:
         recipe.grpo.max_new_tokens if grpo else 0
     )  # a GRPO prompt fits max_seq_len, its responses add
     image = d.synthetic.image_size if d.synthetic is not None else DEFAULT_IMAGE_SIZE
+    sequences = t.micro_batch_size * per_prompt
+    if d.pack_tokens is not None and d.pack_by == "tokens":  # a micro-batch is a row of data.pack_tokens
+        sequences = max(sequences, d.pack_tokens // d.max_seq_len)  # each with its image, at full length
     shape = TrainingShape(
         master_dtype=recipe.model.dtype,
         mixed_precision=p.mixed_precision,
@@ -131,7 +134,7 @@ def training_shape(recipe) -> tuple[TrainingShape, str]:
         activation_checkpointing=p.activation_checkpointing,
         reduce_every_micro_batch=p.reduce_every_micro_batch,
         optimizer=t.optimizer,
-        sequences=t.micro_batch_size * per_prompt,
+        sequences=sequences,
         micro_batches=micro_batches,
         seq_len=seq_len,
         image_size=image,
@@ -147,7 +150,7 @@ def training_shape(recipe) -> tuple[TrainingShape, str]:
         offload_during_generation=p.offload_during_generation and recipe.cluster.gpus_per_node > 0,
         engine_budget=_engine_budget(recipe),
     )
-    seqs = f"{t.micro_batch_size} x {per_prompt}" if grpo else f"{t.micro_batch_size}"
+    seqs = f"{t.micro_batch_size} x {per_prompt}" if grpo else f"{sequences}"
     where = "data.synthetic.image_size" if d.synthetic is not None else "assumed: data.synthetic is unset"
     length = f"data.max_seq_len={d.max_seq_len}" + (f" + grpo.max_new_tokens={seq_len - d.max_seq_len}" if grpo else "")
     said = (

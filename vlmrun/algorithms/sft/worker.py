@@ -11,9 +11,14 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+import torch
+import torch.distributed as dist
+
 from vlmrun.algorithms.common.checkpoint import Checkpoint, PendingCheckpoint
 from vlmrun.algorithms.common.worker import RankWorker
+from vlmrun.config.families import family_spec
 from vlmrun.data.batch import SampleCounts
+from vlmrun.data.packing import by_tokens, rows_for
 from vlmrun.plane.interface import DataPlane
 from vlmrun.plane.local import LocalDataPlane
 from vlmrun.plane.micro_batches import get_micro_batches, put_micro_batches
@@ -43,9 +48,25 @@ class SftWorker(RankWorker):
             t0 = time.perf_counter()
             micro_batches = self._batches_through_plane(f"step-{step}", n_micro)
             loader_s = time.perf_counter() - t0
+        if self.recipe.data.pack_by == "tokens":
+            micro_batches = self._by_tokens(micro_batches)
         result = self.policy.train_step(micro_batches)
         counts = self.loader.counts() if self.loader is not None else None
         return SftStepReport(result, [i for b in micro_batches for i in b.sample_ids], loader_s, counts)
+
+    def _by_tokens(self, micro_batches: list) -> list:
+        """The step's micro-batches as rows of at most data.pack_tokens tokens (`data.pack_by: tokens`),
+        as many on this rank as on the rank that fills the most (a collective: every rank asks)."""
+        d = self.recipe.data
+        family = family_spec(self.recipe.model.family)
+        count = rows_for(micro_batches, d.pack_tokens)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            most = torch.tensor([count])
+            dist.all_reduce(most, op=dist.ReduceOp.MAX)  # the step's own process group, before the step's
+            count = int(most)
+        return by_tokens(
+            micro_batches, row_tokens=d.pack_tokens, count=count, pad_token_id=self.pad_token_id, family=family
+        )
 
     def _batches_through_plane(self, partition: str, n_micro: int) -> list:
         family = self.recipe.model.family
