@@ -44,7 +44,7 @@ def measure(recipe, family: str, rounds: int, pack_tokens: int, step_samples: in
     from vlmrun.data.chat_encoding import ConversationEncoder
     from vlmrun.data.cookers import cook_conversation
     from vlmrun.data.loader import load_processor
-    from vlmrun.data.packing import pack, padding_fraction, rows_in_order
+    from vlmrun.data.packing import by_tokens, pack, padding_fraction, rows_for
     from vlmrun.datasets.clevr import generate_clevr, read_complete
     from vlmrun.models.fit import training_shape
     from vlmrun.models.source import ensure_model
@@ -64,11 +64,14 @@ def measure(recipe, family: str, rounds: int, pack_tokens: int, step_samples: in
     samples = [encoder.encode(cook_conversation(raw[k])) for k in sorted(raw)[:step_samples]]
     rows = recipe.train.micro_batch_size
     padded = [encoder.collate(samples[i : i + rows]) for i in range(0, len(samples), rows)]
-    layout = rows_in_order([s.input_ids.numel() for s in samples], pack_tokens)
-    packed = [
-        pack([samples[i] for i in row], row_tokens=pack_tokens, pad_token_id=encoder.pad_token_id, family=spec)
-        for row in layout
+    # what an SFT rank with data.pack_by: tokens trains (algorithms/sft/worker.py): the loader's micro-batches,
+    # packed by samples, laid out again as rows of the budget (data/packing.by_tokens)
+    loaded = [
+        pack(samples[i : i + rows], row_tokens=recipe.data.max_seq_len, pad_token_id=encoder.pad_token_id, family=spec)
+        for i in range(0, len(samples), rows)
     ]
+    count = rows_for(loaded, pack_tokens)  # one rank: the rows it fills
+    packed = by_tokens(loaded, row_tokens=pack_tokens, count=count, pad_token_id=encoder.pad_token_id, family=spec)
     policy = open_policy(
         recipe.model.backend,
         model=ModelSpec(directory=model_dir, dtype=recipe.model.dtype),
