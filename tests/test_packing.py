@@ -272,8 +272,9 @@ def test_grpo_packs_rows_that_hold_a_prompt_and_its_longest_response():
         load_recipe(GRPO, ["data.pack_tokens=256"])
     assert "must be at least data.max_seq_len + grpo.max_new_tokens = 264" in str(e.value)
     assert load_recipe(GRPO, ["data.pack_tokens=264"]).data.pack_tokens == 264
-    with pytest.raises(InputError, match="data.pack_by: 'tokens' .* built for SFT"):
-        load_recipe(GRPO, ["data.pack_tokens=264", "data.pack_by=tokens"])
+    with pytest.raises(InputError, match="data.pack_by: 'tokens' .* needs grpo.inner_steps: 1"):
+        load_recipe(GRPO, ["data.pack_tokens=264", "data.pack_by=tokens", "grpo.inner_steps=2"])
+    assert load_recipe(GRPO, ["data.pack_tokens=264", "data.pack_by=tokens"]).data.pack_by == "tokens"
     with pytest.raises(InputError, match="data.pack_by: 'tokens' .* needs data.pack_tokens"):
         load_recipe(TINY, ["data.pack_by=tokens"])
 
@@ -286,10 +287,13 @@ def test_the_memory_check_counts_a_micro_batch_of_the_budget_by_tokens():
 
 @pytest.mark.slow  # a short GRPO run through the CLI (~40 s)
 def test_a_packed_grpo_run_keeps_the_ratio_at_one_and_trains_the_padded_runs_first_step(tmp_path, grpo_sets, grpo_want):
-    """GRPO's logprob and train stages with `data.pack_tokens` (algorithms/grpo/micro_batches.py): the
-    rollouts of step 1 come from the same weights, so its rewards are the padded run's and its loss and
-    gradient norm equal the padded run's to float round-off; with one inner step the ratio is exactly 1."""
-    run = submit(tmp_path / "run", *grpo_sets, *sets("train.max_steps=2", "data.pack_tokens=528"), recipe=GRPO)
+    """GRPO's logprob and train stages with `data.pack_tokens` and `data.pack_by: tokens`
+    (algorithms/grpo/micro_batches.py: each rank's 16 responses fill one-row micro-batches of at most
+    1056 tokens, as many on both ranks): the rollouts of step 1 come from the same weights, so its
+    rewards are the padded run's and its loss and gradient norm equal the padded run's to float
+    round-off; with one inner step the ratio is exactly 1."""
+    budget = sets("train.max_steps=2", "data.pack_tokens=1056", "data.pack_by=tokens")
+    run = submit(tmp_path / "run", *grpo_sets, *budget, recipe=GRPO)
     got, want = history(run / "metrics.jsonl"), history(grpo_want / "metrics.jsonl")
     assert sorted(got) == [1, 2]
     for row in got.values():

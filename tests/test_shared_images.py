@@ -9,13 +9,20 @@ import pytest
 import torch
 from data_samples import FAMILIES, free_port, make_recipe, rank_policy, read_raw_samples
 
-from vlmrun.algorithms.grpo.micro_batches import batch_response_values, model_batches, pg_micro_batches
+from vlmrun.algorithms.grpo.micro_batches import (
+    batch_response_values,
+    model_batches,
+    pg_micro_batches,
+    sequence_lengths,
+    token_groups,
+)
 from vlmrun.algorithms.grpo.rewards import Scored
 from vlmrun.algorithms.grpo.rollout_rows import join, rollout_columns
 from vlmrun.config.families import family_spec
 from vlmrun.data.chat_encoding import ConversationEncoder
 from vlmrun.data.cookers import cook_conversation
 from vlmrun.data.loader import load_processor
+from vlmrun.data.packing import rows_in_order
 from vlmrun.generation.hf import HfGenerator
 from vlmrun.generation.interface import SamplingParams
 from vlmrun.models.packing import packing_refusal
@@ -154,15 +161,21 @@ def _with_train_columns(got, policy, layout):
 def test_packed_stages_give_the_padded_logprobs_and_gradients_and_read_their_images_once(
     family, prompts_of, clevr_set, tiny_dirs
 ):
-    """GRPO with `data.pack_tokens`: a micro-batch's responses end to end in rows (micro_batches.py, 2)."""
+    """GRPO with `data.pack_tokens`: a micro-batch's responses end to end in rows (micro_batches.py, 2);
+    with `data.pack_by: tokens` the samples fill one-row micro-batches of the budget instead, one more
+    than they need here (the fullest split): the same values and gradients."""
     got, policy, padded = stage_inputs(family, prompts_of, clevr_set, tiny_dirs)
     longest = max(p.numel() + r.numel() for p, r in zip(got["prompt_ids"], got["response_ids"], strict=True))
     rows = 2 * G
     seen = vision_rows(policy.model)
     packed = {**padded, "pack_tokens": 3 * longest}
+    need = len(rows_in_order(sequence_lengths(got), 3 * longest))
+    budget = {**packed, "groups": token_groups(got, 3 * longest, need + 1)}
+    assert len(budget["groups"]) == need + 1 and [i for g in budget["groups"] for i in g] == list(range(len(got)))
+    layouts = {"padded": padded, "packed": packed, "budget": budget}
 
     values, tower = {}, {}
-    for name, layout in (("padded", padded), ("packed", packed)):
+    for name, layout in layouts.items():
         batches = model_batches(got, rows, **layout)
         seen.clear()
         values[name], start = [], 0
@@ -175,11 +188,12 @@ def test_packed_stages_give_the_padded_logprobs_and_gradients_and_read_their_ima
         if name == "packed":  # 2 prompts x G responses in 2 rows of 3 sequences, then G in 1 row
             assert [b.input_ids.shape[0] for b in batches] == [2, 1] and all(b.is_packed for b in batches)
     assert tower["packed"] == tower["padded"]  # each prompt's image through the tower once, packed or not
-    for a, b in zip(values["packed"], values["padded"], strict=True):
-        assert a.shape == b.shape and torch.allclose(a, b, rtol=0, atol=1e-5)
+    for way in ("packed", "budget"):
+        for a, b in zip(values[way], values["padded"], strict=True):
+            assert a.shape == b.shape and torch.allclose(a, b, rtol=0, atol=1e-5)
 
     grads, sums = {}, {}
-    for name, layout in (("padded", padded), ("packed", packed)):
+    for name, layout in layouts.items():
         policy.model.zero_grad(set_to_none=True)
         total = 0.0
         for mb in pg_micro_batches(_with_train_columns(got, policy, padded), rows, **layout):
@@ -189,7 +203,8 @@ def test_packed_stages_give_the_padded_logprobs_and_gradients_and_read_their_ima
             total += float(loss.detach())
         sums[name] = total
         grads[name] = {n: p.grad.clone() for n, p in policy.model.named_parameters() if p.grad is not None}
-    assert sums["packed"] == pytest.approx(sums["padded"], rel=1e-5, abs=1e-5)
-    assert grads["packed"].keys() == grads["padded"].keys()
-    for n, v in grads["padded"].items():
-        assert torch.allclose(grads["packed"][n], v, rtol=1e-4, atol=1e-5), (n, (grads["packed"][n] - v).abs().max())
+    for way in ("packed", "budget"):
+        assert sums[way] == pytest.approx(sums["padded"], rel=1e-5, abs=1e-5)
+        assert grads[way].keys() == grads["padded"].keys()
+        for n, v in grads["padded"].items():
+            assert torch.allclose(grads[way][n], v, rtol=1e-4, atol=1e-5), (way, n, (grads[way][n] - v).abs().max())

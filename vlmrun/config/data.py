@@ -58,8 +58,9 @@ class DataConfig(Section):
         "samples",
         description="with data.pack_tokens: samples keeps train.micro_batch_size samples per micro-batch; tokens "
         "lays each rank's samples of a step out again as micro-batches of one row of at most data.pack_tokens "
-        "tokens each, as few as the rank that needs the most takes, the same number on every rank (SFT; the "
-        "step's samples, their order and the loss are unchanged)",
+        "tokens each, as few as the rank that needs the most takes, the same number on every rank (SFT, and "
+        "GRPO's logprob and train stages with grpo.inner_steps 1; the step's samples, their order and the loss "
+        "are unchanged)",
     )
     on_bad_sample: Literal["refuse", "drop"] = Field(
         "refuse",

@@ -189,9 +189,12 @@ def _check_packing(r: Recipe) -> None:
         longest, what = d.max_seq_len + r.grpo.max_new_tokens, "data.max_seq_len + grpo.max_new_tokens"
     else:
         longest, what = d.max_seq_len, "data.max_seq_len"
-    if d.pack_by == "tokens" and r.train.algorithm == "grpo":
+    if d.pack_by == "tokens" and r.train.algorithm == "grpo" and r.grpo.inner_steps > 1:
         raise CrossFieldError(
-            "data.pack_by", "tokens", "is built for SFT; GRPO's stages pack by samples (data.pack_by: samples)"
+            "data.pack_by",
+            "tokens",
+            f"needs grpo.inner_steps: 1 (here {r.grpo.inner_steps}: the inner steps split a step's micro-batches "
+            "evenly, which a token budget does not keep)",
         )
     if d.pack_tokens < longest:
         raise CrossFieldError(

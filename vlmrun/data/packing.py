@@ -178,26 +178,32 @@ def _lengths(batch: Batch) -> list[int]:
     ]
 
 
-def by_tokens(
-    batches: Sequence[Batch], *, row_tokens: int, count: int, pad_token_id: int, family: FamilySpec
-) -> list[Batch]:
-    """The sequences of packed `batches` (a rank's micro-batches of one step) laid out again as `count`
-    micro-batches of one row of at most `row_tokens` tokens each, in order (`data.pack_by: tokens`): the
+def rows_of_count(lengths: Sequence[int], row_tokens: int, count: int) -> list[list[int]]:
+    """`count` rows of the sequences of `lengths`, in order, each of at most `row_tokens` tokens: the
     rows `rows_in_order` fills, then, while there are fewer than `count`, the row with the most tokens
-    split at the sequence boundary nearest its middle (every rank of a step takes the same number of
-    micro-batches: the most any of them fills)."""
-    sequences = [s for b in batches for s in unpack(b, family)]
-    lengths = [s.input_ids.numel() for s in sequences]
+    split at the sequence boundary nearest its middle. ValueError when `count` is below the rows they
+    fill or above the sequences."""
     rows = rows_in_order(lengths, row_tokens)
-    if not len(rows) <= count <= len(sequences):
-        raise ValueError(f"{len(sequences)} sequences fill {len(rows)} rows of {row_tokens} tokens, not {count}")
+    if not len(rows) <= count <= len(lengths):
+        raise ValueError(f"{len(lengths)} sequences fill {len(rows)} rows of {row_tokens} tokens, not {count}")
     while len(rows) < count:
-        splittable = [i for i, row in enumerate(rows) if len(row) > 1]
-        i = max(splittable, key=lambda k: sum(lengths[j] for j in rows[k]))
+        i = max((k for k, row in enumerate(rows) if len(row) > 1), key=lambda k: sum(lengths[j] for j in rows[k]))
         row, half = rows[i], sum(lengths[j] for j in rows[i]) / 2
         cuts = [sum(lengths[j] for j in row[:c]) for c in range(1, len(row))]
         c = 1 + min(range(len(cuts)), key=lambda k: abs(cuts[k] - half))
         rows[i : i + 1] = [row[:c], row[c:]]
+    return rows
+
+
+def by_tokens(
+    batches: Sequence[Batch], *, row_tokens: int, count: int, pad_token_id: int, family: FamilySpec
+) -> list[Batch]:
+    """The sequences of packed `batches` (a rank's micro-batches of one step) laid out again as `count`
+    micro-batches of one row of at most `row_tokens` tokens each, in order (`data.pack_by: tokens`;
+    `rows_of_count`: every rank of a step takes the same number of micro-batches, the most any of them
+    fills)."""
+    sequences = [s for b in batches for s in unpack(b, family)]
+    rows = rows_of_count([s.input_ids.numel() for s in sequences], row_tokens, count)
     return [
         pack([sequences[j] for j in row], row_tokens=row_tokens, pad_token_id=pad_token_id, family=family)
         for row in rows

@@ -108,6 +108,18 @@ class RankWorker(RankActor):
             self._checkpoint_group = dist.new_group(backend="gloo")
         return info
 
+    def most_over_ranks(self, count: int) -> int:
+        """The largest `count` any rank passes (a collective over the steps' process group: every rank
+        calls it at the same point), e.g. how many micro-batches a step takes (data.pack_by: tokens)."""
+        import torch
+        import torch.distributed as dist
+
+        if not (dist.is_initialized() and dist.get_world_size() > 1):
+            return count
+        most = torch.tensor([count])
+        dist.all_reduce(most, op=dist.ReduceOp.MAX)
+        return int(most)
+
     def attach_loader(self, shard: int, num_shards: int, placement_hash: str) -> None:
         """This rank owns loader shard `shard` of `num_shards` (its replica's)."""
         self.loader = open_train_shard(

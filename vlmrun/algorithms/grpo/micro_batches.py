@@ -27,7 +27,7 @@ import torch
 
 from vlmrun.config.families import family_spec
 from vlmrun.data.batch import IGNORE_INDEX, Batch
-from vlmrun.data.packing import rows_in_order
+from vlmrun.data.packing import rows_in_order, rows_of_count
 from vlmrun.models.shared_images import repeated_images
 from vlmrun.models.shared_images import share_images as shared_image_media
 from vlmrun.plane.interface import SampleBatch
@@ -92,17 +92,32 @@ def model_batches(
     pixel_dtype: torch.dtype | None,
     share_images: bool = True,
     pack_tokens: int | None = None,
+    groups: Sequence[range] | None = None,
 ) -> list[Batch]:
-    """`got`'s samples, `rows` per micro-batch, in order, padded or packed into rows of `pack_tokens`
-    (module doc, 2). Uses `response_mask` for the labels where `got` holds it (the train stage), else
-    labels every response token."""
+    """`got`'s samples, `rows` per micro-batch (or the consecutive `groups` of them, `token_groups`), in
+    order, padded or packed into rows of `pack_tokens` (module doc, 2). Uses `response_mask` for the
+    labels where `got` holds it (the train stage), else labels every response token."""
     spec = family_spec(family)
     return [
-        _one_batch(
-            got, range(start, min(start + rows, len(got))), spec, pad_token_id, pixel_dtype, share_images, pack_tokens
-        )
-        for start in range(0, len(got), rows)
+        _one_batch(got, idx, spec, pad_token_id, pixel_dtype, share_images, pack_tokens)
+        for idx in (groups or sample_groups(len(got), rows))
     ]
+
+
+def sample_groups(samples: int, rows: int) -> list[range]:
+    """Consecutive groups of `rows` samples (the last may hold fewer)."""
+    return [range(start, min(start + rows, samples)) for start in range(0, samples, rows)]
+
+
+def sequence_lengths(got: SampleBatch) -> list[int]:
+    """Each sample's sequence: its prompt and its response, in tokens."""
+    return [p.numel() + r.numel() for p, r in zip(got["prompt_ids"], got["response_ids"], strict=True)]
+
+
+def token_groups(got: SampleBatch, row_tokens: int, count: int) -> list[range]:
+    """`count` consecutive groups of `got`'s samples, each one row of at most `row_tokens` tokens
+    (`data.pack_by: tokens`; data/packing.rows_of_count)."""
+    return [range(row[0], row[-1] + 1) for row in rows_of_count(sequence_lengths(got), row_tokens, count)]
 
 
 def _one_batch(
@@ -209,8 +224,8 @@ def place_response_values(
 def pg_micro_batches(got: SampleBatch, rows: int, **layout) -> list[PgMicroBatch]:
     """The train stage's micro-batches: `model_batches` plus advantages and the logprobs the loss reads."""
     out = []
-    for start, batch in zip(range(0, len(got), rows), model_batches(got, rows, **layout), strict=True):
-        idx = range(start, start + len(batch))
+    groups = layout.get("groups") or sample_groups(len(got), rows)
+    for idx, batch in zip(groups, model_batches(got, rows, **layout), strict=True):
         a = [got["prompt_ids"][i].numel() for i in idx]
         starts, shape = sequence_starts(batch), tuple(batch.input_ids.shape)
 

@@ -28,7 +28,13 @@ from vlmrun.algorithms.common.checkpoint import Checkpoint, PendingCheckpoint
 from vlmrun.algorithms.common.refit import refit
 from vlmrun.algorithms.common.worker import RankWorker
 from vlmrun.algorithms.grpo.loss import ClippedPgLoss
-from vlmrun.algorithms.grpo.micro_batches import batch_response_values, model_batches, pg_micro_batches
+from vlmrun.algorithms.grpo.micro_batches import (
+    batch_response_values,
+    model_batches,
+    pg_micro_batches,
+    sequence_lengths,
+    token_groups,
+)
 from vlmrun.algorithms.grpo.partition import (
     StageGets,
     StagePlane,
@@ -49,6 +55,7 @@ from vlmrun.algorithms.grpo.rollout_rows import (
     response_sample_ids,
 )
 from vlmrun.config.dtype import torch_dtype
+from vlmrun.data.packing import rows_in_order
 from vlmrun.distributed.worker_group import StepGate, side_call
 from vlmrun.generation.interface import SamplingParams
 from vlmrun.generation.prompts import join_prompts
@@ -186,7 +193,7 @@ class GrpoWorker(RankWorker):
             if self.plane is not None:
                 self.plane.clear(partition_name(step, self.replica), wait=False)
         t0 = time.perf_counter()
-        batches = pg_micro_batches(got, self.rows_per_micro, **self._layout())
+        batches = pg_micro_batches(got, self.rows_per_micro, **self._layout(got))
         k = self.recipe.grpo.inner_steps
         per = len(batches) // k
         results = [self.policy.train_step(batches[j * per : (j + 1) * per], self.loss) for j in range(k)]
@@ -213,15 +220,22 @@ class GrpoWorker(RankWorker):
         return StageGets.of(self.recipe, part, sample_ids, stage)
 
     def _model_batches(self, got: SampleBatch) -> list:
-        return model_batches(got, self.rows_per_micro, **self._layout())
+        return model_batches(got, self.rows_per_micro, **self._layout(got))
 
-    def _layout(self) -> dict:
-        return {
+    def _layout(self, got: SampleBatch) -> dict:
+        """How a stage lays `got` out (both stages the same way: the ratio stays 1); with data.pack_by:
+        tokens, as rows of data.pack_tokens, as many on every rank as the rank that fills the most."""
+        d = self.recipe.data
+        layout = {
             "family": self.recipe.family,
             "pad_token_id": self.pad_token_id,
             "pixel_dtype": self.dtype,
-            "pack_tokens": self.recipe.data.pack_tokens,
+            "pack_tokens": d.pack_tokens,
         }
+        if d.pack_by == "tokens":
+            count = self.most_over_ranks(len(rows_in_order(sequence_lengths(got), d.pack_tokens)))
+            layout["groups"] = token_groups(got, d.pack_tokens, count)
+        return layout
 
     # ---- the controller's reach into a process-local plane ----------------------------------------
     @side_call

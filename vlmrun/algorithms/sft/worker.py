@@ -11,9 +11,6 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-import torch
-import torch.distributed as dist
-
 from vlmrun.algorithms.common.checkpoint import Checkpoint, PendingCheckpoint
 from vlmrun.algorithms.common.worker import RankWorker
 from vlmrun.config.families import family_spec
@@ -59,11 +56,7 @@ class SftWorker(RankWorker):
         as many on this rank as on the rank that fills the most (a collective: every rank asks)."""
         d = self.recipe.data
         family = family_spec(self.recipe.model.family)
-        count = rows_for(micro_batches, d.pack_tokens)
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            most = torch.tensor([count])
-            dist.all_reduce(most, op=dist.ReduceOp.MAX)  # the step's own process group, before the step's
-            count = int(most)
+        count = self.most_over_ranks(rows_for(micro_batches, d.pack_tokens))
         return by_tokens(
             micro_batches, row_tokens=d.pack_tokens, count=count, pad_token_id=self.pad_token_id, family=family
         )
