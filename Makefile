@@ -54,7 +54,7 @@ lint: setup
 
 # Three pytest workers on the 2 CPUs: a real run leaves part of a CPU idle (start-up waits, SLURM's queue);
 # measured on a fresh clone, the suite took 16.1 min with two workers and 14.4 with three (CPU 85-99% busy).
-# Each module runs whole on one worker, the SLURM ones together and first (tests/conftest.py says why).
+# Each module runs whole on one worker, the SLURM ones together, the heaviest units first (tests/conftest.py says why).
 # pytest exits 5 when it collected no tests: that is a failure here, said in words.
 PYTEST := $(VENV)/bin/python -m pytest -n 3 --dist loadscope --no-loadscope-reorder
 

@@ -50,6 +50,8 @@ def race(tmp_path_factory, run_data, models) -> dict:
     args = [
         *run_data,
         *sets("train.max_steps=4", "checkpoint.save_period=2", "train.val_samples=0", "data.num_workers=0"),
+        "--set",
+        "parallel.dp=1",  # one rank: the claim on the folder is the controller's
         *sets(f"checkpoint.dir={folder}", f"model.path={models['path']}", "model.tiny=false"),
     ]
     runs = [base / "run-a", base / "run-b"]

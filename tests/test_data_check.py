@@ -139,6 +139,7 @@ def test_submit_refuses_under_refuse_and_trains_with_drop(planted_set, tmp_path)
         f"data.max_seq_len={MAX_SEQ_LEN}",
         "data.num_workers=0",
         "logger.wandb_mode=disabled",
+        "parallel.dp=1",  # one rank: the check and the drop are the loader's, per shard
     )
     run = tmp_path / "refused"
     done = vlmrun("submit", TINY, "--cluster", "local", "--run-dir", str(run), *extra, *sets(*quick), "--wait")

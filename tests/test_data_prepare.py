@@ -165,7 +165,7 @@ def test_a_recipe_that_names_a_synthetic_set_uses_the_prepared_one_as_it_is(llav
 def test_the_tiny_recipe_trains_on_the_prepared_set(llava_set, tmp_path):
     out, _ = llava_set
     quick = ["train.max_steps=4", "checkpoint.save_period=2", "train.val_period=4", "train.val_samples=8"]
-    extra = sets(f"data.path={out}", "data.num_workers=0", "logger.wandb_mode=disabled", *quick)
+    extra = sets(f"data.path={out}", "data.num_workers=0", "logger.wandb_mode=disabled", "parallel.dp=1", *quick)
     run = tmp_path / "run"
     done = vlmrun("submit", TINY, "--cluster", "local", "--run-dir", str(run), *extra, "--wait")
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -545,7 +545,7 @@ def test_the_tiny_recipe_trains_on_a_prepared_parquet_set(tmp_path):
     named = {row for info in summary["bad_rows_by_reason"].values() for row in info["rows"]}
     assert named == {"cut-jpeg", "missing-path", "no-answer"} and summary["rows_read"] == 243
     quick = ["train.max_steps=4", "checkpoint.save_period=2", "train.val_period=4", "train.val_samples=8"]
-    extra = sets(f"data.path={out}", "data.num_workers=0", "logger.wandb_mode=disabled", *quick)
+    extra = sets(f"data.path={out}", "data.num_workers=0", "logger.wandb_mode=disabled", "parallel.dp=1", *quick)
     run = tmp_path / "run"
     done = vlmrun("submit", TINY, "--cluster", "local", "--run-dir", str(run), *extra, "--wait")
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]

@@ -21,12 +21,18 @@ from vlmrun.config.load import load_recipe
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
+#: One rank: what these runs check is the family's own path (its media, its export); two ranks of it
+#: reduce gradients as every family does (the session's dp=2 runs, tests/test_fsdp_policy.py).
+ONE_RANK = "parallel.dp=1"
 OTHER_FAMILIES = [f for f in FAMILIES if f not in {load_recipe(TINY).family, load_recipe(GRPO).family}]
 
 
 @pytest.mark.parametrize("family", OTHER_FAMILIES)
 def test_the_sft_recipe_trains_and_its_export_loads_with_the_trained_logits(family, run_data, tmp_path):
-    quick = ["train.max_steps=3", "checkpoint.save_period=3", "train.val_period=3", "train.val_samples=8"]
+    quick = [
+        *("train.max_steps=3", "checkpoint.save_period=3", "train.val_period=3", "train.val_samples=8"),
+        ONE_RANK,
+    ]
     run = submit(tmp_path / "run", *run_data, *sets(f"model.family={family}", "data.num_workers=0", *quick))
     steps = rows(run)
     assert [r["step"] for r in steps] == [1, 2, 3]
@@ -54,7 +60,7 @@ def test_the_sft_recipe_trains_and_its_export_loads_with_the_trained_logits(fami
 @pytest.mark.parametrize("family", OTHER_FAMILIES)
 def test_the_grpo_recipe_trains_on_the_familys_rollouts(family, run_data, tmp_path):
     small = ["train.global_batch_size=8", "grpo.num_generations=4", "train.val_period=2", "train.val_samples=8"]
-    quick = ["train.max_steps=2", "checkpoint.save_period=2", f"model.family={family}"]
+    quick = ["train.max_steps=2", "checkpoint.save_period=2", f"model.family={family}", ONE_RANK]
     run = submit(tmp_path / "run", *run_data, *sets(*small, *quick), recipe=GRPO)
     steps = rows(run)
     assert [r["step"] for r in steps] == [1, 2]

@@ -17,7 +17,11 @@ from vlmrun.run.metrics import history
 pytestmark = pytest.mark.slow
 
 #: 8 prompts x 4 responses a step over 2 replicas: each owner rank scores 16 responses a step.
-SMALL = ["train.global_batch_size=8", "grpo.num_generations=4", "train.val_samples=0", "train.max_steps=4"]
+#: One rank, which scores every response of a step: 8 prompts x 4.
+SMALL = [
+    *("train.global_batch_size=8", "grpo.num_generations=4", "train.val_samples=0", "train.max_steps=4"),
+    "parallel.dp=1",
+]
 MODULE = '''
 CALLS = 0
 
@@ -26,7 +30,7 @@ def length_bonus(response, sample, ended):
     """The user's reward: shorter answers earn more; named numbers are logged beside it."""
     global CALLS
     CALLS += 1
-    if CALLS > 32:  # this rank's third step
+    if CALLS > 64:  # the third step (32 responses a step)
         raise ValueError("the grader's cache is gone")
     words = len(response.split())
     return {"reward": 1.0 / (1 + words), "words": words, "ended": float(ended)}

@@ -280,15 +280,15 @@ def test_flash_attention_needs_bf16_compute_and_the_package_where_the_ranks_run(
     assert recipe.model.attn_implementation == "flash_attention_2"
     monkeypatch.setattr("importlib.util.find_spec", lambda name: None)  # flash-attn is not installed
     with pytest.raises(InputError, match=r"flash-attn package.*vlmrun\[gpu\].*attn_implementation: sdpa"):
-        preflight.check_local_attention("flash_attention_2")
-    preflight.check_local_attention("sdpa")  # needs nothing
+        preflight.check_local_packages({"model.attn_implementation": "flash_attention_2"})
+    preflight.check_local_packages({"model.attn_implementation": "sdpa"})  # needs nothing
 
 
 def test_the_vllm_engine_needs_its_package_where_the_ranks_run(monkeypatch):
     monkeypatch.setattr("importlib.util.find_spec", lambda name: None)  # vllm is not installed
     with pytest.raises(InputError, match=r"vllm package on the nodes.*vlmrun\[vllm\].*generation.backend: hf"):
-        preflight.check_local_generation("vllm")
-    preflight.check_local_generation("hf")  # needs nothing
+        preflight.check_local_packages({"generation.backend": "vllm"})
+    preflight.check_local_packages({"generation.backend": "hf"})  # needs nothing
 
 
 # ---------------------------------------------------------------- GPU detection without torch

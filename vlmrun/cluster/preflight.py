@@ -41,8 +41,12 @@ def preflight_run(recipe, *, runs_here: bool, dry_run: bool = False) -> None:
     if runs_here:
         check_local_gpus(recipe.cluster.gpus_per_node)
         check_local_mooncake(recipe.data_plane)
-        check_local_attention(recipe.model.attn_implementation)
-        check_local_generation(recipe.generation.backend)
+        check_local_packages(
+            {
+                "model.attn_implementation": recipe.model.attn_implementation,
+                "generation.backend": recipe.generation.backend,
+            }
+        )
 
 
 def check_rewards(recipe) -> None:
@@ -55,33 +59,41 @@ def check_rewards(recipe) -> None:
     reward_terms(recipe.grpo)
 
 
-def check_local_attention(attn_implementation: str) -> None:
-    """flash_attention_2 needs the flash-attn package where the ranks run (found, not imported)."""
+#: A recipe value that needs a package where the ranks run: (field, value, package's import name, the
+#: package's name in words, how to get it, the value that needs nothing).
+NEEDS_PACKAGE = (
+    (
+        "model.attn_implementation",
+        "flash_attention_2",
+        "flash_attn",
+        "flash-attn",
+        "pip install 'vlmrun[gpu]' on a CUDA machine, or the container",
+        "sdpa",
+    ),
+    (
+        "generation.backend",
+        "vllm",
+        "vllm",
+        "vllm",
+        "pip install 'vlmrun[vllm]' where vLLM's torch is, or the container built with WITH_VLLM=1",
+        "hf",
+    ),
+)
+
+
+def check_local_packages(values: dict[str, str]) -> None:
+    """Each recipe value of `values` (field -> value) that NEEDS_PACKAGE lists has its package here (found,
+    not imported: flash-attn and vLLM import torch and CUDA's libraries)."""
     import importlib.util
 
-    if attn_implementation == "flash_attention_2" and importlib.util.find_spec("flash_attn") is None:
-        raise InputError(
-            "model.attn_implementation",
-            attn_implementation,
-            message="model.attn_implementation: flash_attention_2 needs the flash-attn package on the nodes, "
-            "and it is not installed here (pip install 'vlmrun[gpu]' on a CUDA machine, or the container); "
-            "or set model.attn_implementation: sdpa",
-        )
-
-
-def check_local_generation(backend: str) -> None:
-    """generation.backend: vllm needs the vllm package where the ranks run (found, not imported: it
-    imports torch and CUDA's libraries)."""
-    import importlib.util
-
-    if backend == "vllm" and importlib.util.find_spec("vllm") is None:
-        raise InputError(
-            "generation.backend",
-            backend,
-            message="generation.backend: vllm needs the vllm package on the nodes, and it is not installed here "
-            "(pip install 'vlmrun[vllm]' where vLLM's torch is, or the container built with WITH_VLLM=1); "
-            "or set generation.backend: hf",
-        )
+    for field, value, module, package, install, instead in NEEDS_PACKAGE:
+        if values.get(field) == value and importlib.util.find_spec(module) is None:
+            raise InputError(
+                field,
+                value,
+                message=f"{field}: {value} needs the {package} package on the nodes, and it is not installed "
+                f"here ({install}); or set {field}: {instead}",
+            )
 
 
 def check_local_mooncake(data_plane) -> None:

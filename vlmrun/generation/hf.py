@@ -106,19 +106,13 @@ class HfGenerator(GenerationBackend):
             ).cpu()
         responses = sequences[:, batch.input_ids.shape[1] :]
         mask = response_mask(responses, self.eos_ids)
-        logprobs = sampler.logprobs(responses.shape[1]).masked_fill(mask == 0, 0.0)
-        return Rollouts(
-            group_size=n,
-            sample_ids=batch.sample_ids,
-            answers=batch.answers,
-            prompt_ids=batch.input_ids,
-            prompt_mask=batch.attention_mask,
-            response_ids=responses.masked_fill(mask == 0, self.pad_token_id),
-            response_mask=mask,
-            logprobs=logprobs,
+        return Rollouts.sampled(
+            batch,
+            n=n,
+            response_ids=responses,
+            mask=mask,
+            logprobs=sampler.logprobs(responses.shape[1]),
             pad_token_id=self.pad_token_id,
-            media=batch.media,
-            token_inputs=batch.token_inputs,
             generate_s=time.perf_counter() - t0,
         )
 

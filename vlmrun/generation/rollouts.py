@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from vlmrun.data.batch import IGNORE_INDEX, Batch
+from vlmrun.data.batch import IGNORE_INDEX, Batch, PromptBatch
 
 
 @dataclass
@@ -34,6 +34,35 @@ class Rollouts:
     media: dict[str, torch.Tensor] = field(default_factory=dict)
     token_inputs: dict[str, torch.Tensor] = field(default_factory=dict)
     generate_s: float = 0.0
+
+    @classmethod
+    def sampled(
+        cls,
+        prompts: PromptBatch,
+        *,
+        n: int,
+        response_ids: torch.Tensor,
+        mask: torch.Tensor,
+        logprobs: torch.Tensor,
+        pad_token_id: int,
+        generate_s: float,
+    ) -> Rollouts:
+        """What a backend sampled for `prompts` (each prompt's row already repeated `n` times, in order):
+        the responses padded with `pad_token_id` and their log-probs zeroed where `mask` is 0."""
+        return cls(
+            group_size=n,
+            sample_ids=prompts.sample_ids,
+            answers=prompts.answers,
+            prompt_ids=prompts.input_ids,
+            prompt_mask=prompts.attention_mask,
+            response_ids=response_ids.masked_fill(mask == 0, pad_token_id),
+            response_mask=mask,
+            logprobs=logprobs.masked_fill(mask == 0, 0.0),
+            pad_token_id=pad_token_id,
+            media=prompts.media,
+            token_inputs=prompts.token_inputs,
+            generate_s=generate_s,
+        )
 
     def __len__(self) -> int:
         return len(self.sample_ids)

@@ -122,18 +122,13 @@ def rollouts_from(
     lengths = torch.tensor([len(d.token_ids) for d in drawn])
     drew = torch.arange(width)[None, :] < lengths[:, None]  # the padding is not a token (its id may be an eos id)
     mask = response_mask(ids, tokens.eos_ids) * drew
-    return Rollouts(
-        group_size=n,
-        sample_ids=batch.sample_ids,
-        answers=batch.answers,
-        prompt_ids=batch.input_ids,
-        prompt_mask=batch.attention_mask,
-        response_ids=ids.masked_fill(mask == 0, tokens.pad_token_id),
-        response_mask=mask,
-        logprobs=logprobs.masked_fill(mask == 0, 0.0),
+    return Rollouts.sampled(
+        batch,
+        n=n,
+        response_ids=ids,
+        mask=mask,
+        logprobs=logprobs,
         pad_token_id=tokens.pad_token_id,
-        media=batch.media,
-        token_inputs=batch.token_inputs,
         generate_s=generate_s,
     )
 
