@@ -32,7 +32,7 @@ def pytest_addoption(parser):
     parser.addoption(
         "--write-unit-seconds",
         action="store_true",
-        help=f"write each work unit's seconds in this run (setup, call, teardown) to {UNIT_SECONDS.name}: "
+        help=f"write the seconds of each work unit this run ran (setup, call, teardown) into {UNIT_SECONDS.name}: "
         "the order of the units in the next runs",
     )
 
@@ -68,9 +68,11 @@ def pytest_runtest_logreport(report):
 
 
 def pytest_sessionfinish(session, exitstatus):
+    """With --write-unit-seconds: the units of this run take their seconds in it; the others keep theirs."""
     if session.config.getoption("--write-unit-seconds") and not os.environ.get("PYTEST_XDIST_WORKER"):
-        table = {group: round(s, 1) for group, s in sorted(_unit_seconds.items(), key=lambda kv: -kv[1])}
-        UNIT_SECONDS.write_text(json.dumps(table, indent=1) + "\n")
+        known = json.loads(UNIT_SECONDS.read_text()) if UNIT_SECONDS.is_file() else {}
+        table = known | {group: round(s, 1) for group, s in _unit_seconds.items()}
+        UNIT_SECONDS.write_text(json.dumps(dict(sorted(table.items(), key=lambda kv: -kv[1])), indent=1) + "\n")
 
 
 def group_of(nodeid: str) -> str:

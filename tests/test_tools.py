@@ -116,8 +116,10 @@ def test_bench_packing_trains_the_same_loss_from_fewer_fuller_rows():
 
 @pytest.mark.slow
 def test_bench_vision_gives_the_tower_one_copy_of_each_prompts_images():
-    d = run_tool("tools/bench_vision.py", "--rounds", "1", "--prompts", "2", "--set", "grpo.num_generations=4")
+    args = ("--rounds", "1", "--prompts", "2", "--tower", "3b-width", "--set", "grpo.num_generations=4")
+    d = run_tool("tools/bench_vision.py", *args)
     assert d["num_generations"] == 4 and d["rows_per_micro_batch"] == 2 * 4
+    assert d["tower"]["name"] == "3b-width" and d["tower"]["hidden_size"] == 1280
     assert d["vision_rows_shared_over_repeated"] == {"generate": 0.25, "logprob": 0.25, "train": 0.25}
     for way in ("shared", "repeated"):
         stages = d["stages"][way]

@@ -2,7 +2,8 @@
 models/shared_images.py) against once per response (before), side by side in interleaved rounds, as JSON.
 
     .venv/bin/python tools/bench_vision.py [--recipe recipes/tiny-grpo-cpu.yaml] [--family F] [--rounds 5]
-                                           [--prompts N] [--set grpo.num_generations=4 ...] [--json]
+                                           [--prompts N] [--tower tiny|3b-width] [--set grpo.num_generations=4 ...]
+                                           [--json]
 
 One replica's step of the recipe on one rank, in this process, with the product's parts: the `hf`
 generator samples `grpo.num_generations` responses to each of `--prompts` CLEVR prompts (default: a
@@ -11,6 +12,11 @@ the planes give it (`rollout_columns`, `join`); the logprob stage runs `HfPolicy
 `model_batches` of `train.micro_batch_size` prompts' responses; the train stage runs
 `HfPolicy.train_step` with GRPO's clipped loss over `pg_micro_batches`. The learning rate is 0 and the
 sampling stream is restored before each step, so every step of either way sees the same responses.
+
+`--tower 3b-width` (qwen2_5_vl): the tiny model with Qwen2.5-VL-3B's vision tower at its own width
+(hidden 1280, MLP 3420, 16 heads; 2 blocks deep instead of 32), random init, so that a patch row costs
+what it costs there: the tiny tower (32 wide) spends most of a call on work per call and per image
+that does not shrink with the rows it is given.
 
 Per way and stage: wall time, the vision tower's forward time and the patch rows it was given; for the
 train stage also the tower's backward (from its output's gradient to its last parameter's). Ratios are
@@ -22,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -37,6 +44,8 @@ from measure_memory import _free_port
 from vlmrun.observe.ratios import ratio_spread, round_ratios
 
 RECIPE = Path(__file__).resolve().parent.parent / "recipes" / "tiny-grpo-cpu.yaml"
+#: Qwen2.5-VL-3B's vision tower width (its config.json), for `--tower 3b-width`
+TOWERS = {"tiny": {}, "3b-width": {"hidden_size": 1280, "intermediate_size": 3420, "num_heads": 16}}
 STAGES = ("generate", "logprob", "train")
 WAYS = ("shared", "repeated")
 
@@ -89,7 +98,23 @@ class TowerClock:
         self._last_param = time.perf_counter()
 
 
-def measure(recipe, family: str, rounds: int, prompts: int, work: Path) -> dict:
+def with_tower(model_dir: Path, tower: dict, out: Path) -> Path:
+    """The model of `model_dir` with its vision config updated by `tower`, random init (seed 0), saved at
+    `out` with `model_dir`'s tokenizer and processor."""
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    values = json.loads((model_dir / "config.json").read_text())
+    values["vision_config"] |= tower
+    config = AutoConfig.for_model(values.pop("model_type"), **values)
+    torch.manual_seed(0)
+    AutoModelForImageTextToText.from_config(config).save_pretrained(out)
+    for f in model_dir.iterdir():
+        if f.is_file() and not (out / f.name).exists() and f.suffix != ".safetensors" and f.name != "vlmrun_tiny.json":
+            shutil.copy(f, out / f.name)
+    return out
+
+
+def measure(recipe, family: str, rounds: int, prompts: int, work: Path, tower: str = "tiny") -> dict:
     from vlmrun.algorithms.grpo.loss import ClippedPgLoss
     from vlmrun.algorithms.grpo.micro_batches import batch_response_values, model_batches, pg_micro_batches
     from vlmrun.algorithms.grpo.rewards import Scored
@@ -108,6 +133,8 @@ def measure(recipe, family: str, rounds: int, prompts: int, work: Path) -> dict:
     g = recipe.grpo
     shape, _ = training_shape(recipe)
     model_dir = str(ensure_model(recipe.model, work / "models", seed=0))
+    if TOWERS[tower]:
+        model_dir = str(with_tower(Path(model_dir), TOWERS[tower], work / "model"))
     spec = ModelSpec(directory=model_dir, dtype=recipe.model.dtype)
     batch = prompt_batch(family, Path(model_dir), work, prompts, image_size=shape.image_size)
     generator = HfGenerator(model=spec)
@@ -179,6 +206,7 @@ def measure(recipe, family: str, rounds: int, prompts: int, work: Path) -> dict:
 
     return {
         "family": family,
+        "tower": {"name": tower, **json.loads((Path(model_dir) / "config.json").read_text())["vision_config"]},
         "prompts": prompts,
         "num_generations": g.num_generations,
         "rows_per_micro_batch": rows,
@@ -212,6 +240,9 @@ def main() -> None:
     parser.add_argument("--family", default="qwen2_5_vl", help="a family of vlmrun/config/families.py")
     parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds (default 5)")
     parser.add_argument("--prompts", type=int, default=None, help="prompts per step (default: a replica's share)")
+    parser.add_argument(
+        "--tower", choices=sorted(TOWERS), default="tiny", help="the family's tiny tower, or 3b-width (qwen2_5_vl)"
+    )
     parser.add_argument("--set", action="append", default=[], help="recipe override, e.g. grpo.num_generations=4")
     parser.add_argument("--json", action="store_true", help="one JSON object (the default output too)")
     args = parser.parse_args()
@@ -220,12 +251,14 @@ def main() -> None:
     recipe = load_recipe(args.recipe, args.set)
     if recipe.train.algorithm != "grpo":
         sys.exit(f"--recipe {args.recipe}: train.algorithm is {recipe.train.algorithm!r}; this compares GRPO steps")
+    if args.tower != "tiny" and args.family != "qwen2_5_vl":
+        sys.exit(f"--tower {args.tower}: Qwen2.5-VL-3B's tower; --family {args.family} has its own vision config keys")
     if args.rounds < 1:
         sys.exit(f"--rounds {args.rounds}: at least 1")
     prompts = args.prompts or recipe.train.global_batch_size // recipe.parallel.dp
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory(prefix="vlmrun-bench-vision-") as tmp:
-        print(json.dumps(measure(recipe, args.family, args.rounds, prompts, Path(tmp))))
+        print(json.dumps(measure(recipe, args.family, args.rounds, prompts, Path(tmp), tower=args.tower)))
 
 
 if __name__ == "__main__":
