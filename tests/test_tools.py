@@ -116,10 +116,9 @@ def test_bench_packing_trains_the_same_loss_from_fewer_fuller_rows():
 
 @pytest.mark.slow
 def test_bench_vision_gives_the_tower_one_copy_of_each_prompts_images():
-    args = ("--rounds", "1", "--prompts", "2", "--tower", "3b-width", "--set", "grpo.num_generations=4")
-    d = run_tool("tools/bench_vision.py", *args)
+    d = run_tool("tools/bench_vision.py", "--rounds", "1", "--prompts", "2", "--set", "grpo.num_generations=4")
     assert d["num_generations"] == 4 and d["rows_per_micro_batch"] == 2 * 4
-    assert d["tower"]["name"] == "3b-width" and d["tower"]["hidden_size"] == 1280
+    assert d["tower"]["name"] == "tiny" and d["tower"]["hidden_size"] == 32
     assert d["vision_rows_shared_over_repeated"] == {"generate": 0.25, "logprob": 0.25, "train": 0.25}
     for way in ("shared", "repeated"):
         stages = d["stages"][way]
@@ -127,6 +126,25 @@ def test_bench_vision_gives_the_tower_one_copy_of_each_prompts_images():
         assert stages["train"]["vision_backward_s"] > 0
     for key in ("step_shared_over_repeated", "vision_shared_over_repeated"):
         assert set(d[key]) == SPREAD_KEYS and d[key]["rounds"] == 1 and d[key]["median"] > 0
+
+
+def test_bench_vision_3b_width_is_the_tiny_model_with_the_3b_towers_width(tiny_dirs, tmp_path, monkeypatch):
+    """`--tower 3b-width` (the smoke run above takes the tiny tower: the wide one costs 3x its CPU)."""
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    monkeypatch.syspath_prepend(str(ROOT / "tools"))
+    import bench_vision
+
+    tiny = Path(tiny_dirs["qwen2_5_vl"])
+    out = bench_vision.with_tower(tiny, bench_vision.TOWERS["3b-width"], tmp_path / "wide")
+    model = AutoModelForImageTextToText.from_pretrained(out)
+    vision, text = model.config.vision_config, model.config.text_config
+    assert (vision.hidden_size, vision.intermediate_size, vision.num_heads) == (1280, 3420, 16)
+    assert vision.depth == 2 and vision.out_hidden_size == text.hidden_size == 128  # the tiny text model
+    assert (
+        AutoProcessor.from_pretrained(out).tokenizer.get_vocab()
+        == AutoProcessor.from_pretrained(tiny).tokenizer.get_vocab()
+    )
 
 
 @pytest.mark.slow
