@@ -282,6 +282,76 @@ def test_writers_hash_what_they_write_as_it_goes_out_and_read_no_file_back(tmp_p
         assert recorded == checkpoint.digest(Path(pending.path) / name), name
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_checkpoint_files_skip_the_zip_crc_and_load_and_other_saves_keep_it(tmp_path):
+    """Checkpoint files carry no zip CRC32 (the manifest's checksum covers them), one part's or DCP's,
+    and load as written; a `torch.save` outside a checkpoint write, on another thread or after it, keeps
+    its CRC32."""
+    import threading
+    import zipfile
+
+    from vlmrun.algorithms.common import checkpoint, checkpoint_files
+    from vlmrun.policy.interface import PolicyState, Storage
+
+    pending = CheckpointStore(tmp_path, keep=1).begin(1)
+    controller = {"w": torch.randn(256, 256), "n": 3}
+    files = pending.write("controller", controller)
+    shards = PolicyState(Storage.SHARDED, {"model": {"w": torch.randn(64, 64)}, "optimizer": {"s": torch.ones(9)}})
+    files |= pending.write_policy(shards, rank=0)
+    with zipfile.ZipFile(Path(pending.path) / "controller.pt") as z:
+        assert {i.CRC for i in z.infolist()} == {0}
+    found = checkpoint.Checkpoint(1, Path(pending.path), {"format": 3, "files": files})
+    assert torch.equal(found.read("controller")["w"], controller["w"])
+    into = PolicyState(Storage.SHARDED, {"model": {"w": torch.zeros(64, 64)}, "optimizer": {"s": torch.zeros(9)}})
+    assert torch.equal(found.read_policy(into).parts["model"]["w"], shards.parts["model"]["w"])
+
+    seen = []  # what a thread's torch.save gets while this thread is inside a checkpoint write
+    with checkpoint_files.without_zip_crc():
+        other = threading.Thread(target=lambda: seen.append(torch.serialization.get_crc32_options()))
+        other.start()
+        other.join(30)
+        assert not torch.serialization.get_crc32_options()
+    assert seen == [True] and torch.serialization.get_crc32_options()
+    torch.save({"w": torch.ones(10)}, tmp_path / "users.pt")
+    with zipfile.ZipFile(tmp_path / "users.pt") as z:
+        assert all(i.CRC != 0 for i in z.infolist() if i.file_size)
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_writers_ask_for_the_writeback_as_they_go_and_the_file_is_whole(tmp_path, monkeypatch):
+    """Each `_WRITEBACK_BYTES` a writer has written, and at its end, the writeback of what it wrote since
+    is asked for: range after range from the file's start to its end, on a descriptor of the file's own."""
+    from vlmrun.algorithms.common import checkpoint, checkpoint_files
+    from vlmrun.policy.interface import PolicyState, Storage
+
+    asked: list[tuple[int, int, int, bool]] = []
+    real = checkpoint_files._writeback.ask
+    monkeypatch.setattr(checkpoint_files, "_WRITEBACK_BYTES", 1 << 20)
+    monkeypatch.setattr(checkpoint_files._writeback, "call", checkpoint_files._writeback.call or (lambda *a: 0))
+    monkeypatch.setattr(
+        checkpoint_files._writeback,
+        "ask",
+        lambda fd, off, n, last=False: asked.append((fd, off, n, last)) or real(fd, off, n, last=last),
+    )
+    pending = CheckpointStore(tmp_path, keep=1).begin(1)
+    files = pending.write("controller", {f"w{i}": torch.randn(256, 1024) for i in range(4)})  # 4 x 1 MiB
+    shards = PolicyState(Storage.SHARDED, {"model": {"w": torch.randn(512, 1024)}, "optimizer": {"s": torch.ones(9)}})
+    files |= pending.write_policy(shards, rank=0)
+    per_file: list[list[tuple[int, int]]] = [[]]
+    for fd, off, n, last in asked:
+        per_file[-1].append((off, n))
+        if last:
+            per_file.append([])
+    assert per_file.pop() == [] and len(per_file) == len(files)  # every file's requests end with its last
+    sizes = sorted(d["size"] for d in files.values())
+    assert sorted(sum(n for _, n in ranges) for ranges in per_file) == sizes
+    for ranges in per_file:
+        assert ranges[0][0] == 0 and all(a + n == b for (a, n), (b, _) in zip(ranges, ranges[1:]))
+    assert max(len(ranges) for ranges in per_file) >= 4  # the 4 MiB part: asked for as it went, not only at its end
+    for name, recorded in files.items():
+        assert recorded == checkpoint.digest(Path(pending.path) / name), name
+
+
 def test_verify_hashes_on_several_threads_and_names_the_first_damaged_file_in_manifest_order(tmp_path, monkeypatch):
     import threading
     import time

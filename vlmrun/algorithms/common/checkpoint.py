@@ -108,10 +108,13 @@ class PendingCheckpoint:
         name = part_file(part, index)
         target = Path(self.path) / name
         target.parent.mkdir(parents=True, exist_ok=True)
-        with open(target, "wb") as raw:
+        with open(target, "wb") as raw, files.without_zip_crc():
             hashed = files.HashingStream(raw)
-            torch.save(state, hashed)
-            raw.flush()
+            try:
+                torch.save(state, hashed)
+                raw.flush()
+            finally:
+                hashed.end()
         return {name: hashed.digest()}
 
     def write_policy(self, state: PolicyState, *, rank: int) -> dict[str, dict]:
