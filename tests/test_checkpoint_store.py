@@ -338,7 +338,7 @@ def test_writers_ask_for_the_writeback_as_they_go_and_the_file_is_whole(tmp_path
     shards = PolicyState(Storage.SHARDED, {"model": {"w": torch.randn(512, 1024)}, "optimizer": {"s": torch.ones(9)}})
     files |= pending.write_policy(shards, rank=0)
     per_file: list[list[tuple[int, int]]] = [[]]
-    for fd, off, n, last in asked:
+    for _fd, off, n, last in asked:
         per_file[-1].append((off, n))
         if last:
             per_file.append([])
@@ -346,7 +346,7 @@ def test_writers_ask_for_the_writeback_as_they_go_and_the_file_is_whole(tmp_path
     sizes = sorted(d["size"] for d in files.values())
     assert sorted(sum(n for _, n in ranges) for ranges in per_file) == sizes
     for ranges in per_file:
-        assert ranges[0][0] == 0 and all(a + n == b for (a, n), (b, _) in zip(ranges, ranges[1:]))
+        assert ranges[0][0] == 0 and all(a + n == b for (a, n), (b, _) in zip(ranges, ranges[1:], strict=False))
     assert max(len(ranges) for ranges in per_file) >= 4  # the 4 MiB part: asked for as it went, not only at its end
     for name, recorded in files.items():
         assert recorded == checkpoint.digest(Path(pending.path) / name), name
