@@ -144,7 +144,10 @@ def test_1_sigkill_of_the_node_ends_every_process_of_the_attempt(chain):
     assert "raylet" in names and "gcs_server" in names, names  # Ray's agents may still be called python
     assert sum(n.startswith("ray::SftWorker") for n in names) == 2 and any("SftController" in n for n in names)
     assert gone_s < GONE_S
-    assert (last_step(run), checkpoints(run)) == (step, ckpts)  # nothing written after the kill
+    # Nothing written once the node is gone. `os.kill` returns before the node has died: on busy CPUs it
+    # may run a few ms more, and the row of the step in flight, whose writer found the node alive just
+    # before it wrote, can land meanwhile (seen once in ~6 runs of the suite); nothing after that row.
+    assert last_step(run) in (step, step + 1) and checkpoints(run) == ckpts
     assert any("wandb" in f for f in temp_files), temp_files
     assert not temp_root.exists()  # Ray's, wandb's and our temp files went with it
     assert code != 0 and "Traceback" not in launcher.stderr()
