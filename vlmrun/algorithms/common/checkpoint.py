@@ -108,13 +108,8 @@ class PendingCheckpoint:
         name = part_file(part, index)
         target = Path(self.path) / name
         target.parent.mkdir(parents=True, exist_ok=True)
-        with open(target, "wb") as raw, files.without_zip_crc():
-            hashed = files.HashingStream(raw)
-            try:
-                torch.save(state, hashed)
-                raw.flush()
-            finally:
-                hashed.end()
+        with open(target, "wb") as raw, files.hashing_writes(raw) as hashed:
+            torch.save(state, hashed)
         return {name: hashed.digest()}
 
     def write_policy(self, state: PolicyState, *, rank: int) -> dict[str, dict]:

@@ -101,10 +101,11 @@ class HashingStream(io.RawIOBase):
                 self._fd = os.dup(raw.fileno())
 
     def end(self) -> None:
-        """The stream's last bytes are out: ask for the writeback of the rest (and let the descriptor go)."""
+        """The stream's last bytes are out: flush them, ask for the writeback of the rest (and let the
+        descriptor go)."""
+        if not self.raw.closed:
+            self.raw.flush()
         if self._fd is not None:
-            if not self.raw.closed:
-                self.raw.flush()
             _writeback.ask(self._fd, self._start + self._asked, self.size - self._asked, last=True)
             self._fd = None
 
@@ -158,6 +159,18 @@ def without_zip_crc():
         torch.serialization.set_crc32_options(before)
 
 
+@contextlib.contextmanager
+def hashing_writes(raw):
+    """A `HashingStream` over the open file `raw` for one checkpoint file's writes, `torch.save` in the
+    block without the zip CRC32; at the end the file is flushed and its last writeback asked for."""
+    with without_zip_crc():
+        hashed = HashingStream(raw)
+        try:
+            yield hashed
+        finally:
+            hashed.end()
+
+
 def hashing_file_system():
     """DCP's local file system, with every file it writes hashed as it goes (`digests`: path -> digest,
     following DCP's renames of its metadata file), its writeback begun as it goes and its tensors'
@@ -174,13 +187,8 @@ def hashing_file_system():
                 with super().create_stream(path, mode) as stream:
                     yield stream
                 return
-            with super().create_stream(path, mode) as raw, without_zip_crc():
-                hashed = HashingStream(raw)
-                try:
-                    yield hashed
-                    raw.flush()
-                finally:
-                    hashed.end()
+            with super().create_stream(path, mode) as raw, hashing_writes(raw) as hashed:
+                yield hashed
             self.digests[Path(path)] = hashed.digest()
 
         def rename(self, path, new_path) -> None:
