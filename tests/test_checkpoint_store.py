@@ -317,41 +317,6 @@ def test_checkpoint_files_skip_the_zip_crc_and_load_and_other_saves_keep_it(tmp_
         assert all(i.CRC != 0 for i in z.infolist() if i.file_size)
 
 
-@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
-def test_writers_ask_for_the_writeback_as_they_go_and_the_file_is_whole(tmp_path, monkeypatch):
-    """Each `_WRITEBACK_BYTES` a writer has written, and at its end, the writeback of what it wrote since
-    is asked for: range after range from the file's start to its end, on a descriptor of the file's own."""
-    from vlmrun.algorithms.common import checkpoint, checkpoint_files
-    from vlmrun.policy.interface import PolicyState, Storage
-
-    asked: list[tuple[int, int, int, bool]] = []
-    real = checkpoint_files._writeback.ask
-    monkeypatch.setattr(checkpoint_files, "_WRITEBACK_BYTES", 1 << 20)
-    monkeypatch.setattr(checkpoint_files._writeback, "call", checkpoint_files._writeback.call or (lambda *a: 0))
-    monkeypatch.setattr(
-        checkpoint_files._writeback,
-        "ask",
-        lambda fd, off, n, last=False: asked.append((fd, off, n, last)) or real(fd, off, n, last=last),
-    )
-    pending = CheckpointStore(tmp_path, keep=1).begin(1)
-    files = pending.write("controller", {f"w{i}": torch.randn(256, 1024) for i in range(4)})  # 4 x 1 MiB
-    shards = PolicyState(Storage.SHARDED, {"model": {"w": torch.randn(512, 1024)}, "optimizer": {"s": torch.ones(9)}})
-    files |= pending.write_policy(shards, rank=0)
-    per_file: list[list[tuple[int, int]]] = [[]]
-    for _fd, off, n, last in asked:
-        per_file[-1].append((off, n))
-        if last:
-            per_file.append([])
-    assert per_file.pop() == [] and len(per_file) == len(files)  # every file's requests end with its last
-    sizes = sorted(d["size"] for d in files.values())
-    assert sorted(sum(n for _, n in ranges) for ranges in per_file) == sizes
-    for ranges in per_file:
-        assert ranges[0][0] == 0 and all(a + n == b for (a, n), (b, _) in zip(ranges, ranges[1:], strict=False))
-    assert max(len(ranges) for ranges in per_file) >= 4  # the 4 MiB part: asked for as it went, not only at its end
-    for name, recorded in files.items():
-        assert recorded == checkpoint.digest(Path(pending.path) / name), name
-
-
 def test_verify_hashes_on_several_threads_and_names_the_first_damaged_file_in_manifest_order(tmp_path, monkeypatch):
     import threading
     import time

@@ -284,6 +284,50 @@ def test_once_the_node_process_is_gone_nothing_more_is_written(tmp_path, clevr_s
     assert sorted(history(rd.metrics_file())) == [1, 2] and sealed_steps(rd) == [2]  # not step 3's row, nor more
 
 
+def test_the_step_waits_for_the_writes_and_the_seal_runs_behind_the_next_steps(tmp_path, clevr_set, monkeypatch):
+    """Step 2's checkpoint is sealed (fsync, manifest, rename) while step 3 trains: the seal waits here
+    until step 3 has trained, which it never would if the loop sealed before stepping on."""
+    import threading
+
+    from vlmrun.algorithms.common import checkpoint_store
+
+    trained_3, seen = threading.Event(), {}
+    finish = checkpoint_store.CheckpointStore.finish
+
+    def behind(store, pending, files, meta):
+        if pending.step == 2:
+            seen["folder"], seen["step 3 trained meanwhile"] = Path(pending.path).name, trained_3.wait(30)
+        return finish(store, pending, files, meta)
+
+    class Stepping(Loop):
+        def _train_step(self, step, counters):
+            if step == 3:
+                trained_3.set()
+            return super()._train_step(step, counters)
+
+    monkeypatch.setattr(checkpoint_store.CheckpointStore, "finish", behind)
+    rd = make_run(tmp_path / "run", clevr_set)
+    recipe = rd.load_recipe()
+    outcome = Stepping(recipe_json=recipe.model_dump_json(), run_dir=str(rd.path), attempt=0, model_dir="/unused").run()
+    assert seen == {"folder": "tmp_step_2", "step 3 trained meanwhile": True}
+    assert outcome.state is State.COMPLETED and sealed_steps(rd) == [4, 6]  # keep 2
+    assert len(outcome.checkpoint_save_s) == len(outcome.checkpoint_write_s) == 3
+    assert all(w >= s for s, w in zip(outcome.checkpoint_save_s, outcome.checkpoint_write_s, strict=True))
+
+
+def test_a_seal_that_fails_fails_the_run_at_the_next_step_and_publishes_nothing(tmp_path, clevr_set, monkeypatch):
+    from vlmrun.algorithms.common import checkpoint_store
+
+    def full(store, pending, files, meta):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(checkpoint_store.CheckpointStore, "finish", full)
+    rd = make_run(tmp_path / "run", clevr_set)
+    with pytest.raises(OSError, match="No space left"):
+        run_loop(rd)
+    assert sealed_steps(rd) == [] and max(history(rd.metrics_file())) <= 3  # raised by the step after the save
+
+
 # ---------------------------------------------------------------- checkpoint.async_save
 
 

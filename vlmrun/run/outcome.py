@@ -25,7 +25,7 @@ class RunOutcome:
     restarted_data_order: str | None = None  # resumed from another dp: from which layout, what was kept and lost
     first_step_s: float | None = None
     checkpoint_save_s: list[float] = field(default_factory=list)
-    checkpoint_write_s: list[float] = field(default_factory=list)  # async_save: each one's start to its seal
+    checkpoint_write_s: list[float] = field(default_factory=list)  # each one's start to its seal (behind the steps)
     skipped_checkpoints: list[str] = field(default_factory=list)
     final_val: dict[str, float] = field(default_factory=dict)
     worker_nodes: list[str] = field(default_factory=list)

@@ -9,26 +9,21 @@
    damage (a torn write, a flipped bit, a file another save replaced), not against someone who
    forges a file to match: 128 bits make an accidental match impossible in practice. Checkpoints of
    format 2 recorded sha256; `file_checksum` reads either, by the key an entry has (`recorded`).
-3. `seal` writes the manifest and fsyncs every file and folder: what a rename then publishes is on disk.
+3. `seal` writes the manifest and fsyncs every file and folder: what a rename then publishes is on
+   disk. The writers leave their bytes in the page cache, as a plain `torch.save` does; the seal waits
+   for the disk, and the step loop runs it behind the next steps (saving.py).
 4. `torch.save` into a checkpoint skips the zip format's CRC32 of every record (`without_zip_crc`):
    the manifest's XXH3-128 covers every byte of every file, and the CRC32 pass cost as much as the
    write itself (docs/measurements.md). `torch.load` reads such files as any other.
-5. The seal's fsync finds little left to wait for: `HashingStream` asks the kernel to start writing
-   every `_WRITEBACK_BYTES` it wrote (Linux `sync_file_range`, on a thread of its own, `_Writeback`),
-   so the disk writes while the rest is still being serialized, where a plain `torch.save` leaves it
-   all in the page cache until someone fsyncs. A hint only: durability is still the seal's fsync.
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import hashlib
 import io
 import json
 import os
-import queue
-import threading
 from pathlib import Path
 
 import xxhash
@@ -38,80 +33,14 @@ CHECKSUM = "xxh3_128"
 #: Every checksum a manifest entry may carry, newest first: format 3 writes xxh3_128, format 2 wrote sha256.
 _ALGORITHMS = {"xxh3_128": xxhash.xxh3_128, "sha256": hashlib.sha256}
 _CHUNK = 8 << 20  # bytes per read while hashing a file on disk
-#: Bytes a checkpoint stream writes between two requests that the kernel start writing them to disk.
-_WRITEBACK_BYTES = 32 << 20
-_SYNC_FILE_RANGE_WRITE = 2  # <fcntl.h>: start writing the range's dirty pages; wait for none
-
-
-def _sync_file_range():
-    """libc's `sync_file_range` (Linux), or None where there is none (the seal's fsync then does it all)."""
-    try:
-        call = ctypes.CDLL(None, use_errno=True).sync_file_range
-    except (OSError, AttributeError):
-        return None
-    call.argtypes = (ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint)
-    call.restype = ctypes.c_int
-    return call
-
-
-class _Writeback:
-    """One thread per process that asks the kernel to start writing ranges of checkpoint files to disk
-    (module doc, 5). A thread of its own: the call blocks while the device's queue is full, and the
-    writer must not wait on it (asked inline, the save was slower than not asking at all)."""
-
-    def __init__(self):
-        self.call = _sync_file_range()
-        self._requests: queue.SimpleQueue = queue.SimpleQueue()
-        self._lock = threading.Lock()
-        self._thread: threading.Thread | None = None
-
-    def ask(self, fd: int, offset: int, length: int, *, last: bool = False) -> None:
-        """Start writing `length` bytes of `fd` from `offset`; `last` closes `fd` (the stream's own dup) after."""
-        with self._lock:
-            if self._thread is None or not self._thread.is_alive():  # first use, or a forked child
-                self._thread = threading.Thread(target=self._serve, name="vlmrun-writeback", daemon=True)
-                self._thread.start()
-        self._requests.put((fd, offset, length, last))
-
-    def _serve(self) -> None:
-        while True:
-            fd, offset, length, last = self._requests.get()
-            try:
-                if length > 0:
-                    self.call(fd, offset, length, _SYNC_FILE_RANGE_WRITE)  # a hint: a refusal changes nothing
-            finally:
-                if last:
-                    os.close(fd)
-
-
-_writeback = _Writeback()
 
 
 class HashingStream(io.RawIOBase):
     """A write-only stream over `raw` that hashes every byte on its way out: the writer's digest
-    without reading the file back; every `_WRITEBACK_BYTES`, and at `end`, the bytes' writeback is
-    asked for (module doc, 5). Position queries pass through (DCP records offsets)."""
+    without reading the file back. Position queries pass through (DCP records offsets)."""
 
     def __init__(self, raw):
         self.raw, self._hash, self.size = raw, _ALGORITHMS[CHECKSUM](), 0
-        self._fd, self._start, self._asked = None, 0, 0  # a dup of the file's descriptor for the writeback
-        if _writeback.call is not None:
-            with contextlib.suppress(OSError, AttributeError, io.UnsupportedOperation):  # not a file: no writeback
-                self._start = raw.tell()
-                self._fd = os.dup(raw.fileno())
-
-    def end(self) -> None:
-        """The stream's last bytes are out: flush them, ask for the writeback of the rest (and let the
-        descriptor go)."""
-        if not self.raw.closed:
-            self.raw.flush()
-        if self._fd is not None:
-            _writeback.ask(self._fd, self._start + self._asked, self.size - self._asked, last=True)
-            self._fd = None
-
-    def close(self) -> None:
-        self.end()
-        super().close()
 
     def writable(self) -> bool:
         return True
@@ -122,10 +51,6 @@ class HashingStream(io.RawIOBase):
         n = len(view) if n is None else n  # a buffered file writes everything or raises
         self._hash.update(view[:n])
         self.size += n
-        if self._fd is not None and self.size - self._asked >= _WRITEBACK_BYTES:
-            self.raw.flush()  # a buffered tail reaches the file only at the next write
-            _writeback.ask(self._fd, self._start + self._asked, self.size - self._asked)
-            self._asked = self.size
         return n
 
     def tell(self) -> int:
@@ -162,19 +87,16 @@ def without_zip_crc():
 @contextlib.contextmanager
 def hashing_writes(raw):
     """A `HashingStream` over the open file `raw` for one checkpoint file's writes, `torch.save` in the
-    block without the zip CRC32; at the end the file is flushed and its last writeback asked for."""
+    block without the zip CRC32; at the end the file is flushed."""
     with without_zip_crc():
-        hashed = HashingStream(raw)
-        try:
-            yield hashed
-        finally:
-            hashed.end()
+        yield HashingStream(raw)
+    raw.flush()
 
 
 def hashing_file_system():
     """DCP's local file system, with every file it writes hashed as it goes (`digests`: path -> digest,
-    following DCP's renames of its metadata file), its writeback begun as it goes and its tensors'
-    `torch.save` without the zip CRC32 (module doc, 4 and 5)."""
+    following DCP's renames of its metadata file) and its tensors' `torch.save` without the zip CRC32
+    (module doc, 4)."""
     from torch.distributed.checkpoint.filesystem import FileSystem
 
     class HashingFileSystem(FileSystem):

@@ -34,6 +34,7 @@ from pathlib import Path
 
 from vlmrun.algorithms.common.checkpoint import Checkpoint, PendingCheckpoint
 from vlmrun.algorithms.common.checkpoint_store import run_checkpoints
+from vlmrun.algorithms.common.saving import Saves
 from vlmrun.algorithms.common.shards import open_train_shard
 from vlmrun.algorithms.common.steps import plan_steps
 from vlmrun.algorithms.common.validation import ValidationScore, validation_row, validation_shares
@@ -85,9 +86,6 @@ class StepLoop:
         self.worker_threads = worker_threads
         self._stop = threading.Event()
         self.stop_reason = ""
-        self.save_times: list[float] = []  # what each save held the loop up (with async_save: the copy)
-        self.write_times: list[float] = []  # async_save: each checkpoint's start to its seal
-        self._in_flight: tuple | None = None  # async_save: (pending, files, meta, t0) of the one being written
         self._resuming = False  # a checkpoint is loaded after the workers' setup
         self.started_at = started_at or time.time()
         self.driver = driver  # the node process that runs this attempt; none of our writes outlive it
@@ -152,7 +150,7 @@ class StepLoop:
 
     def _save_parts(self, pending: PendingCheckpoint, background: bool = False) -> dict[str, dict]:
         """Every rank's parts (the workers' `save`) and the loader shards this process owns; with
-        `background` the policy's files come later (`_seal_in_flight`)."""
+        `background` the policy's files come later (saving.py)."""
         written = self.group.all_ranks("save", pending, background)
         files = {f: d for w in written for f, d in w.items()}
         for shard, loader in self.loaders.items():
@@ -202,6 +200,13 @@ class StepLoop:
             run_id=wandb_id(self.rd.path),
         )
         found, skipped = self._open_checkpoints()
+        try:
+            return self._run(found, skipped)
+        finally:
+            self.saves.close()
+
+    def _run(self, found: Checkpoint | None, skipped: list[str]) -> RunOutcome:
+        r = self.recipe
         self.restart_data = False
         if found is not None:  # before any worker starts: a refused resume costs nothing
             self.restart_data = self._check_belongs(found)
@@ -220,7 +225,7 @@ class StepLoop:
             if self._stop.is_set():
                 step -= 1
                 self._save(step, counters)
-                self._seal_in_flight(wait=True)
+                self.saves.settle(wait=True)
                 return self._outcome(State.STOPPED, step, self._stopped_at(step), notes)
             row = self._train_step(step, counters)
             if first_step_at is None:
@@ -232,10 +237,10 @@ class StepLoop:
             self._check_driver()
             self.metrics.append(row)
             self.wandb.log(row.to_json())
-            self._seal_in_flight(wait=False)
+            self.saves.settle(wait=False)
             if self._due(step, r.checkpoint.save_period) or self._stop.is_set():
                 self._save(step, counters)
-        self._seal_in_flight(wait=True)
+        self.saves.settle(wait=True)
         if self._stop.is_set() and step < self.steps.max_steps:
             return self._outcome(State.STOPPED, step, self._stopped_at(step), notes)
         planned = self.steps.max_steps
@@ -264,8 +269,8 @@ class StepLoop:
             reason=reason,
             stop_signal=signal,
             max_steps=self.steps.max_steps,
-            checkpoint_save_s=self.save_times,
-            checkpoint_write_s=self.write_times,
+            checkpoint_save_s=self.saves.save_times,
+            checkpoint_write_s=self.saves.write_times,
             worker_nodes=self.worker_nodes,
             ray_alive_nodes=self._ray_alive_nodes(),
             policy_layout=self.policy_layout,
@@ -284,6 +289,7 @@ class StepLoop:
         worker loads it) and the checkpoint to resume from: the one the node verified, counted as
         valid here without re-reading it."""
         self.store = run_checkpoints(self.rd, self.recipe)
+        self.saves = Saves(self.store, self._check_driver)
         self.identity = run_identity(self.recipe, model_contents=model_contents(self.recipe.model))
         found, skipped = self.chosen if self.chosen is not None else self.store.latest(set_aside=True)
         if found is not None and self._verdict is None:
@@ -384,10 +390,10 @@ class StepLoop:
         return f"stop requested ({self.stop_reason}) before the first step; nothing trained, no checkpoint"
 
     def _save(self, step: int, counters: dict) -> None:
-        """The checkpoint of `step`: written and sealed here, or, with `checkpoint.async_save`, begun
-        here (every rank's copy of the policy's state taken, the small parts written) and sealed by
-        `_seal_in_flight` once every rank's files are written. One is in flight at a time."""
-        self._seal_in_flight(wait=True)
+        """The checkpoint of `step`: every part written here (with `checkpoint.async_save` the policy's
+        from a copy, on the ranks' threads), sealed behind the next steps (saving.py). One is in flight
+        at a time."""
+        self.saves.settle(wait=True)
         if step <= 0 or self.store.holds(step):  # already saved, valid: the one resumed from, or just sealed
             return
         t0 = time.perf_counter()
@@ -404,35 +410,8 @@ class StepLoop:
             "attempt": self.attempt,
             "counters": counters,
         }
-        self.save_times.append(round(time.perf_counter() - t0, 4))
-        if background:
-            self._in_flight = (pending, files, meta, t0)
-            log.info(
-                "checkpoint of step %d: writing in the background (the step waited %.2fs)", step, self.save_times[-1]
-            )
-            return
-        self._check_driver()
-        path = self.store.finish(pending, files, meta)
-        self.save_times[-1] = round(time.perf_counter() - t0, 4)
-        log.info("saved %s in %.2fs", path, self.save_times[-1])
-
-    def _seal_in_flight(self, *, wait: bool) -> None:
-        """Seal the checkpoint being written in the background once every rank's files are written
-        (`wait`: wait for them); until then it is tmp_step_<N>, which no resume reads."""
-        if self._in_flight is None:
-            return
-        pending, files, meta, t0 = self._in_flight
-        written = self.group.all_ranks("save_done", wait)
-        if any(w is None for w in written):
-            return
-        self._in_flight = None
-        files = dict(files)
-        for w in written:
-            files |= w
-        self._check_driver()
-        path = self.store.finish(pending, files, meta)
-        self.write_times.append(round(time.perf_counter() - t0, 4))
-        log.info("saved %s in %.2fs, in the background", path, self.write_times[-1])
+        rank_files = (lambda wait: self.group.all_ranks("save_done", wait)) if background else None
+        self.saves.begun(pending, files, meta, t0, rank_files)
 
 
 def wandb_id(run_dir: Path) -> str:
