@@ -18,8 +18,8 @@ is the median of the per-round ratios with their spread.
 
 A third variant, `resume`, is a resume's policy start: `setup(weights="checkpoint")` (the model
 allocated, nothing of the directory read), then the checkpoint's model, optimizer and LR schedule read
-into it (`Checkpoint.read_policy`, `load_checkpoint_state`), from a sealed checkpoint the ranks wrote
-once before the rounds (model and AdamW state); its time adds the job's check of that checkpoint
+into it (`Checkpoint.read_policy`, `load_checkpoint_state`), from a sealed checkpoint (model and AdamW
+state) that the first round's sharded ranks write after their measurement; its time adds the job's check of that checkpoint
 (`verify`: every file hashed, on the store's threads) and is set against the cold start's `setup`
 (`resume_over_cold_s`). The rest of an attempt's start (Ray, the loaders) is the same in both.
 """
@@ -40,6 +40,7 @@ from bench_refit import SIZES
 from gpu.workload import TRAIN, free_port, model_config, sharded_parallel
 
 from vlmrun.algorithms.common.checkpoint import verify
+from vlmrun.algorithms.common.checkpoint_store import CheckpointStore
 from vlmrun.observe.ratios import ratio_spread, round_ratios
 
 
@@ -62,7 +63,9 @@ def _status_kb(key: str) -> int:
     raise KeyError(key)
 
 
-def _rank(rank: int, world: int, model_dir: str, variant: str, port: int, out: str, checkpoint: str = "") -> None:
+def _rank(
+    rank: int, world: int, model_dir: str, variant: str, port: int, out: str, checkpoint: str, write_to: str
+) -> None:
     import os
 
     import vlmrun.policy.hf as hf
@@ -100,12 +103,12 @@ def _rank(rank: int, world: int, model_dir: str, variant: str, port: int, out: s
         info = policy.setup(master_addr="127.0.0.1", master_port=port, max_steps=1)
     seconds = time.perf_counter() - t0
     peak = _status_kb("VmHWM") - before
-    if variant == "write":  # the checkpoint the resume rounds read: model and AdamW state
+    if write_to:  # the checkpoint the resume rounds read (model and AdamW state), after the measurement
         import torch.distributed as dist
 
         from vlmrun.algorithms.common.checkpoint import PendingCheckpoint
 
-        folder = Path(checkpoint)
+        folder = Path(write_to)
         files = PendingCheckpoint(1, str(folder)).write_policy(policy.checkpoint_state(), rank=rank)
         every = [None] * world
         dist.all_gather_object(every, files)
@@ -118,20 +121,20 @@ def _rank(rank: int, world: int, model_dir: str, variant: str, port: int, out: s
     os._exit(0)  # skip interpreter teardown: gloo's threads sometimes abort in C++ destructors at exit
 
 
-def one(model_dir: Path, variant: str, ranks: int, work: Path, checkpoint: Path | None = None) -> list[dict]:
+def one(
+    model_dir: Path, variant: str, ranks: int, work: Path, checkpoint: Path | None = None, write_to: Path | None = None
+) -> list[dict]:
+    """A fresh set of `ranks` ranks set up the policy of `variant` once; each rank's row. With `write_to`,
+    they then write the policy's parts of a checkpoint into that pending checkpoint folder."""
     out = work / f"{variant}-{time.monotonic_ns()}"
-    args = (ranks, str(model_dir), variant, free_port(), str(out), str(checkpoint or ""))
+    args = (ranks, str(model_dir), variant, free_port(), str(out), str(checkpoint or ""), str(write_to or ""))
     mp.start_processes(_rank, args=args, nprocs=ranks, start_method="spawn")
     return [json.loads(Path(f"{out}.{r}").read_text()) for r in range(ranks)]
 
 
-def write_checkpoint(model_dir: Path, ranks: int, work: Path) -> Path:
-    """A sealed checkpoint of the model (its policy parts and a controller part), as a run's save leaves it."""
-    from vlmrun.algorithms.common.checkpoint_store import CheckpointStore
-
-    store = CheckpointStore(work / "checkpoints", keep=1)
-    pending = store.begin(1)
-    one(model_dir, "write", ranks, work, Path(pending.path))
+def seal(store, pending) -> Path:
+    """The checkpoint the ranks wrote into `pending`, with a controller part, sealed as a run's save
+    leaves it."""
     files = json.loads((Path(pending.path) / "files.json").read_text())
     (Path(pending.path) / "files.json").unlink()
     files |= pending.write("controller", {"step": 1})
@@ -149,16 +152,21 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="vlmrun-bench-load-") as tmp:
         work = Path(tmp)
         params = save_model(args.size, work / "model", args.disk_dtype)
-        checkpoint = write_checkpoint(work / "model", args.ranks, work)
+        store = CheckpointStore(work / "checkpoints", keep=1)
+        pending, checkpoint = store.begin(1), None
         rows: dict[str, list[list[dict]]] = {"sharded": [], "whole": [], "resume": []}
         verify_s: list[float] = []
-        for _ in range(args.rounds):  # interleaved rounds, a fresh set of ranks each time
+        for n in range(args.rounds):  # interleaved rounds, a fresh set of ranks each time
             for variant in rows:
                 if variant == "resume":
                     t0 = time.perf_counter()
                     verify(checkpoint)
                     verify_s.append(time.perf_counter() - t0)
-                rows[variant].append(one(work / "model", variant, args.ranks, work, checkpoint))
+                writes = variant == "sharded" and n == 0
+                got = one(work / "model", variant, args.ranks, work, checkpoint, Path(pending.path) if writes else None)
+                rows[variant].append(got)
+                if writes:
+                    checkpoint = seal(store, pending)
         checkpoint_bytes = sum(p.stat().st_size for p in checkpoint.rglob("*") if p.is_file())
     model_bytes = params * 4  # fp32 master weights: what `from_pretrained` held on every rank
 

@@ -5,10 +5,11 @@
 The model is the tiny Qwen2.5-VL's (its tokenizer, processor and token ids) grown to `--size` (`mid`:
 ~0.27B parameters in 24 decoder layers of width 1024; `tiny`: as built, for the tests), random-init, saved
 once as bf16 safetensors, as published checkpoints are; the recipe is the tiny SFT recipe on it
-(`model.path`), FSDP2 over `--ranks` gloo ranks, on a small CLEVR set. A base run trains one step and seals its checkpoint (fp32 model and AdamW state). Then, in
-interleaved rounds: a cold start (a fresh run directory: the sharded load of the model's files) and a
-resume (a copy of the base run, `vlmrun resume --set train.max_steps=2`: the checkpoint verified, then
-read into the ranks). Each side's number is the attempt's own `first_step_s` in job.json: from the
+(`model.path`), FSDP2 over `--ranks` gloo ranks, on a small CLEVR set (generated first, so that no
+attempt's start includes it). In interleaved rounds: a cold start (a fresh run directory: the sharded
+load of the model's files; it trains one step and seals its checkpoint, fp32 model and AdamW state) and
+a resume (a copy of the first cold start's run, `vlmrun resume --set train.max_steps=2`: the checkpoint
+verified, then read into the ranks); the first round starts cold. Each side's number is the attempt's own `first_step_s` in job.json: from the
 attempt's start (the node process) to its first step's end, as the job reports it to users. The ratio is
 the median of the per-round ratios with their spread (vlmrun/observe/ratios.py).
 """
@@ -24,6 +25,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from vlmrun.datasets.clevr import ensure_clevr
 from vlmrun.observe.ratios import ratio_spread, round_ratios
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -112,14 +114,15 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="vlmrun-bench-resume-") as tmp:
         work = Path(tmp)
         model, params = save_model(args.size, work)
+        ensure_clevr(work / "clevr", **DATA)
         sets = recipe_sets(model, work / "clevr", args.ranks)
-        cold(work, sets, "base")  # generates the data set, trains step 1, seals its checkpoint
-        checkpoint_bytes = sum(p.stat().st_size for p in (work / "base" / "checkpoints").rglob("*") if p.is_file())
+        base = work / "cold-0"  # trains step 1 and seals its checkpoint: what every resume continues
         sides: dict[str, list[dict]] = {"cold": [], "resume": []}
         for n in range(args.rounds):  # interleaved, the order alternating
             for side in ("cold", "resume") if n % 2 == 0 else ("resume", "cold"):
-                got = cold(work, sets, f"cold-{n}") if side == "cold" else resumed(work, work / "base", f"resume-{n}")
+                got = cold(work, sets, f"cold-{n}") if side == "cold" else resumed(work, base, f"resume-{n}")
                 sides[side].append(got)
+        checkpoint_bytes = sum(p.stat().st_size for p in (base / "checkpoints").rglob("*") if p.is_file())
     seconds = {side: [a["first_step_s"] for a in rows] for side, rows in sides.items()}
     report = {
         "size": args.size,
