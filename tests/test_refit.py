@@ -164,3 +164,43 @@ def test_a_tied_weight_is_gathered_and_sent_once_and_fills_every_name_of_it(tiny
     with pytest.raises(KeyError, match="came twice"):
         engine.load_weights([{"lm_head.weight": head.detach().clone()}, {"lm_head.weight": head.detach().clone()}])
     policy.shutdown()
+
+
+def _gather_rank(rank, port, out):
+    """Rank `rank` of 2: sharded tensors of uneven, empty-shard and 1-D shapes on a 1-D mesh and on a 2-D
+    mesh (replicas x shards, as HSDP), each made whole in bf16 by the refit stream, a row per all-gather."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    from vlmrun.policy import refit_stream
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    gathered = {}
+    for mesh, placements in (
+        (init_device_mesh("cpu", (2,)), [Shard(0)]),
+        (init_device_mesh("cpu", (1, 2)), [Replicate(), Shard(0)]),
+    ):
+        for shape in ((7, 3), (1, 5), (5,), (4, 2, 2)):
+            torch.manual_seed(sum(shape))
+            full = torch.randn(shape)
+            t = distribute_tensor(full, mesh, placements)
+            assert refit_stream.gather_rows(t, torch.bfloat16, mesh.ndim - 1, 1) is not None, (shape, mesh)
+            # slices of one row per all-gather: every seam crossed
+            gathered[f"{mesh.ndim}d{shape}"] = (refit_stream.whole(t, torch.bfloat16, 1), full.to(torch.bfloat16))
+    if rank == 0:
+        torch.save(gathered, out)
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_a_sharded_tensor_is_cast_on_its_shard_and_gathered_whole_slice_by_slice(tmp_path):
+    from data_samples import free_port, start_ranks
+
+    out = tmp_path / "gathered.pt"
+    start_ranks(_gather_rank, (free_port(), str(out)))
+    gathered = torch.load(out)
+    assert len(gathered) == 8
+    for key, (got, want) in gathered.items():
+        assert got.dtype == torch.bfloat16 and torch.equal(got, want), key

@@ -287,8 +287,14 @@ def profiled_peak(fn) -> int:
         trace_file = Path(tmp) / "trace.json"
         prof.export_chrome_trace(str(trace_file))
         events = json.loads(trace_file.read_text())["traceEvents"]
-    totals = [e["args"]["Total Allocated"] for e in events if e.get("name") == "[memory]"]
-    return max(totals, default=0)
+    memory = sorted((e for e in events if e.get("name") == "[memory]"), key=lambda e: e["ts"])
+    if not memory:
+        return 0
+    # torch's count of the bytes allocated carries over from one profile to the next (an allocation made
+    # in an earlier profile and freed outside any is never taken off it): the peak is above this
+    # profile's own start, the count before its first allocation or free
+    start = memory[0]["args"]["Total Allocated"] - memory[0]["args"]["Bytes"]
+    return max(e["args"]["Total Allocated"] for e in memory) - start
 
 
 def main() -> None:

@@ -146,7 +146,8 @@ class HfGenerator(GenerationBackend):
                     continue
                 target.copy_(tensor)
                 filled.update(alias_of.get(name, [name]))
-            del bucket  # before the next is drawn: the policy gathers it with this one freed
+            # before the next is drawn: the policy gathers it with this one freed, its last tensor too
+            bucket = tensor = None
         if missing := sorted(set(own) - filled):
             raise KeyError(f"refit: {len(missing)} weights never came, e.g. {missing[:3]}")
 

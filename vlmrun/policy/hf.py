@@ -67,6 +67,7 @@ from vlmrun.policy.interface import (
 )
 from vlmrun.policy.loss import NllLoss, labelled_logprobs, scored_positions
 from vlmrun.policy.optimizer import allocate_state, build_optimizer
+from vlmrun.policy.refit_stream import refit_buckets
 
 
 class HfPolicy(PolicyBackend):
@@ -313,30 +314,10 @@ class HfPolicy(PolicyBackend):
         self, *, dtype: str | None = None, bucket_bytes: int = REFIT_BUCKET_BYTES
     ) -> Iterator[dict[str, torch.Tensor]]:
         """The full weights by HF name, bucket by bucket, on this rank's device (interface doc). Sharded:
-        each tensor is cast on its shard, then gathered alone (an all-gather per tensor, every rank in
-        the same order; a shard offloaded to the host goes to the mesh's device first, cast), so a
-        refit holds one bucket of whole tensors, in `dtype`, never the model.
+        each tensor is cast on its shard and gathered alone into the whole tensor, every rank in the same
+        order (refit_stream.py), so a refit holds one bucket of whole tensors, in `dtype`, never the model.
         Replicated: the live tensors themselves (cast copies when `dtype` differs)."""
-        want = None if dtype is None else torch_dtype(dtype)
-        bucket: dict[str, torch.Tensor] = {}
-        size = 0
-        for name, t in self._refit_tensors():
-            t = t.detach()
-            nbytes = t.numel() * (want.itemsize if want is not None and t.is_floating_point() else t.element_size())
-            if bucket and size + nbytes > bucket_bytes:  # before this one is gathered: one bucket alive at a time
-                yield bucket
-                bucket, size = {}, 0
-            if want is not None and t.is_floating_point() and t.dtype != want:
-                t = t.to(want)
-            if hasattr(t, "full_tensor"):
-                if t.device.type != t.device_mesh.device_type:  # offloaded shards: gathered on the mesh's device
-                    t = t.to(t.device_mesh.device_type)
-                t = t.full_tensor()
-            bucket[name] = t
-            size += nbytes
-            del t
-        if bucket:
-            yield bucket
+        return refit_buckets(self._refit_tensors(), None if dtype is None else torch_dtype(dtype), bucket_bytes)
 
     def _refit_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """The state dict's tensors, a tied weight once (under its first name: one gather, not one per name)."""

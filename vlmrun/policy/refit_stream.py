@@ -1,0 +1,105 @@
+"""The policy's weights as a refit takes them: whole tensors in the engine's dtype, bucket by bucket.
+
+1. `refit_buckets` yields {name: whole tensor} buckets of at most `bucket_bytes` (a tensor larger than
+   that alone), the next tensor gathered only once the bucket before it is handed on: a refit holds one
+   bucket of whole tensors, never the model.
+2. A sharded tensor (a DTensor of FSDP2 or HSDP, its rows split over one mesh dimension) is cast on its
+   shard and gathered straight into the whole tensor it becomes (`gather_rows`), a slice of rows at a
+   time: beyond that tensor, the gather holds a few slices of a quarter bucket each (what one
+   all-gather brings, the process group's own copy of it over gloo, this rank's cast slice), where `DTensor.full_tensor()` held the cast shard, every rank's
+   shard and their concatenation at once (over gloo). Any other layout goes through `full_tensor()`.
+3. Collective: every rank of the mesh draws the same tensors in the same order. The values are the
+   shards' own, cast elementwise: the same bits whichever way they are gathered.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Iterator
+
+import torch
+import torch.distributed as dist
+
+#: A sharded tensor is gathered in slices of at most bucket_bytes / SLICES_PER_BUCKET (module doc, 2).
+SLICES_PER_BUCKET = 4
+
+
+def refit_buckets(
+    tensors: Iterable[tuple[str, torch.Tensor]], want: torch.dtype | None, bucket_bytes: int
+) -> Iterator[dict[str, torch.Tensor]]:
+    """Buckets of whole tensors (module doc, 1), floating ones in `want` (None: as they are)."""
+    bucket: dict[str, torch.Tensor] = {}
+    size = 0
+    for name, t in tensors:
+        t = t.detach()
+        dtype = want if want is not None and t.is_floating_point() else t.dtype
+        nbytes = t.numel() * dtype.itemsize
+        if bucket and size + nbytes > bucket_bytes:  # before this one is gathered: one bucket alive at a time
+            yield bucket
+            bucket, size = {}, 0
+        bucket[name] = whole(t, dtype, max(1, bucket_bytes // SLICES_PER_BUCKET))
+        size += nbytes
+        del t
+    if bucket:
+        yield bucket
+
+
+def whole(t: torch.Tensor, dtype: torch.dtype, slice_bytes: int) -> torch.Tensor:
+    """`t` whole and in `dtype`: a plain tensor cast (itself when it is in `dtype`), a sharded one
+    gathered on its mesh's device, at most `slice_bytes` an all-gather (module doc, 2)."""
+    if not hasattr(t, "full_tensor"):
+        return t if t.dtype == dtype else t.to(dtype)
+    dim = _row_dim(t)
+    if dim is not None:
+        gathered = gather_rows(t, dtype, dim, slice_bytes)
+        if gathered is not None:
+            return gathered
+    if t.dtype != dtype:
+        t = t.to(dtype)
+    if t.device.type != t.device_mesh.device_type:  # offloaded shards: gathered on the mesh's device
+        t = t.to(t.device_mesh.device_type)
+    return t.full_tensor()
+
+
+def _row_dim(t) -> int | None:
+    """The mesh dimension `t`'s rows are split over, when that is its only split (the others replicate)."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    if t.ndim == 0:
+        return None
+    split = [d for d, p in enumerate(t.placements) if isinstance(p, Shard) and p.dim == 0]
+    rest = [p for d, p in enumerate(t.placements) if d not in split]
+    return split[0] if len(split) == 1 and all(isinstance(p, Replicate) for p in rest) else None
+
+
+def gather_rows(t, dtype: torch.dtype, mesh_dim: int, slice_bytes: int) -> torch.Tensor | None:
+    """The whole of `t` (rows split over `mesh_dim` in torch.chunk's way: ceil(rows / n) a rank, the last
+    ranks fewer or none), cast slice by slice and gathered into one tensor, each all-gather bringing at
+    most `slice_bytes` (one row at least); None when this rank's shard is not the rows that split gives
+    it (then the caller takes `full_tensor()`)."""
+    mesh = t.device_mesh
+    group, n, me = mesh.get_group(mesh_dim), mesh.size(mesh_dim), mesh.get_local_rank(mesh_dim)
+    rows = t.shape[0]
+    per = -(-rows // n)
+    local = t.to_local()
+    if local.shape[0] != max(0, min(per, rows - me * per)) or local.shape[1:] != t.shape[1:]:
+        return None
+    device = torch.device(mesh.device_type) if local.device.type != mesh.device_type else local.device
+    out = torch.empty(t.shape, dtype=dtype, device=device)
+    row_bytes = max(1, math.prod(t.shape[1:]) * dtype.itemsize)
+    step = max(1, slice_bytes // (n * row_bytes))
+    for start in range(0, per, step):
+        count = min(step, per - start)
+        piece = torch.zeros((count, *t.shape[1:]), dtype=dtype, device=device)
+        mine = local[start : start + count]
+        piece[: mine.shape[0]] = mine  # cast (and moved) on the way; rows past the shard's end stay padding
+        brought = torch.empty((n * count, *t.shape[1:]), dtype=dtype, device=device)
+        dist.all_gather_into_tensor(brought, piece, group=group)
+        del piece
+        for r in range(n):
+            first = r * per + start
+            take = max(0, min(count, rows - first))
+            if take:
+                out[first : first + take] = brought[r * count : r * count + take]
+        del brought
+    return out
