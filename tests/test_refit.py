@@ -189,6 +189,9 @@ def _gather_rank(rank, port, out):
             assert refit_stream.gather_rows(t, torch.bfloat16, mesh.ndim - 1, 1) is not None, (shape, mesh)
             # slices of one row per all-gather: every seam crossed
             gathered[f"{mesh.ndim}d{shape}"] = (refit_stream.whole(t, torch.bfloat16, 1), full.to(torch.bfloat16))
+            into = torch.full(shape, 7.0, dtype=torch.bfloat16)  # an engine's own tensor, written in place
+            assert refit_stream.whole(t, torch.bfloat16, 1, out=into) is into
+            gathered[f"into {mesh.ndim}d{shape}"] = (into, full.to(torch.bfloat16))
     if rank == 0:
         torch.save(gathered, out)
     dist.destroy_process_group()
@@ -201,6 +204,6 @@ def test_a_sharded_tensor_is_cast_on_its_shard_and_gathered_whole_slice_by_slice
     out = tmp_path / "gathered.pt"
     start_ranks(_gather_rank, (free_port(), str(out)))
     gathered = torch.load(out)
-    assert len(gathered) == 8
+    assert len(gathered) == 16
     for key, (got, want) in gathered.items():
         assert got.dtype == torch.bfloat16 and torch.equal(got, want), key

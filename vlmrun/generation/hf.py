@@ -120,10 +120,7 @@ class HfGenerator(GenerationBackend):
     def load_weights(self, weights: Mapping[str, Any] | Iterable[Mapping[str, Any]]) -> None:
         """Copy each bucket into the model's own tensors as it comes (cast to their dtype, moved to their
         device): no second copy of the model, whatever the bucket size (interface doc, 4)."""
-        for param, shape in (self._released or {}).items():  # released: allocated again, then filled
-            param.data = torch.empty(shape, dtype=param.dtype, device=param.device)
-        self._released = None
-        own = self.model.state_dict()
+        own = self.refit_targets()
         aliases: dict[int, list[str]] = {}  # a tied weight: one tensor under several names, filled once
         for name, p in self.model.named_parameters(remove_duplicate=False):
             aliases.setdefault(id(p), []).append(name)
@@ -144,12 +141,20 @@ class HfGenerator(GenerationBackend):
                 came.add(name)
                 if name in filled:  # another name of the same tied tensor filled it already
                     continue
-                target.copy_(tensor)
+                if tensor.data_ptr() != target.data_ptr():  # else the policy wrote it in place
+                    target.copy_(tensor)
                 filled.update(alias_of.get(name, [name]))
             # before the next is drawn: the policy gathers it with this one freed, its last tensor too
             bucket = tensor = None
         if missing := sorted(set(own) - filled):
             raise KeyError(f"refit: {len(missing)} weights never came, e.g. {missing[:3]}")
+
+    def refit_targets(self) -> dict[str, torch.Tensor]:
+        """The model's own tensors by name (weights released: allocated again first, to be filled)."""
+        for param, shape in (self._released or {}).items():
+            param.data = torch.empty(shape, dtype=param.dtype, device=param.device)
+        self._released = None
+        return self.model.state_dict()
 
     def release_weights(self) -> None:
         """Every parameter's storage freed (the module, shapes and dtypes kept; buffers stay: they are

@@ -73,6 +73,11 @@ class GenerationBackend(abc.ABC):
         them (each consumed before the next is drawn). KeyError names a weight that came twice, that
         the engine lacks, or that never came; ValueError a shape that differs."""
 
+    def refit_targets(self) -> Mapping[str, Any] | None:
+        """The engine's own weight tensors by name, allocated, for a policy to write a refit straight
+        into (`PolicyBackend.weights_for_refit(into=...)`); None: it copies each bucket it is given."""
+        return None
+
     @abc.abstractmethod
     def release_weights(self) -> None:
         """Free the memory of every weight until the next `load_weights` (module doc, 5)."""

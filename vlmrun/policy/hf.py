@@ -311,13 +311,15 @@ class HfPolicy(PolicyBackend):
             self.load_checkpoint_state(restoring.result())
 
     def weights_for_refit(
-        self, *, dtype: str | None = None, bucket_bytes: int = REFIT_BUCKET_BYTES
+        self, *, dtype: str | None = None, bucket_bytes: int = REFIT_BUCKET_BYTES, into=None
     ) -> Iterator[dict[str, torch.Tensor]]:
         """The full weights by HF name, bucket by bucket, on this rank's device (interface doc). Sharded:
         each tensor is cast on its shard and gathered alone into the whole tensor, every rank in the same
         order (refit_stream.py), so a refit holds one bucket of whole tensors, in `dtype`, never the model.
-        Replicated: the live tensors themselves (cast copies when `dtype` differs)."""
-        return refit_buckets(self._refit_tensors(), None if dtype is None else torch_dtype(dtype), bucket_bytes)
+        Replicated: the live tensors themselves (cast copies when `dtype` differs). `into`: written into
+        the engine's own tensors where they fit (refit_stream.py, 3)."""
+        want = None if dtype is None else torch_dtype(dtype)
+        return refit_buckets(self._refit_tensors(), want, bucket_bytes, into)
 
     def _refit_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """The state dict's tensors, a tied weight once (under its first name: one gather, not one per name)."""

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import abc
 import enum
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -160,11 +160,15 @@ class PolicyBackend(abc.ABC):
         self.load_checkpoint_state(read())
 
     @abc.abstractmethod
-    def weights_for_refit(self, *, dtype: str | None = None, bucket_bytes: int = REFIT_BUCKET_BYTES) -> Iterator[dict]:
+    def weights_for_refit(
+        self, *, dtype: str | None = None, bucket_bytes: int = REFIT_BUCKET_BYTES, into: Mapping | None = None
+    ) -> Iterator[dict]:
         """The full weights as buckets {parameter name: whole tensor} of at most `bucket_bytes` each (a
         larger tensor alone), in the recipe dtype `dtype` (None: the policy's own), on the policy's
         device; every name once, over all buckets. A bucket is read before the next is drawn and may
-        view the live weights: the consumer copies it (`GenerationBackend.load_weights`)."""
+        view the live weights: the consumer copies it (`GenerationBackend.load_weights`). `into`
+        (`GenerationBackend.refit_targets`): a weight whose target there has its shape and dtype is
+        written into that target, and the bucket carries the target itself."""
 
     @abc.abstractmethod
     def offload_to_host(self, parts: tuple[str, ...]) -> int:

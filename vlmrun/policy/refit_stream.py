@@ -8,14 +8,18 @@
    time: beyond that tensor, the gather holds a few slices of a quarter bucket each (what one
    all-gather brings, the process group's own copy of it over gloo, this rank's cast slice), where `DTensor.full_tensor()` held the cast shard, every rank's
    shard and their concatenation at once (over gloo). Any other layout goes through `full_tensor()`.
-3. Collective: every rank of the mesh draws the same tensors in the same order. The values are the
+3. `into` (name -> the engine's own tensor, `GenerationBackend.refit_targets`): a tensor whose target
+   has its shape and dtype is cast or gathered straight into it, and the bucket carries the target
+   itself (the engine's copy is then none): such a refit holds no whole tensor beyond the engine's,
+   only the slices.
+4. Collective: every rank of the mesh draws the same tensors in the same order. The values are the
    shards' own, cast elementwise: the same bits whichever way they are gathered.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 
 import torch
 import torch.distributed as dist
@@ -25,40 +29,51 @@ SLICES_PER_BUCKET = 4
 
 
 def refit_buckets(
-    tensors: Iterable[tuple[str, torch.Tensor]], want: torch.dtype | None, bucket_bytes: int
+    tensors: Iterable[tuple[str, torch.Tensor]],
+    want: torch.dtype | None,
+    bucket_bytes: int,
+    into: Mapping[str, torch.Tensor] | None = None,
 ) -> Iterator[dict[str, torch.Tensor]]:
-    """Buckets of whole tensors (module doc, 1), floating ones in `want` (None: as they are)."""
+    """Buckets of whole tensors (module doc, 1), floating ones in `want` (None: as they are), written
+    into the tensors of `into` where they fit (module doc, 3)."""
     bucket: dict[str, torch.Tensor] = {}
     size = 0
     for name, t in tensors:
         t = t.detach()
         dtype = want if want is not None and t.is_floating_point() else t.dtype
-        nbytes = t.numel() * dtype.itemsize
+        target = (into or {}).get(name)
+        if target is not None and (target.shape != t.shape or target.dtype != dtype):
+            target = None
+        nbytes = 0 if target is not None else t.numel() * dtype.itemsize  # written in place: nothing held
         if bucket and size + nbytes > bucket_bytes:  # before this one is gathered: one bucket alive at a time
             yield bucket
             bucket, size = {}, 0
-        bucket[name] = whole(t, dtype, max(1, bucket_bytes // SLICES_PER_BUCKET))
+        bucket[name] = whole(t, dtype, max(1, bucket_bytes // SLICES_PER_BUCKET), out=target)
         size += nbytes
         del t
     if bucket:
         yield bucket
 
 
-def whole(t: torch.Tensor, dtype: torch.dtype, slice_bytes: int) -> torch.Tensor:
+def whole(t: torch.Tensor, dtype: torch.dtype, slice_bytes: int, out: torch.Tensor | None = None) -> torch.Tensor:
     """`t` whole and in `dtype`: a plain tensor cast (itself when it is in `dtype`), a sharded one
-    gathered on its mesh's device, at most `slice_bytes` an all-gather (module doc, 2)."""
+    gathered on its mesh's device, at most `slice_bytes` an all-gather (module doc, 2); with `out`, written
+    into it (module doc, 3), which is returned."""
     if not hasattr(t, "full_tensor"):
+        if out is not None:
+            return out.copy_(t)
         return t if t.dtype == dtype else t.to(dtype)
     dim = _row_dim(t)
     if dim is not None:
-        gathered = gather_rows(t, dtype, dim, slice_bytes)
+        gathered = gather_rows(t, dtype, dim, slice_bytes, out=out)
         if gathered is not None:
             return gathered
     if t.dtype != dtype:
         t = t.to(dtype)
     if t.device.type != t.device_mesh.device_type:  # offloaded shards: gathered on the mesh's device
         t = t.to(t.device_mesh.device_type)
-    return t.full_tensor()
+    full = t.full_tensor()
+    return full if out is None else out.copy_(full)
 
 
 def _row_dim(t) -> int | None:
@@ -72,11 +87,14 @@ def _row_dim(t) -> int | None:
     return split[0] if len(split) == 1 and all(isinstance(p, Replicate) for p in rest) else None
 
 
-def gather_rows(t, dtype: torch.dtype, mesh_dim: int, slice_bytes: int) -> torch.Tensor | None:
+def gather_rows(
+    t, dtype: torch.dtype, mesh_dim: int, slice_bytes: int, out: torch.Tensor | None = None
+) -> torch.Tensor | None:
     """The whole of `t` (rows split over `mesh_dim` in torch.chunk's way: ceil(rows / n) a rank, the last
     ranks fewer or none), cast slice by slice and gathered into one tensor, each all-gather bringing at
-    most `slice_bytes` (one row at least); None when this rank's shard is not the rows that split gives
-    it (then the caller takes `full_tensor()`)."""
+    most `slice_bytes` (one row at least), into `out` when given (on another device than the mesh's:
+    gathered there, then copied slice by slice); None when this rank's shard is not the rows that split
+    gives it (then the caller takes `full_tensor()`)."""
     mesh = t.device_mesh
     group, n, me = mesh.get_group(mesh_dim), mesh.size(mesh_dim), mesh.get_local_rank(mesh_dim)
     rows = t.shape[0]
@@ -85,7 +103,8 @@ def gather_rows(t, dtype: torch.dtype, mesh_dim: int, slice_bytes: int) -> torch
     if local.shape[0] != max(0, min(per, rows - me * per)) or local.shape[1:] != t.shape[1:]:
         return None
     device = torch.device(mesh.device_type) if local.device.type != mesh.device_type else local.device
-    out = torch.empty(t.shape, dtype=dtype, device=device)
+    if out is None:
+        out = torch.empty(t.shape, dtype=dtype, device=device)
     row_bytes = max(1, math.prod(t.shape[1:]) * dtype.itemsize)
     step = max(1, slice_bytes // (n * row_bytes))
     for start in range(0, per, step):
