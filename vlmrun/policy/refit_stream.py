@@ -6,8 +6,9 @@
 2. A sharded tensor (a DTensor of FSDP2 or HSDP, its rows split over one mesh dimension) is cast on its
    shard and gathered straight into the whole tensor it becomes (`gather_rows`), a slice of rows at a
    time: beyond that tensor, the gather holds a few slices of a quarter bucket each (what one
-   all-gather brings, the process group's own copy of it over gloo, this rank's cast slice), where `DTensor.full_tensor()` held the cast shard, every rank's
-   shard and their concatenation at once (over gloo). Any other layout goes through `full_tensor()`.
+   all-gather brings, the process group's own copy of it over gloo, this rank's cast slice), where
+   `DTensor.full_tensor()` held the cast shard, every rank's shard and their concatenation at once
+   (over gloo). Any other layout goes through `full_tensor()`.
 3. `into` (name -> the engine's own tensor, `GenerationBackend.refit_targets`): a tensor whose target
    has its shape and dtype is cast or gathered straight into it, and the bucket carries the target
    itself (the engine's copy is then none): such a refit holds no whole tensor beyond the engine's,
