@@ -168,7 +168,9 @@ def test_a_tied_weight_is_gathered_and_sent_once_and_fills_every_name_of_it(tiny
 
 def _gather_rank(rank, port, out):
     """Rank `rank` of 2: sharded tensors of uneven, empty-shard and 1-D shapes on a 1-D mesh and on a 2-D
-    mesh (replicas x shards, as HSDP), each made whole in bf16 by the refit stream, a row per all-gather."""
+    mesh (replicas x shards, as HSDP), each made whole in bf16 by the refit stream, a row per all-gather,
+    through one set of working buffers (as a refit's tensors share them: a shard's padding rows carry the
+    tensor before's values)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
@@ -178,6 +180,7 @@ def _gather_rank(rank, port, out):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     gathered = {}
+    scratch = refit_stream.Scratch()
     for mesh, placements in (
         (init_device_mesh("cpu", (2,)), [Shard(0)]),
         (init_device_mesh("cpu", (1, 2)), [Replicate(), Shard(0)]),
@@ -188,9 +191,10 @@ def _gather_rank(rank, port, out):
             t = distribute_tensor(full, mesh, placements)
             assert refit_stream.gather_rows(t, torch.bfloat16, mesh.ndim - 1, 1) is not None, (shape, mesh)
             # slices of one row per all-gather: every seam crossed
-            gathered[f"{mesh.ndim}d{shape}"] = (refit_stream.whole(t, torch.bfloat16, 1), full.to(torch.bfloat16))
+            got = refit_stream.whole(t, torch.bfloat16, 1, scratch=scratch)
+            gathered[f"{mesh.ndim}d{shape}"] = (got, full.to(torch.bfloat16))
             into = torch.full(shape, 7.0, dtype=torch.bfloat16)  # an engine's own tensor, written in place
-            assert refit_stream.whole(t, torch.bfloat16, 1, out=into) is into
+            assert refit_stream.whole(t, torch.bfloat16, 1, out=into, scratch=scratch) is into
             gathered[f"into {mesh.ndim}d{shape}"] = (into, full.to(torch.bfloat16))
     if rank == 0:
         torch.save(gathered, out)

@@ -91,6 +91,7 @@ def test_bench_refit_streamed_holds_less_than_a_whole_model_gather():
     streamed, whole = d["streamed"], d["whole"]
     assert d["engine_bytes"] > 0 and finite(streamed["seconds_median"]) and finite(whole["seconds_median"])
     assert 0 < streamed["peak_extra_bytes"] < whole["peak_extra_bytes"]  # a bf16 bucket, not the fp32 model
+    assert 0 <= streamed["peak_extra_rss_bytes"] < whole["peak_extra_rss_bytes"]  # every thread, in pages
 
 
 @pytest.mark.slow

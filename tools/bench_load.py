@@ -38,6 +38,7 @@ import torch
 import torch.multiprocessing as mp
 from bench_refit import SIZES
 from gpu.workload import TRAIN, free_port, model_config, sharded_parallel
+from measure_memory import status_kb
 
 from vlmrun.algorithms.common.checkpoint import verify
 from vlmrun.algorithms.common.checkpoint_store import CheckpointStore
@@ -54,13 +55,6 @@ def save_model(size: str, out: Path, disk_dtype: str) -> int:
     model = AutoModelForImageTextToText.from_config(config, dtype=getattr(torch, disk_dtype))
     model.save_pretrained(out)
     return sum(p.numel() for p in model.parameters())
-
-
-def _status_kb(key: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(key + ":"):
-            return int(line.split()[1])
-    raise KeyError(key)
 
 
 def _rank(
@@ -87,7 +81,7 @@ def _rank(
         AutoModelForImageTextToText.from_config(AutoConfig.from_pretrained(model_dir))
     gc.collect()
     Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS from here on
-    before = _status_kb("VmRSS")
+    before = status_kb("VmRSS")
     t0 = time.perf_counter()
     if variant == "resume":
         from vlmrun.algorithms.common.checkpoint import Checkpoint, read_manifest
@@ -102,7 +96,7 @@ def _rank(
     else:
         info = policy.setup(master_addr="127.0.0.1", master_port=port, max_steps=1)
     seconds = time.perf_counter() - t0
-    peak = _status_kb("VmHWM") - before
+    peak = status_kb("VmHWM") - before
     if write_to:  # the checkpoint the resume rounds read (model and AdamW state), after the measurement
         import torch.distributed as dist
 

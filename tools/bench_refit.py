@@ -6,9 +6,10 @@ refit it replaced (gather the full state dict, then `load_state_dict`), side by 
 Each of `--ranks` gloo ranks (CPU) holds vlmrun's hf policy sharded with FSDP2 (fp32 master weights,
 random init from a config, built on the meta device) and an hf generation engine of the same
 architecture in bf16, as a GRPO rank does. In rounds, interleaved (streamed, whole, streamed, ...),
-the same processes time rank 0's refit and take its peak of bytes allocated during the refit by the
-CPU allocator (torch.profiler, exact per allocation and free; tools/measure_memory.py), beyond what
-was alive before it. `plain_load_s` is `load_state_dict` of an already gathered bf16 state dict
+the same processes time rank 0's refit and take its peak memory beyond what was alive before it, two
+ways (tools/measure_memory.py): the bytes allocated by the CPU allocator (torch.profiler, exact per
+allocation and free on the refit's thread), and the resident bytes of the whole process (every thread,
+in pages), the latter while the refit is timed. `plain_load_s` is `load_state_dict` of an already gathered bf16 state dict
 into the engine: the floor of any refit. Sizes: `tiny` (the 3B layout cut to ~0.3M parameters, for
 the tests) and `mid` (the Qwen2.5-VL layout at ~0.27B parameters).
 """
@@ -27,7 +28,7 @@ from pathlib import Path
 import torch
 import torch.multiprocessing as mp
 from gpu.workload import TINY_OVERRIDES, TRAIN, free_port, model_config, sharded_parallel
-from measure_memory import profiled_peak
+from measure_memory import profiled_peak, rss_peak
 
 #: The Qwen2.5-VL-3B layout narrowed to ~0.27B parameters (vocabulary kept: its tied embedding is the
 #: largest tensor, 0.3 GB in bf16, larger than a default bucket).
@@ -83,9 +84,8 @@ def _rank(rank: int, world: int, size: str, rounds: int, bucket_mb: int, port: i
             dist.barrier()
             run = functools.partial(refit_by, engine, policy, bucket_mb << 20)
             peak = profiled_peak(run)  # bytes allocated beyond what was alive before the call
-            t0 = time.perf_counter()  # timed again, unprofiled
-            run()
-            rows[variant].append({"peak_extra_bytes": peak, "seconds": time.perf_counter() - t0})
+            rss, seconds = rss_peak(run)  # timed again, unprofiled
+            rows[variant].append({"peak_extra_bytes": peak, "peak_extra_rss_bytes": rss, "seconds": seconds})
     gathered = {
         n: t.clone() for b in policy.weights_for_refit(dtype="bfloat16", bucket_bytes=1 << 40) for n, t in b.items()
     }
@@ -129,11 +129,18 @@ def main() -> int:
 
     def summary(variant: str) -> dict:
         r = rows[variant]
-        peaks, secs = [x["peak_extra_bytes"] for x in r], [x["seconds"] for x in r]
-        return {"peak_extra_bytes": max(peaks), "seconds_median": statistics.median(secs), "seconds": secs}
+        secs = [x["seconds"] for x in r]
+        return {
+            "peak_extra_bytes": max(x["peak_extra_bytes"] for x in r),
+            "peak_extra_rss_bytes": max(x["peak_extra_rss_bytes"] for x in r),
+            "peak_extra_bytes_rounds": [x["peak_extra_bytes"] for x in r],
+            "peak_extra_rss_bytes_rounds": [x["peak_extra_rss_bytes"] for x in r],
+            "seconds_median": statistics.median(secs),
+            "seconds": secs,
+        }
 
     streamed, whole = summary("streamed"), summary("whole")
-    bucket = max(args.bucket_mb << 20, first["largest_tensor_bytes"])
+    bucket = args.bucket_mb << 20
     report = {
         "size": args.size,
         "ranks": args.ranks,
@@ -145,6 +152,7 @@ def main() -> int:
         "whole": whole,
         "plain_load_s": first["plain_load_s"],
         "streamed_peak_over_bucket": round(streamed["peak_extra_bytes"] / bucket, 3),
+        "streamed_rss_peak_over_bucket": round(streamed["peak_extra_rss_bytes"] / bucket, 3),
         "whole_peak_over_engine": round(whole["peak_extra_bytes"] / first["engine_bytes"], 3),
         "streamed_over_whole_s": round(streamed["seconds_median"] / whole["seconds_median"], 3),
     }

@@ -32,6 +32,7 @@ import dataclasses
 import json
 import os
 import tempfile
+import time
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -278,7 +279,10 @@ def _free_port() -> int:
 
 
 def profiled_peak(fn) -> int:
-    """Peak bytes allocated (and not yet freed) by the CPU allocator while `fn` runs."""
+    """Peak bytes allocated (and not yet freed) by the CPU allocator while `fn` runs, as this thread sees
+    them: torch.profiler counts an allocation or free made on another thread (a process group's worker:
+    gloo lets a collective's tensors go there) neither in nor out, so where `fn`'s tensors are freed
+    there the count only grows (rss_peak counts every thread)."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
@@ -295,6 +299,30 @@ def profiled_peak(fn) -> int:
     # profile's own start, the count before its first allocation or free
     start = memory[0]["args"]["Total Allocated"] - memory[0]["args"]["Bytes"]
     return max(e["args"]["Total Allocated"] for e in memory) - start
+
+
+def status_kb(key: str) -> int:
+    """A field of /proc/self/status (VmRSS, VmHWM), in KiB."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(key + ":"):
+            return int(line.split()[1])
+    raise KeyError(key)
+
+
+def rss_peak(fn) -> tuple[int, float]:
+    """Peak resident bytes of this process while `fn` runs beyond those before it, every thread counted
+    (VmHWM after resetting it through /proc/self/clear_refs, less VmRSS before). The heap's free memory
+    is given back first (malloc_trim), so `fn`'s allocations fault in pages of their own; page-grained,
+    and what `fn` frees into the heap stays counted until it is reused. With `fn`'s seconds."""
+    import ctypes
+
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS from here on
+    before = status_kb("VmRSS")
+    t0 = time.perf_counter()
+    fn()
+    seconds = time.perf_counter() - t0
+    return (status_kb("VmHWM") - before) << 10, seconds
 
 
 def main() -> None:

@@ -5,10 +5,14 @@
    bucket of whole tensors, never the model.
 2. A sharded tensor (a DTensor of FSDP2 or HSDP, its rows split over one mesh dimension) is cast on its
    shard and gathered straight into the whole tensor it becomes (`gather_rows`), a slice of rows at a
-   time: beyond that tensor, the gather holds a few slices of a quarter bucket each (what one
+   time: beyond that tensor, the gather holds about 2.5 slices of a sixteenth of a bucket each (what one
    all-gather brings, the process group's own copy of it over gloo, this rank's cast slice), where
    `DTensor.full_tensor()` held the cast shard, every rank's shard and their concatenation at once
-   (over gloo). Any other layout goes through `full_tensor()`.
+   (over gloo). Any other layout goes through `full_tensor()`. The slices' two buffers are allocated
+   once a refit (`Scratch`) and reused: no allocation (on the host: no fresh pages) per slice, and
+   they are freed by the refit's own thread, where a fresh buffer per slice was freed by the process
+   group's worker thread once the collective let it go (which torch.profiler does not see: its
+   count of the bytes allocated then only grows, tools/measure_memory.py).
 3. `into` (name -> the engine's own tensor, `GenerationBackend.refit_targets`): a tensor whose target
    has its shape and dtype is cast or gathered straight into it, and the bucket carries the target
    itself (the engine's copy is then none): such a refit holds no whole tensor beyond the engine's,
@@ -25,8 +29,12 @@ from collections.abc import Iterable, Iterator, Mapping
 import torch
 import torch.distributed as dist
 
-#: A sharded tensor is gathered in slices of at most bucket_bytes / SLICES_PER_BUCKET (module doc, 2).
-SLICES_PER_BUCKET = 4
+#: torch 2.14 names the gather into one tensor `all_gather_single` (the older name warns at every call)
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+#: A sharded tensor is gathered in slices of at most bucket_bytes / SLICES_PER_BUCKET (module doc, 2): with
+#: the gather's copies and the pages the host allocator keeps, its resident peak is under one bucket.
+SLICES_PER_BUCKET = 16
 
 
 def refit_buckets(
@@ -39,6 +47,7 @@ def refit_buckets(
     into the tensors of `into` where they fit (module doc, 3)."""
     bucket: dict[str, torch.Tensor] = {}
     size = 0
+    scratch = Scratch()
     for name, t in tensors:
         t = t.detach()
         dtype = want if want is not None and t.is_floating_point() else t.dtype
@@ -49,24 +58,48 @@ def refit_buckets(
         if bucket and size + nbytes > bucket_bytes:  # before this one is gathered: one bucket alive at a time
             yield bucket
             bucket, size = {}, 0
-        bucket[name] = whole(t, dtype, max(1, bucket_bytes // SLICES_PER_BUCKET), out=target)
+        bucket[name] = whole(t, dtype, max(1, bucket_bytes // SLICES_PER_BUCKET), out=target, scratch=scratch)
         size += nbytes
         del t
     if bucket:
         yield bucket
 
 
-def whole(t: torch.Tensor, dtype: torch.dtype, slice_bytes: int, out: torch.Tensor | None = None) -> torch.Tensor:
+class Scratch:
+    """The working buffers of a refit's gathers, reused slice after slice and tensor after tensor (module
+    doc, 2): one per role and device, bytes, grown when a slice needs more."""
+
+    def __init__(self) -> None:
+        self._bytes: dict[tuple[str, torch.device], torch.Tensor] = {}
+
+    def take(self, role: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A `shape` tensor of `dtype` on `device` over the `role` buffer (its values are left over)."""
+        nbytes = math.prod(shape) * dtype.itemsize
+        flat = self._bytes.get((role, device))
+        if flat is None or flat.numel() < nbytes:
+            self._bytes.pop((role, device), None)  # let the smaller one go before the larger is allocated
+            flat = self._bytes[role, device] = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        return flat[:nbytes].view(dtype).view(shape)
+
+
+def whole(
+    t: torch.Tensor,
+    dtype: torch.dtype,
+    slice_bytes: int,
+    out: torch.Tensor | None = None,
+    scratch: Scratch | None = None,
+) -> torch.Tensor:
     """`t` whole and in `dtype`: a plain tensor cast (itself when it is in `dtype`), a sharded one
-    gathered on its mesh's device, at most `slice_bytes` an all-gather (module doc, 2); with `out`, written
-    into it (module doc, 3), which is returned."""
+    gathered on its mesh's device, at most `slice_bytes` an all-gather, through `scratch`'s buffers (a
+    refit passes its own; default: this call's) (module doc, 2); with `out`, written into it (module
+    doc, 3), which is returned."""
     if not hasattr(t, "full_tensor"):
         if out is not None:
             return out.copy_(t)
         return t if t.dtype == dtype else t.to(dtype)
     dim = _row_dim(t)
     if dim is not None:
-        gathered = gather_rows(t, dtype, dim, slice_bytes, out=out)
+        gathered = gather_rows(t, dtype, dim, slice_bytes, out=out, scratch=scratch)
         if gathered is not None:
             return gathered
     if t.dtype != dtype:
@@ -89,13 +122,18 @@ def _row_dim(t) -> int | None:
 
 
 def gather_rows(
-    t, dtype: torch.dtype, mesh_dim: int, slice_bytes: int, out: torch.Tensor | None = None
+    t,
+    dtype: torch.dtype,
+    mesh_dim: int,
+    slice_bytes: int,
+    out: torch.Tensor | None = None,
+    scratch: Scratch | None = None,
 ) -> torch.Tensor | None:
     """The whole of `t` (rows split over `mesh_dim` in torch.chunk's way: ceil(rows / n) a rank, the last
     ranks fewer or none), cast slice by slice and gathered into one tensor, each all-gather bringing at
     most `slice_bytes` (one row at least), into `out` when given (on another device than the mesh's:
     gathered there, then copied slice by slice); None when this rank's shard is not the rows that split
-    gives it (then the caller takes `full_tensor()`)."""
+    gives it (then the caller takes `full_tensor()`). The slices go through `scratch`'s buffers."""
     mesh = t.device_mesh
     group, n, me = mesh.get_group(mesh_dim), mesh.size(mesh_dim), mesh.get_local_rank(mesh_dim)
     rows = t.shape[0]
@@ -106,20 +144,19 @@ def gather_rows(
     device = torch.device(mesh.device_type) if local.device.type != mesh.device_type else local.device
     if out is None:
         out = torch.empty(t.shape, dtype=dtype, device=device)
+    scratch = scratch if scratch is not None else Scratch()
     row_bytes = max(1, math.prod(t.shape[1:]) * dtype.itemsize)
     step = max(1, slice_bytes // (n * row_bytes))
     for start in range(0, per, step):
         count = min(step, per - start)
-        piece = torch.zeros((count, *t.shape[1:]), dtype=dtype, device=device)
+        piece = scratch.take("piece", (count, *t.shape[1:]), dtype, device)
         mine = local[start : start + count]
-        piece[: mine.shape[0]] = mine  # cast (and moved) on the way; rows past the shard's end stay padding
-        brought = torch.empty((n * count, *t.shape[1:]), dtype=dtype, device=device)
-        dist.all_gather_into_tensor(brought, piece, group=group)
-        del piece
+        piece[: mine.shape[0]] = mine  # cast (and moved) on the way; rows past the shard's end are padding
+        brought = scratch.take("brought", (n * count, *t.shape[1:]), dtype, device)
+        _all_gather_single(brought, piece, group=group)
         for r in range(n):
             first = r * per + start
-            take = max(0, min(count, rows - first))
+            take = max(0, min(count, rows - first))  # a rank's padding rows are never copied out
             if take:
                 out[first : first + take] = brought[r * count : r * count + take]
-        del brought
     return out
