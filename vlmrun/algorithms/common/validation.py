@@ -22,7 +22,6 @@ from dataclasses import dataclass, field
 from vlmrun.algorithms.common.refit import refit
 from vlmrun.generation.interface import GenerationBackend, SamplingParams
 from vlmrun.policy.interface import REFIT_BUCKET_BYTES, PolicyBackend
-from vlmrun.policy.loss import valid_tokens
 from vlmrun.run.rows import Validation
 
 #: Validation's answers: greedy (temperature 0 draws nothing from a sampling stream), a few tokens.
@@ -83,6 +82,8 @@ def evaluate(
     it is refit from `policy` (`refit_bytes` a bucket); `decode(rollouts)` gives the responses' texts.
     Every rank calls it together. `on_answers(texts, prompts, rollouts)`, when given, sees every prompt
     batch's answers (`vlmrun eval` scores them by template and reward)."""
+    from vlmrun.policy.loss import valid_tokens  # torch: imported by the ranks, never the controller
+
     nll, tokens = 0.0, 0
     for batch in share.loss_batches:
         nll += -float(policy.logprobs(batch).sum())
