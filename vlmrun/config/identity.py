@@ -13,9 +13,12 @@ weights). The caller passes a fingerprint of it (models/fingerprint.py; None for
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from vlmrun.errors import InputError
+
+log = logging.getLogger(__name__)
 
 #: Dotted recipe fields: batch sizes, layout, seed, data and its splits, sequence length, loop,
 #: algorithm, GRPO's group size, the generation engine (its sampling stream is in the checkpoint) and model.
@@ -89,6 +92,29 @@ def check_same_identity(
         message=f"{listed}: {where} belongs to the old value{'s' if len(changes) > 1 else ''}; "
         "a resume continues the same run (put the old values back), or start a new run with `vlmrun submit`",
     )
+
+
+def check_checkpoint_belongs(manifest: dict, identity: dict[str, Any], plan, restart: bool, path) -> bool:
+    """Refuse the checkpoint at `path` (its `manifest`) when another run definition or layout wrote it
+    (InputError, exit 2). True when only the layout differs (another dp) and `restart`
+    (checkpoint.restart_data_order) lets the run take its model, optimizer and counters while the data
+    order starts over; `plan` is this run's placement (`placement_hash`, `describe()`)."""
+    check_same_identity(
+        manifest.get("identity", {}), identity, where=f"checkpoint {path}", ignore=RESHARDABLE if restart else ()
+    )
+    if manifest["placement_hash"] == plan.placement_hash:
+        return False
+    if not restart:
+        raise InputError(
+            "parallel",
+            plan.describe(),
+            f"checkpoint {path} was written with layout {manifest['layout']} "
+            f"(placement {manifest['placement_hash']}), this run has {plan.describe()} "
+            f"(placement {plan.placement_hash}); resume with the same layout, or "
+            f"`vlmrun resume --restart-data-order` to {RESHARD_TERMS}",
+        )
+    log.warning("%s: %s", path, RESHARD_TERMS)
+    return True
 
 
 def _show(value: Any) -> str:

@@ -51,21 +51,20 @@ from vlmrun.policy.fsdp import (
     shard_model,
     touch_towers,
 )
-from vlmrun.policy.grad_sync import all_reduce_extreme, all_reduce_gradients, all_reduce_sum
+from vlmrun.policy.grad_sync import all_reduce_gradients, all_reduce_sum
 from vlmrun.policy.host_offload import HostCopies
 from vlmrun.policy.interface import (
     MODEL_PART,
     OPTIMIZER_PART,
     POLICY_PARTS,
     REFIT_BUCKET_BYTES,
-    LossTerms,
     PolicyBackend,
     PolicyState,
     StepResult,
     Storage,
     TokenLoss,
 )
-from vlmrun.policy.loss import NllLoss, labelled_logprobs, scored_positions
+from vlmrun.policy.loss import LossStats, NllLoss, labelled_logprobs, scored_positions
 from vlmrun.policy.optimizer import allocate_state, build_optimizer
 from vlmrun.policy.refit_stream import refit_buckets
 
@@ -187,7 +186,7 @@ class HfPolicy(PolicyBackend):
         denom = max(global_tokens, 1.0)
         for p in self.params:  # not the optimizer's zero_grad: a resume may still be restoring the optimizer
             p.grad = None
-        local_loss, stats = 0.0, _StatsAccumulator()
+        local_loss, stats = 0.0, LossStats()
         for k, b in enumerate(micro_batches):
             if self.sharded:  # reduce-scatter once, after the step's last micro-batch (or after each)
                 set_gradient_sync(self.model, self.sync_every or k == len(micro_batches) - 1)
@@ -385,36 +384,6 @@ class HfPolicy(PolicyBackend):
         gc.collect()
         if dist.is_initialized():
             dist.destroy_process_group()
-
-
-class _StatsAccumulator:
-    """A loss's statistics over this rank's micro-batches, then over all ranks (`LossTerms`)."""
-
-    def __init__(self):
-        self.sums: dict[str, float] = {}
-        self.mins: dict[str, float] = {}
-        self.maxs: dict[str, float] = {}
-
-    def add(self, terms: LossTerms) -> None:
-        for k, v in terms.sums.items():
-            self.sums[k] = self.sums.get(k, 0.0) + v
-        for k, v in terms.mins.items():
-            self.mins[k] = min(self.mins.get(k, float("inf")), v)
-        for k, v in terms.maxs.items():
-            self.maxs[k] = max(self.maxs.get(k, float("-inf")), v)
-
-    def reduced(self) -> dict[str, float]:
-        """Every statistic over all ranks; the same keys on every rank (collectives in sorted key order)."""
-        out: dict[str, float] = {}
-        for values, reduce in (
-            (self.sums, all_reduce_sum),
-            (self.mins, lambda v: all_reduce_extreme(v, largest=False)),
-            (self.maxs, lambda v: all_reduce_extreme(v, largest=True)),
-        ):
-            keys = sorted(values)
-            if keys:
-                out |= dict(zip(keys, reduce([values[k] for k in keys]), strict=True))
-        return out
 
 
 def peak_rss_mb() -> float:

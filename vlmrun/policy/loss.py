@@ -8,7 +8,8 @@ step (vocab x tokens x 4 bytes, twice with the log-softmax). The values are thos
 sequence's logits (`token_logprobs`, the definition) to fp32 round-off: the same rows of the same
 matmul, taken from a smaller one. A `TokenLoss` gets these per-token log-probs, never logits.
 
-`NllLoss` is the `TokenLoss` `train_step` uses when the algorithm gives none (SFT).
+`NllLoss` is the `TokenLoss` `train_step` uses when the algorithm gives none (SFT). `LossStats` gathers a
+loss's statistics (`LossTerms`) over a rank's micro-batches, then over every rank.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from vlmrun.data.batch import IGNORE_INDEX
+from vlmrun.policy.grad_sync import all_reduce_extreme, all_reduce_sum
 from vlmrun.policy.interface import LossTerms, TokenLoss
 
 
@@ -70,3 +72,33 @@ class NllLoss(TokenLoss):
 
     def __call__(self, logprobs: torch.Tensor, micro_batch) -> LossTerms:
         return LossTerms(total=-logprobs.sum())
+
+
+class LossStats:
+    """A loss's statistics over this rank's micro-batches, then over all ranks (`LossTerms`)."""
+
+    def __init__(self):
+        self.sums: dict[str, float] = {}
+        self.mins: dict[str, float] = {}
+        self.maxs: dict[str, float] = {}
+
+    def add(self, terms: LossTerms) -> None:
+        for k, v in terms.sums.items():
+            self.sums[k] = self.sums.get(k, 0.0) + v
+        for k, v in terms.mins.items():
+            self.mins[k] = min(self.mins.get(k, float("inf")), v)
+        for k, v in terms.maxs.items():
+            self.maxs[k] = max(self.maxs.get(k, float("-inf")), v)
+
+    def reduced(self) -> dict[str, float]:
+        """Every statistic over all ranks; the same keys on every rank (collectives in sorted key order)."""
+        out: dict[str, float] = {}
+        for values, reduce in (
+            (self.sums, all_reduce_sum),
+            (self.mins, lambda v: all_reduce_extreme(v, largest=False)),
+            (self.maxs, lambda v: all_reduce_extreme(v, largest=True)),
+        ):
+            keys = sorted(values)
+            if keys:
+                out |= dict(zip(keys, reduce([values[k] for k in keys]), strict=True))
+        return out

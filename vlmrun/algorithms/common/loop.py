@@ -38,10 +38,10 @@ from vlmrun.algorithms.common.saving import Saves
 from vlmrun.algorithms.common.shards import open_train_shard
 from vlmrun.algorithms.common.steps import plan_steps
 from vlmrun.algorithms.common.validation import ValidationScore, validation_row, validation_shares
-from vlmrun.config.identity import RESHARD_TERMS, RESHARDABLE, check_same_identity, run_identity
+from vlmrun.config.identity import RESHARD_TERMS, check_checkpoint_belongs, run_identity
 from vlmrun.distributed.topology import plan_placement
 from vlmrun.distributed.worker_group import Placement, WorkerGroup, freeze_heap
-from vlmrun.errors import CheckFailed, InputError
+from vlmrun.errors import CheckFailed
 from vlmrun.models.fingerprint import model_contents
 from vlmrun.observe.wandb_sink import WandbSink
 from vlmrun.policy import rng
@@ -209,7 +209,7 @@ class StepLoop:
         r = self.recipe
         self.restart_data = False
         if found is not None:  # before any worker starts: a refused resume costs nothing
-            self.restart_data = self._check_belongs(found)
+            self.restart_data = self._belongs(found)
         self._resuming = found is not None
         self._start(found)
         found, skipped = self._take_verdict(found, skipped)
@@ -310,7 +310,7 @@ class StepLoop:
             raise error
         if verified is not None:
             if verified.step != getattr(found, "step", None):
-                self.restart_data = self._check_belongs(verified)
+                self.restart_data = self._belongs(verified)
             self.store.mark_verified(verified)
         elif found is not None:
             self.group.all_ranks("load_model_weights")
@@ -318,26 +318,11 @@ class StepLoop:
         self._resuming = verified is not None
         return verified, skipped
 
-    def _check_belongs(self, found: Checkpoint) -> bool:
-        """Refuse a checkpoint written by another run definition or layout (InputError, exit 2).
-        Returns True when it was written with another dp and `checkpoint.restart_data_order` lets the
-        run take its model, optimizer and counters while the data order starts over."""
-        meta, restart = found.manifest, self.recipe.checkpoint.restart_data_order
-        ignore = RESHARDABLE if restart else ()
-        check_same_identity(meta.get("identity", {}), self.identity, where=f"checkpoint {found.path}", ignore=ignore)
-        if meta["placement_hash"] == self.plan.placement_hash:
-            return False
-        if not restart:
-            raise InputError(
-                "parallel",
-                self.plan.describe(),
-                f"checkpoint {found.path} was written with layout {meta['layout']} "
-                f"(placement {meta['placement_hash']}), this run has {self.plan.describe()} "
-                f"(placement {self.plan.placement_hash}); resume with the same layout, or "
-                f"`vlmrun resume --restart-data-order` to {RESHARD_TERMS}",
-            )
-        log.warning("%s: %s", found.path, RESHARD_TERMS)
-        return True
+    def _belongs(self, found: Checkpoint) -> bool:
+        """Whether `found` is another layout's that the run may take with its data order restarted;
+        InputError when it is not this run's (config/identity.py)."""
+        restart = self.recipe.checkpoint.restart_data_order
+        return check_checkpoint_belongs(found.manifest, self.identity, self.plan, restart, found.path)
 
     def _resume(self, found: Checkpoint | None, skipped: list[str]) -> tuple[int, dict, dict]:
         rng.seed_all(self.recipe.train.seed)
