@@ -6,6 +6,7 @@ wandb failure is logged and ignored: a logger must never stop training.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from pathlib import Path
 
@@ -49,3 +50,8 @@ class WandbSink:
             except Exception as e:  # noqa: BLE001 - logging must not end the run
                 log.warning("wandb finish failed: %s", e)
             self.run = None
+
+
+def wandb_id(run_dir: Path) -> str:
+    """One wandb run per run directory, so resumed attempts append to it."""
+    return hashlib.sha256(str(run_dir).encode()).hexdigest()[:16]

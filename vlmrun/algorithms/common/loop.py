@@ -26,11 +26,9 @@ process is gone (SIGKILL, node loss), the controller writes no metrics row and n
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import logging
 import threading
 import time
-from pathlib import Path
 
 from vlmrun.algorithms.common.checkpoint import Checkpoint, PendingCheckpoint
 from vlmrun.algorithms.common.checkpoint_store import run_checkpoints
@@ -43,7 +41,7 @@ from vlmrun.distributed.topology import plan_placement
 from vlmrun.distributed.worker_group import Placement, WorkerGroup, freeze_heap
 from vlmrun.errors import CheckFailed
 from vlmrun.models.fingerprint import model_contents
-from vlmrun.observe.wandb_sink import WandbSink
+from vlmrun.observe.wandb_sink import WandbSink, wandb_id
 from vlmrun.policy import rng
 from vlmrun.run.directory import RunDirectory
 from vlmrun.run.lock import Holder
@@ -397,8 +395,3 @@ class StepLoop:
         }
         rank_files = (lambda wait: self.group.all_ranks("save_done", wait)) if background else None
         self.saves.begun(pending, files, meta, t0, rank_files)
-
-
-def wandb_id(run_dir: Path) -> str:
-    """One wandb run per run directory, so resumed attempts append to it."""
-    return hashlib.sha256(str(run_dir).encode()).hexdigest()[:16]
