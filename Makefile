@@ -32,6 +32,7 @@ system-libs:
 # --compile-bytecode, as pip does: uv writes no .pyc by default, and where PYTHONDONTWRITEBYTECODE=1 (CI's
 # machines) no process ever writes one, so every Ray worker and rank compiled torch and transformers from
 # source at each import: the suite took 45 min there and TransferQueue's actors missed their 60 s start.
+# The project itself is installed editable, which uv leaves uncompiled: compileall writes its bytecode.
 UV     := $(VENV)/bin/uv
 INSTALL_ARGS := -c requirements/tested.txt $(TORCH) -e '.[test]'
 $(VENV)/.installed: pyproject.toml requirements/tested.txt
@@ -40,6 +41,7 @@ $(VENV)/.installed: pyproject.toml requirements/tested.txt
 	$(UV) pip install -q --compile-bytecode --python $(VENV)/bin/python $(INSTALL_ARGS) || \
 	  { echo "make setup: uv could not install (above); installing with pip"; \
 	    $(PIP) install -q --disable-pip-version-check $(INSTALL_ARGS); }
+	$(VENV)/bin/python -m compileall -q -j 0 vlmrun tools >/dev/null  # the editable project's bytecode too
 	touch $@
 
 demo: setup

@@ -192,7 +192,8 @@ def test_measure_generation_three_ways_in_rounds(tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_measure_grpo_one_plane(tmp_path, run_data):
-    small = ["train.global_batch_size=8", "grpo.num_generations=4", "train.val_samples=0"]
+    # one replica: the tool's sections run the same (the plane's bytes, the generation rows); ~2 ranks' start saved
+    small = ["train.global_batch_size=8", "grpo.num_generations=4", "train.val_samples=0", "parallel.dp=1"]
     d = run_tool(
         "tools/measure_grpo.py",
         *("--steps", "2", "--repeats", "1", "--planes", "local", "--work", str(tmp_path)),
@@ -224,8 +225,8 @@ def test_bench_load_sharded_against_the_whole_load():
 
 @pytest.mark.slow
 def test_bench_resume_times_a_resumes_first_step_against_a_cold_starts():
-    d = run_tool("tools/bench_resume.py", "--size", "tiny", "--rounds", "1", "--json", timeout=400)
-    assert d["rounds"] == 1 and d["checkpoint_bytes"] > d["weights_bytes_bf16"] > 0
+    d = run_tool("tools/bench_resume.py", "--size", "tiny", "--ranks", "1", "--rounds", "1", "--json", timeout=400)
+    assert d["rounds"] == 1 and d["ranks"] == 1 and d["checkpoint_bytes"] > d["weights_bytes_bf16"] > 0
     assert d["cold"]["policy_load"] == "each rank read only its own rows of the weights' files"
     assert d["resume"]["policy_load"] == "from the checkpoint it resumed (the model's own weights not read)"
     assert all(finite(s) for side in ("cold", "resume") for s in d[side]["first_step_s"])

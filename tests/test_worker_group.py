@@ -166,18 +166,24 @@ def test_a_rank_starts_with_the_collector_paused_and_has_it_back_once_set_up(ray
         group.shutdown()
 
 
-def test_only_a_ray_worker_process_pauses_the_collector(tmp_path):
-    """Another process importing vlmrun (the CLI, the node, a tool) keeps its collector as it was."""
+def test_a_ray_worker_and_the_command_line_pause_the_collector_other_processes_do_not(tmp_path):
+    """Another process importing vlmrun (the node, a tool) keeps its collector as it was; the command
+    line's entry point turns it off for its start (COMMAND_PAUSE_S at most), and `resume` on again."""
     import subprocess
     import sys
 
     code = "import gc, vlmrun; print(gc.isenabled())"
     (tmp_path / "default_worker.py").write_text(code)  # what Ray's worker processes run as __main__
+    cli = (
+        "import gc, vlmrun.cli as cli, vlmrun.startup as s; was = gc.isenabled(); "
+        "cli.run = lambda app: print(was, gc.isenabled(), s.COMMAND_PAUSE_S <= 60, end=' '); cli.main(); "
+        "s.resume(); print(gc.isenabled())"
+    )
     seen = [
         subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=60).stdout.strip()
-        for args in (["-c", code], [str(tmp_path / "default_worker.py")])
+        for args in (["-c", code], [str(tmp_path / "default_worker.py")], ["-c", cli])
     ]
-    assert seen == ["True", "False"]
+    assert seen == ["True", "False", "True False True True"]
 
 
 def test_ranks_are_ordered_by_node_so_a_shard_group_stays_on_one():

@@ -335,5 +335,9 @@ def bench_plane(
 
 def main() -> None:
     """Console entry point (`vlmrun`, `python -m vlmrun.cli`): exits.py turns every outcome into an exit
-    code, and with `--json` every error into one JSON object on stdout."""
+    code, and with `--json` every error into one JSON object on stdout. The collector is off while the
+    command imports and sets up (vlmrun/startup.py)."""
+    from vlmrun.startup import pause_for_command
+
+    pause_for_command()
     run(app)
