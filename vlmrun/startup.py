@@ -14,9 +14,10 @@ after `PAUSE_LIMIT_S` all the same.
 
 The command line does the same for its first `COMMAND_PAUSE_S` (`pause_for_command`, from `vlmrun.cli`'s
 entry point): the commands that import torch and transformers in the user's process (`export`, `eval`,
-`data check`, `submit`'s data checks) spent ~20% of their CPU in the collector meanwhile (`vlmrun
-export` of a tiny run: 3.0-3.2 CPU-s with it off, 3.9-4.1 on). Every other process (the node, tools,
-tests) is left as it is.
+`data check`, `submit`'s data checks) spent 5-25% of their CPU in the collector meanwhile (`vlmrun
+export` of a tiny run through this entry point, 4 interleaved rounds beside a CI run: 0.76-0.96x the
+CPU with the pause as without it, median ~0.9; docs/measurements.md). Every other process (the node,
+tools, tests) is left as it is.
 """
 
 from __future__ import annotations
