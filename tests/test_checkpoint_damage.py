@@ -97,7 +97,8 @@ def test_damage_while_running_and_at_the_stop_costs_nothing(finished_run, tmp_pa
     The run's LR is constant (after the warmup): the last resume ends two steps after the stop instead
     of running the long run out."""
     run = copy_of(finished_run, tmp_path)
-    long = sets("train.max_steps=200", "train.epochs=7")
+    # long enough to outlast the reads and the export on a loaded machine: 200 steps once ran out first (~40 s)
+    long = sets("train.max_steps=2000", "train.epochs=63")
     launcher = Launcher(tmp_path, "resume", str(run), "--wait", *long, name="running")
     try:
         wait_for(lambda: 6 in sealed(run) or launcher.proc.poll() is not None, 300, "a checkpoint at step 6")
