@@ -97,12 +97,15 @@ def test_damage_while_running_and_at_the_stop_costs_nothing(finished_run, tmp_pa
     The run's LR is constant (after the warmup): the last resume ends two steps after the stop instead
     of running the long run out."""
     run = copy_of(finished_run, tmp_path)
-    # long enough to outlast the reads and the export on a loaded machine: 200 steps once ran out first (~40 s)
-    long = sets("train.max_steps=2000", "train.epochs=63")
+    # long enough to outlast the reads and the export on a loaded machine: 200 steps once ran out first (~40 s);
+    # a checkpoint every 8 steps, so a read outlasts the next save only on a badly loaded machine (every 2:
+    # a loaded CI machine saw a newer one sealed during each of the 5 reads); keep 4, so the stop's
+    # checkpoint, damaged below, still has a valid one before it when the one damaged here comes next
+    long = sets("train.max_steps=2000", "train.epochs=63", "checkpoint.save_period=8", "checkpoint.keep=4")
     launcher = Launcher(tmp_path, "resume", str(run), "--wait", *long, name="running")
     try:
-        wait_for(lambda: 6 in sealed(run) or launcher.proc.poll() is not None, 300, "a checkpoint at step 6")
-        assert 6 in sealed(run), "the run never saved step 6"
+        wait_for(lambda: 8 in sealed(run) or launcher.proc.poll() is not None, 300, "a checkpoint at step 8")
+        assert 8 in sealed(run), "the run never saved step 8"
         for _ in range(5):  # damage the newest, and read before the run saves a newer one
             newest = sealed(run)[-1]
             damage(run / "checkpoints" / f"step_{newest}")

@@ -174,3 +174,25 @@ def test_virtual_epochs_follow_each_other(clevr_set, tiny_dirs):
     keys = [k for _ in range(12) for k in shard.next_batch().sample_ids]
     shard.close()
     assert len(keys) == 24 and all(k.startswith("train-") for k in keys)
+
+
+def test_a_loader_in_a_frozen_process_leaves_its_heap_frozen(clevr_set, tiny_dirs):
+    """A rank freezes its heap once set up (`vlmrun.startup.freeze_heap`) so that no full collection
+    walks torch's and transformers' objects again. A training shard iterated in that process
+    (num_workers 0) and the validation set read there must leave it frozen: Energon's default
+    unfroze all of it when an iteration ended."""
+    import gc
+
+    recipe = make_recipe(clevr_set)
+    gc.freeze()
+    try:
+        frozen = gc.get_freeze_count()
+        shard = open_shard(recipe, tiny_dirs)
+        shard.next_batch()
+        shard.close()
+        # (a frozen object that dies leaves the count; an unfreeze empties it)
+        assert gc.get_freeze_count() > frozen // 2, "the training shard unfroze the heap"
+        val_batches(recipe, processor_dir=tiny_dirs["qwen2_5_vl"], samples=3, batch_size=2)
+        assert gc.get_freeze_count() > frozen // 2, "reading the validation set unfroze the heap"
+    finally:
+        gc.unfreeze()

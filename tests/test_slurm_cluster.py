@@ -150,7 +150,15 @@ def ray_probe_main(argv: list[str]) -> int:
 
     ignore_stop_signals()
     rd = Path(argv[1])
-    out = run_on_allocation(probe_nodes, rd / "ray", deadline_s=90)
+
+    def probe(info):
+        import psutil
+
+        found = probe_nodes(info)
+        found["processes"] = [" ".join(p.cmdline()) for p in psutil.Process().children(recursive=True)]
+        return found
+
+    out = run_on_allocation(probe, rd / "ray", deadline_s=90)
     if out is not None:
         (rd / "probe.json").write_text(json.dumps(out))
     return 0
@@ -292,6 +300,9 @@ def test_ray_on_two_nodes(two_nodes, tmp_path):
     ran_on = probe["ran_on"]
     assert sorted(v["slurm_node"] for v in ran_on.values()) == sorted(ran_on) and len(ran_on) == 2
     assert len({v["ip"] for v in ran_on.values()}) == 2 and not any(ip.startswith("127.") for ip in probe["addresses"])
+    # the head's Ray: a raylet and a GCS, but no autoscaler monitor (nodes.py)
+    head = "\n".join(probe["processes"])
+    assert "raylet" in head and "gcs_server" in head and "autoscaler/_private/monitor.py" not in head, head
     print(f"Ray ready on 2 nodes: {probe['ready_s']}s")
 
 

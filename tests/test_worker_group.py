@@ -166,9 +166,10 @@ def test_a_rank_starts_with_the_collector_paused_and_has_it_back_once_set_up(ray
         group.shutdown()
 
 
-def test_a_ray_worker_and_the_command_line_pause_the_collector_other_processes_do_not(tmp_path):
-    """Another process importing vlmrun (the node, a tool) keeps its collector as it was; the command
-    line's entry point turns it off for its start (COMMAND_PAUSE_S at most), and `resume` on again."""
+def test_a_ray_worker_the_command_line_and_the_node_pause_the_collector_other_processes_do_not(tmp_path):
+    """Another process importing vlmrun (a tool, a test) keeps its collector as it was; the command
+    line's entry point and the node's turn it off for their start (COMMAND_PAUSE_S at most), and
+    `resume` on again."""
     import subprocess
     import sys
 
@@ -179,11 +180,15 @@ def test_a_ray_worker_and_the_command_line_pause_the_collector_other_processes_d
         "cli.run = lambda app: print(was, gc.isenabled(), s.COMMAND_PAUSE_S <= 60, end=' '); cli.main(); "
         "s.resume(); print(gc.isenabled())"
     )
+    node = (  # the node's main up to where it reads its arguments
+        "import gc, vlmrun.cluster.node as node; was = gc.isenabled(); "
+        "node._parse = lambda argv: print(was, gc.isenabled(), end=' ') or exit(0); node.main([])"
+    )
     seen = [
         subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=60).stdout.strip()
-        for args in (["-c", code], [str(tmp_path / "default_worker.py")], ["-c", cli])
+        for args in (["-c", code], [str(tmp_path / "default_worker.py")], ["-c", cli], ["-c", node])
     ]
-    assert seen == ["True", "False", "True False True True"]
+    assert seen == ["True", "False", "True False True True", "True False"]
 
 
 def test_ranks_are_ordered_by_node_so_a_shard_group_stays_on_one():

@@ -16,8 +16,10 @@ The command line does the same for its first `COMMAND_PAUSE_S` (`pause_for_comma
 entry point): the commands that import torch and transformers in the user's process (`export`, `eval`,
 `data check`, `submit`'s data checks) spent 5-25% of their CPU in the collector meanwhile (`vlmrun
 export` of a tiny run through this entry point, 4 interleaved rounds beside a CI run: 0.76-0.96x the
-CPU with the pause as without it, median ~0.9; docs/measurements.md). Every other process (the node,
-tools, tests) is left as it is.
+CPU with the pause as without it, median ~0.9; docs/measurements.md). So does the node process
+(`vlmrun.cluster.node`): it imports Ray, and on a run's first attempt torch and transformers too when it
+builds the tiny model (~0.2 s of CPU in the collector at every attempt's start, ~0.8 s when it builds).
+Every other process (tools, tests) is left as it is.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ def pause_in_ray_workers() -> None:
 
 
 def pause_for_command() -> None:
-    """Collection off for the command line's first COMMAND_PAUSE_S (or until `resume()`)."""
+    """Collection off for the first COMMAND_PAUSE_S of the command line or a node process (or until `resume()`)."""
     _pause(COMMAND_PAUSE_S)
 
 

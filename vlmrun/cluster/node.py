@@ -35,6 +35,7 @@ from vlmrun.run.lock import Holder, RunLock, RunLocked
 from vlmrun.run.outcome import RunOutcome
 from vlmrun.run.requests import CANCEL_REQUEST, take_request
 from vlmrun.run.state import EXIT_COMPLETED, EXIT_FAILED, EXIT_STOPPED, State
+from vlmrun.startup import pause_for_command
 
 RAY_DEADLINE_S = 180.0  # every node must have joined Ray by then
 RECORDED_FD_ENV = "VLMRUN_RECORDED_FD"  # a local launcher closes this pipe once job.json names the job
@@ -46,6 +47,7 @@ _HELD: list[RunLock] = []
 def main(argv: list[str] | None = None) -> int:
     started_at = time.time()
     stop = StopFlag().watch()  # first: before any thread or child process exists
+    pause_for_command()  # the collector off while the node imports and sets up (vlmrun/startup.py)
     args = _parse(argv)
     rd = RunDirectory(args.run_dir)
     _setup_logging()

@@ -20,6 +20,14 @@
    SFT conversations it cut in the micro-batches handed out so far; the counts are part of the
    state (with those of a group it is in the middle of), so a resumed shard counts exactly as an
    uninterrupted one, batch by batch.
+6. Energon's loaders leave the collector's frozen heap alone. By default Energon freezes the heap
+   (`gc.freeze`) when a loader starts iterating and unfreezes all of it (`gc.unfreeze`) when the
+   iteration ends; a rank or a controller froze its own heap once set up (`vlmrun.startup.freeze_heap`),
+   and a loader running in that process (num_workers 0, and the validation set, read in process)
+   undid it at its first validation or at its close. Every full collection after that walked the
+   whole heap again (~0.3-0.4 s of CPU on a tiny rank's 0.5-0.7 M objects, here). The training
+   loader keeps Energon's collection every 50 transfer groups without the freeze; reading the
+   validation set (one short pass) collects nothing.
 """
 
 from __future__ import annotations
@@ -83,7 +91,7 @@ class LoaderShard:
     """
 
     def __init__(self, recipe, *, processor_dir: str, shard: int, num_shards: int, placement_hash: str, split: str):
-        from megatron.energon import WorkerConfig, get_savable_loader, get_train_dataset
+        from megatron.energon import SavableDataLoader, WorkerConfig, get_train_dataset
 
         from vlmrun.data.components import check_components
         from vlmrun.data.task_encoder import make_task_encoder
@@ -140,8 +148,12 @@ class LoaderShard:
             task_encoder=task_encoder,
         )
         # Workers keep an internal checkpoint at least every 15 s (a restore replays at most that
-        # much); Energon's forced gc.collect() runs every 50 transfer groups, not every 10 (~3% CPU).
-        self._loader = get_savable_loader(dataset, checkpoint_every_sec=15, gc_collect_every_n_steps=50)
+        # much); Energon's forced gc.collect() runs every 50 transfer groups, not every 10 (~3% CPU),
+        # and never unfreezes this process's heap (item 6). `get_savable_loader` is this constructor
+        # without the freeze argument.
+        self._loader = SavableDataLoader(
+            dataset, checkpoint_every_sec=15, gc_collect_every_n_steps=50, gc_freeze_at_start=False
+        )
         self._iter = None
         self._held: collections.deque[_HeldGroup] = collections.deque()
         self._to_rebuild: list[dict] = []
@@ -330,7 +342,8 @@ def val_batches(recipe, *, processor_dir: str, samples: int, batch_size: int) ->
     skipped); `dropped` counts the samples skipped before the last one used. A GRPO run's
     conversations may be `grpo.max_new_tokens` longer than its prompts (its answers are responses).
     """
-    from megatron.energon import WorkerConfig, get_loader, get_val_dataset
+    from megatron.energon import WorkerConfig, get_val_dataset
+    from megatron.energon.savable_loader import BasicDataLoader  # `get_loader`, less its gc wrapper (item 6)
 
     from vlmrun.data.components import check_components
     from vlmrun.data.task_encoder import make_task_encoder
@@ -360,7 +373,7 @@ def val_batches(recipe, *, processor_dir: str, samples: int, batch_size: int) ->
     )
     pairs = []
     with _quiet_pin_memory():  # no worker processes: a refusal arrives as raised, one line
-        for group in get_loader(dataset):
+        for group in BasicDataLoader(dataset, gc_collect_every_n_steps=0):
             pairs.extend(group)
             if len(pairs) >= samples:
                 break

@@ -81,8 +81,12 @@ class PortBlock:
         if head:
             args += [
                 f"--port={self.port('gcs')}",
-                f"--ray-client-server-port={self.port('ray_client_server')}",
+                f"--ray-client-server-port={self.port('ray_client_server')}",  # Ray refuses 0 (none) here
                 "--include-dashboard=false",
+                # No autoscaler monitor: an allocation's size is fixed, nothing to scale, and vlmrun reads
+                # nothing the monitor reports; it was a process of ~0.5 s of CPU at every attempt's start.
+                # A hidden flag of `ray start` (2.60): tests/test_slurm_cluster.py sees the head without it.
+                "--no-monitor",
             ]
         return args
 
