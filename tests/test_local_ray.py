@@ -50,6 +50,16 @@ def test_the_private_api_start_local_ray_relies_on_is_there():
     assert "self.start_api_server(" in inspect.getsource(node.Node.start_head_processes)
 
 
+def test_the_private_api_the_slurm_nodes_ray_start_relies_on_is_there():
+    """vlmrun/cluster/ray/start.py: `ray start` in this process, less two of the head's servers."""
+    from ray._private import node
+    from ray.scripts import scripts
+
+    head = inspect.getsource(node.Node.start_head_processes)
+    assert "self.start_api_server(" in head and "self.start_ray_client_server()" in head
+    assert callable(scripts.main) and "ray._private.node.Node(" in inspect.getsource(scripts.start.callback)
+
+
 HOLDER = """
 import json, socket, sys, time
 from pathlib import Path

@@ -300,9 +300,10 @@ def test_ray_on_two_nodes(two_nodes, tmp_path):
     ran_on = probe["ran_on"]
     assert sorted(v["slurm_node"] for v in ran_on.values()) == sorted(ran_on) and len(ran_on) == 2
     assert len({v["ip"] for v in ran_on.values()}) == 2 and not any(ip.startswith("127.") for ip in probe["addresses"])
-    # the head's Ray: a raylet and a GCS, but no autoscaler monitor (nodes.py)
+    # the head's Ray: a raylet and a GCS, but no autoscaler monitor, API server or Ray Client server (nodes.py, start.py)
     head = "\n".join(probe["processes"])
     assert "raylet" in head and "gcs_server" in head and "autoscaler/_private/monitor.py" not in head, head
+    assert "dashboard/dashboard.py" not in head and "ray.util.client.server" not in head, head
     print(f"Ray ready on 2 nodes: {probe['ready_s']}s")
 
 

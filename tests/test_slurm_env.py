@@ -93,13 +93,11 @@ def test_port_blocks_are_distinct_for_neighbouring_jobs_and_in_range():
 def test_every_ray_port_is_explicit_and_inside_the_block():
     block = PortBlock(PORT_BASE + 5 * BLOCK_SIZE)
     args = block.start_args(head=True)
-    ports = [int(a.split("=")[1]) for a in args if a.split("=")[1].isdigit()]
-    assert len(ports) == len(set(ports)) == 10  # 8 fixed + worker min/max
+    ports = [int(a.split("=")[1]) for a in args if a.partition("=")[2].isdigit()]
+    assert len(ports) == len(set(ports)) == 9  # 7 fixed + worker min/max
     assert all(block.base <= p < block.base + BLOCK_SIZE for p in ports)
-    assert not any(
-        a.startswith(("--port=", "--ray-client-server-port", "--include-dashboard"))
-        for a in block.start_args(head=False)
-    )
+    assert {"--include-dashboard=false", "--no-monitor"} <= set(args)
+    assert not any(a.startswith(("--port=", "--include-dashboard", "--no-monitor")) for a in block.start_args(head=False))
     assert set(block.fixed_ports(head=False)) < set(block.fixed_ports(head=True))
     assert max(block.fixed_ports(head=True)) < block.worker_ports.start
 

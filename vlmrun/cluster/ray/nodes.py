@@ -1,7 +1,7 @@
 """The Ray processes of one node of a SLURM job: their ports, their environment, start and end.
 
 1. Ports: one block of `BLOCK_SIZE` ports per job, derived from the job id (`port_block`), every port
-   explicit (GCS, raylet, object manager, agents, metrics, client server, worker range). Jobs whose
+   explicit (GCS, raylet, object manager, agents, metrics, worker range). Jobs whose
    ids differ by less than `n_blocks()` never share a block; a block whose ports are taken on a node
    is refused by name before Ray starts there.
 2. `ray start ... --block` runs as a child in its own process group, ignoring SIGUSR2 (a stop signal
@@ -40,7 +40,6 @@ _FIXED = (
     "dashboard_agent_grpc",
     "runtime_env_agent",
     "metrics_export",
-    "ray_client_server",
 )
 _WORKER_OFFSET = 16
 
@@ -64,7 +63,7 @@ class PortBlock:
         return PortBlock(PORT_BASE + (index + k) % n_blocks() * BLOCK_SIZE)
 
     def fixed_ports(self, head: bool) -> list[int]:
-        names = _FIXED if head else [n for n in _FIXED if n not in ("gcs", "ray_client_server")]
+        names = _FIXED if head else [n for n in _FIXED if n != "gcs"]
         return [self.port(n) for n in names]
 
     def start_args(self, head: bool) -> list[str]:
@@ -81,11 +80,11 @@ class PortBlock:
         if head:
             args += [
                 f"--port={self.port('gcs')}",
-                f"--ray-client-server-port={self.port('ray_client_server')}",  # Ray refuses 0 (none) here
                 "--include-dashboard=false",
                 # No autoscaler monitor: an allocation's size is fixed, nothing to scale, and vlmrun reads
                 # nothing the monitor reports; it was a process of ~0.5 s of CPU at every attempt's start.
                 # A hidden flag of `ray start` (2.60): tests/test_slurm_cluster.py sees the head without it.
+                # (No Ray Client server either: start.py leaves it out.)
                 "--no-monitor",
             ]
         return args
@@ -127,11 +126,12 @@ def _ignore_stop_in_child() -> None:
 
 
 def start_ray_node(args: list[str], env: dict[str, str], log_path: Path) -> subprocess.Popen:
-    """`ray start ... --block` as a child in its own process group, output to `log_path`."""
+    """`ray start ... --block` (less the head's API and Ray Client servers: start.py) as a child in its own
+    process group, output to `log_path`."""
     cmd = [
         sys.executable,
         "-m",
-        "ray.scripts.scripts",
+        "vlmrun.cluster.ray.start",
         "start",
         *args,
         "--block",
