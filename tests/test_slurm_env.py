@@ -97,7 +97,9 @@ def test_every_ray_port_is_explicit_and_inside_the_block():
     assert len(ports) == len(set(ports)) == 9  # 7 fixed + worker min/max
     assert all(block.base <= p < block.base + BLOCK_SIZE for p in ports)
     assert {"--include-dashboard=false", "--no-monitor"} <= set(args)
-    assert not any(a.startswith(("--port=", "--include-dashboard", "--no-monitor")) for a in block.start_args(head=False))
+    assert not any(
+        a.startswith(("--port=", "--include-dashboard", "--no-monitor")) for a in block.start_args(head=False)
+    )
     assert set(block.fixed_ports(head=False)) < set(block.fixed_ports(head=True))
     assert max(block.fixed_ports(head=True)) < block.worker_ports.start
 

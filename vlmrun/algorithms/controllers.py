@@ -31,7 +31,11 @@ class _ControllerHost:
     algorithm: str
 
     def __init__(self, **kwargs):
-        self.loop = controller_class(self.algorithm)(**kwargs)
+        from vlmrun.startup import freeze_imports
+
+        controller = controller_class(self.algorithm)  # imports the controller's module (torch, its workers)
+        freeze_imports()  # ... which set-up's one collection then need not walk (vlmrun/startup.py)
+        self.loop = controller(**kwargs)
 
     def run(self):
         return self.loop.run()

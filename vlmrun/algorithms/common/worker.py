@@ -55,7 +55,9 @@ class RankWorker(RankActor):
         import torch
 
         from vlmrun.config.recipe import Recipe
+        from vlmrun.startup import freeze_imports
 
+        freeze_imports()  # the imports are done; set-up's own collection walks only what set-up makes
         torch.set_num_threads(threads)
         self.rank, self.replica, self.owner, self.threads = rank, replica, owner, threads
         self.recipe = r = Recipe.model_validate_json(recipe_json)
