@@ -17,7 +17,7 @@ import signal
 from pathlib import Path
 
 import pytest
-from shared_runs import copy_run
+from shared_runs import copy_run, submit_args
 from vlmrun_cli import Launcher, rows_of, sealed, sets, vlmrun, wait_for
 
 from vlmrun.algorithms.common.checkpoint import verify
@@ -30,6 +30,15 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 def copy_of(run: Path, tmp_path: Path) -> Path:
     return copy_run(run, tmp_path / "run")
+
+
+def start_running(tmp_path: Path, run_data: list[str], *more: str) -> tuple[Path, Launcher]:
+    """A run that keeps training while a test reads, damages and exports its checkpoints: one rank (the
+    readers' side of the race is the same with two, and a rank trains on one CPU, not two, meanwhile),
+    a constant LR, no validation, no loader worker, `more` on top."""
+    run = tmp_path / "run"
+    quick = ["parallel.dp=1", "train.val_samples=0", "data.num_workers=0", "train.lr_schedule=constant", *more]
+    return run, Launcher(tmp_path, *submit_args(run, *run_data, *sets(*quick)), name="running")
 
 
 def damage(checkpoint: Path) -> None:
@@ -90,22 +99,21 @@ def test_a_damaged_final_checkpoint_of_a_finished_run_is_trained_again(finished_
     assert again.returncode == 0 and "nothing to do" in again.stdout + again.stderr
 
 
-def test_damage_while_running_and_at_the_stop_costs_nothing(finished_run, tmp_path):
+def test_damage_while_running_and_at_the_stop_costs_nothing(run_data, tmp_path):
     """Running: the newest checkpoint is damaged under a training run, readers pass it by and say so.
     Stopped: the stop's checkpoint verifies when the stop says it was written; damaged afterwards, the
     resume trains the lost steps again to the same numbers and ends with a valid final checkpoint.
     The run's LR is constant (after the warmup): the last resume ends two steps after the stop instead
     of running the long run out."""
-    run = copy_of(finished_run, tmp_path)
     # long enough to outlast the reads and the export on a loaded machine: 200 steps once ran out first (~40 s);
-    # a checkpoint every 8 steps, so a read outlasts the next save only on a badly loaded machine (every 2:
-    # a loaded CI machine saw a newer one sealed during each of the 5 reads); keep 4, so the stop's
-    # checkpoint, damaged below, still has a valid one before it when the one damaged here comes next
-    long = sets("train.max_steps=2000", "train.epochs=63", "checkpoint.save_period=8", "checkpoint.keep=4")
-    launcher = Launcher(tmp_path, "resume", str(run), "--wait", *long, name="running")
-    try:
-        wait_for(lambda: 8 in sealed(run) or launcher.proc.poll() is not None, 300, "a checkpoint at step 8")
-        assert 8 in sealed(run), "the run never saved step 8"
+    # a checkpoint every 6 steps, so a read outlasts the next save only on a badly loaded machine (every 2
+    # steps of two ranks: a loaded CI machine saw a newer one sealed during each of the 5 reads); keep 4,
+    # so the stop's checkpoint, damaged below, still has a valid one before it when one damaged here comes next
+    long = ["train.max_steps=2000", "train.epochs=63", "checkpoint.save_period=6", "checkpoint.keep=4"]
+    run, launcher = start_running(tmp_path, run_data, *long)
+    try:  # two checkpoints: the newest damaged, the one before it valid
+        wait_for(lambda: 12 in sealed(run) or launcher.proc.poll() is not None, 300, "a checkpoint at step 12")
+        assert 12 in sealed(run), "the run never saved step 12"
         for _ in range(5):  # damage the newest, and read before the run saves a newer one
             newest = sealed(run)[-1]
             damage(run / "checkpoints" / f"step_{newest}")
@@ -138,13 +146,16 @@ def test_damage_while_running_and_at_the_stop_costs_nothing(finished_run, tmp_pa
         same_numbers(stopped_rows[step], resumed_rows[step])
 
 
-def test_export_while_the_run_saves_every_step_with_keep_1(finished_run, tmp_path):
-    run = copy_of(finished_run, tmp_path)
-    every_step = sets("train.max_steps=400", "train.epochs=20", "checkpoint.save_period=1", "checkpoint.keep=1")
-    launcher = Launcher(tmp_path, "resume", str(run), "--wait", *every_step, name="saving")
+def test_export_while_the_run_saves_every_step_with_keep_1(run_data, tmp_path):
+    every_step = ["train.max_steps=400", "train.epochs=20", "checkpoint.save_period=1", "checkpoint.keep=1"]
+    run, launcher = start_running(tmp_path, run_data, *every_step)
     exported = []
     try:
-        wait_for(lambda: max(history(run / "metrics.jsonl")) >= 6 or launcher.proc.poll() is not None, 300, "step 6")
+        wait_for(
+            lambda: max(history(run / "metrics.jsonl"), default=0) >= 6 or launcher.proc.poll() is not None,
+            300,
+            "step 6",
+        )
         for k in range(2):  # each one races the run's save and deletion of the checkpoint it reads
             answer, _ = export(run, tmp_path / f"export-{k}")
             exported.append(answer["step"])
