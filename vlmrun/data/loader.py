@@ -20,14 +20,9 @@
    SFT conversations it cut in the micro-batches handed out so far; the counts are part of the
    state (with those of a group it is in the middle of), so a resumed shard counts exactly as an
    uninterrupted one, batch by batch.
-6. Energon's loaders leave the collector's frozen heap alone. By default Energon freezes the heap
-   (`gc.freeze`) when a loader starts iterating and unfreezes all of it (`gc.unfreeze`) when the
-   iteration ends; a rank or a controller froze its own heap once set up (`vlmrun.startup.freeze_heap`),
-   and a loader running in that process (num_workers 0, and the validation set, read in process)
-   undid it at its first validation or at its close. Every full collection after that walked the
-   whole heap again (~0.3-0.4 s of CPU on a tiny rank's 0.5-0.7 M objects, here). The training
-   loader keeps Energon's collection every 50 transfer groups without the freeze; reading the
-   validation set (one short pass) collects nothing.
+6. Energon's loaders never unfreeze the heap: by default one freezes it as it starts iterating and
+   unfreezes all of it when done, which undid a rank's `vlmrun.startup.freeze_heap` (num_workers 0, and
+   the validation set, read in process): every later full collection walked the whole heap again.
 """
 
 from __future__ import annotations
@@ -149,8 +144,7 @@ class LoaderShard:
         )
         # Workers keep an internal checkpoint at least every 15 s (a restore replays at most that
         # much); Energon's forced gc.collect() runs every 50 transfer groups, not every 10 (~3% CPU),
-        # and never unfreezes this process's heap (item 6). `get_savable_loader` is this constructor
-        # without the freeze argument.
+        # without its freeze (item 6), which `get_savable_loader` cannot turn off.
         self._loader = SavableDataLoader(
             dataset, checkpoint_every_sec=15, gc_collect_every_n_steps=50, gc_freeze_at_start=False
         )
