@@ -3,7 +3,8 @@ way a run is interrupted, one after the other on one run, resumed to the numbers
 
 The chain (one run directory, the arguments of the session's `sft_baseline`), an attempt per test, in order:
 1. SIGKILL of the node: every process of the attempt is gone within 10 s, nothing more is written, the
-   temp root (Ray's, wandb's files) is removed; the attempt is KILLED.
+   temp root (Ray's, wandb's files) is removed; the attempt is KILLED. Its controller, past a validation
+   and checkpoints, holds no torch (nor does test 3's, resumed).
 2. Two resumes at once: one trains, the other is refused naming the holder and begins nothing; SIGUSR2
    to every process of the attempt (what `scancel --signal=USR2` does) lands after the step in flight.
 3. `cancel` of a detached attempt: while it runs a resume and a submit into it are refused naming it;
@@ -72,6 +73,11 @@ def no_traceback(text: str) -> None:
     assert "Traceback" not in text and "KeyboardInterrupt" not in text, text[-3000:]
 
 
+def torch_in(pid: int) -> bool:
+    """Whether process `pid` has torch's library mapped (the SFT controller never does: common/loop.py, 5)."""
+    return "libtorch" in Path(f"/proc/{pid}/maps").read_text()
+
+
 def first_step_of(run: Path, attempt: int) -> int:
     return min(r["step"] for r in rows(run) if r["attempt"] == attempt)
 
@@ -131,8 +137,9 @@ def test_1_sigkill_of_the_node_ends_every_process_of_the_attempt(chain):
     launcher = chain.launch(*args, *sets("logger.wandb_mode=offline"), "--wait", name="submit")  # wandb's temp dirs too
     node = node_pid(run)
     marker, temp_root, _ = reaper_of(node)
-    chain.past(6)
+    chain.past(10)  # past the validation at step 10
     processes = census(marker)
+    assert not torch_in(next(pid for pid, name in processes.items() if "SftController" in name))
     temp_files = sorted(os.listdir(temp_root))
     step, ckpts = last_step(run), checkpoints(run)
     os.kill(node, signal.SIGKILL)
@@ -186,6 +193,7 @@ def test_3_cancel_of_a_detached_attempt_checkpoints_and_says_cancelled(chain, re
     # The run's steps take ~0.3 s: its controller is held still while the two refusals are checked, so
     # a slow machine cannot let the run finish before the cancel comes.
     controller = next(pid for pid, name in census(marker).items() if "SftController" in name)
+    assert not torch_in(controller)  # resumed from the checkpoint the killed attempt sealed
     os.kill(controller, signal.SIGSTOP)
     try:
         refusals = (

@@ -25,9 +25,8 @@ A, B = CheckpointOwner("run-a", "/runs/a"), CheckpointOwner("run-b", "/runs/b")
 
 def _save(store: CheckpointStore, step: int) -> Path:
     pending = store.begin(step)
-    files = {
-        f: d for p in ("controller", "model", "optimizer") for f, d in pending.write(p, {"w": torch.ones(4)}).items()
-    }
+    files = pending.write("controller", {"counters": {"step": step}})
+    files |= {f: d for p in ("model", "optimizer") for f, d in pending.write(p, {"w": torch.ones(4)}).items()}
     return store.finish(pending, files, {})
 
 

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from vlmrun.algorithms.common import checkpoint
 from vlmrun.algorithms.common.checkpoint import PARTS, CorruptCheckpoint, part_file, verify
 from vlmrun.algorithms.common.checkpoint_store import CheckpointStore, MissingCheckpoint
 
@@ -16,10 +17,23 @@ FORMAT1 = Path(__file__).resolve().parent / "fixtures" / "format1-run" / "checkp
 
 
 def _save(store: CheckpointStore, step: int, value: float = 1.0, *, parts=("controller", "model", "optimizer")) -> Path:
+    """A checkpoint of `parts` (the controller's as JSON, the others' tensors) and rank 0's RNG."""
     pending = store.begin(step)
-    files = {f: d for p in parts for f, d in pending.write(p, {"w": torch.full((100,), value)}).items()}
+    state = {p: {"w": value} if p == "controller" else {"w": torch.full((100,), value)} for p in parts}
+    files = {f: d for p in parts for f, d in pending.write(p, state[p]).items()}
     files |= pending.write("rng", {"seed": step}, index=0)
     return store.finish(pending, files, {"placement_hash": "h"})
+
+
+def _as_format3(path: Path) -> None:
+    """The checkpoint at `path` rewritten as format 3 wrote it: the controller's part in torch's format."""
+    manifest = json.loads((path / "manifest.json").read_text())
+    controller = json.loads((path / "controller.json").read_text())
+    (path / "controller.json").unlink()
+    torch.save(controller, path / "controller.pt")
+    del manifest["files"]["controller.json"]
+    manifest["files"]["controller.pt"] = checkpoint.digest(path / "controller.pt")
+    (path / "manifest.json").write_text(json.dumps(manifest | {"format": 3}))
 
 
 def test_parts_round_trip_under_the_stores_names(tmp_path):
@@ -28,7 +42,8 @@ def test_parts_round_trip_under_the_stores_names(tmp_path):
     assert found.path == path and found.step == 5 and not skipped
     assert torch.equal(found.read("model")["w"], torch.full((100,), 2.5))
     assert found.read("rng", index=0) == {"seed": 5}
-    assert found.manifest["placement_hash"] == "h" and found.format == 3
+    assert found.read("controller") == {"w": 2.5} and json.loads((path / "controller.json").read_text()) == {"w": 2.5}
+    assert found.manifest["placement_hash"] == "h" and found.format == 4
     assert (path / PARTS["model"]).is_file() and (path / part_file("rng", 0)).is_file()
     assert not found.has("loader", index=0)
     with pytest.raises(KeyError, match="loader"):
@@ -96,7 +111,7 @@ def test_unfinished_tmp_checkpoint_is_ignored_and_cleaned(tmp_path):
 def test_manifest_records_sizes_and_checksums(tmp_path):
     path = _save(CheckpointStore(tmp_path, keep=1), 5)
     manifest = verify(path)
-    assert manifest["step"] == 5 and manifest["format"] == 3
+    assert manifest["step"] == 5 and manifest["format"] == 4
     entry = manifest["files"][PARTS["model"]]
     assert entry["size"] == (path / PARTS["model"]).stat().st_size and len(entry["xxh3_128"]) == 32
 
@@ -106,6 +121,7 @@ def test_a_format_2_checkpoint_with_sha256_checksums_still_verifies_and_damage_i
     import hashlib
 
     path = _save(CheckpointStore(tmp_path, keep=1), 5)
+    _as_format3(path)
     manifest = json.loads((path / "manifest.json").read_text())
     for name, entry in manifest["files"].items():
         manifest["files"][name] = {
@@ -118,6 +134,21 @@ def test_a_format_2_checkpoint_with_sha256_checksums_still_verifies_and_damage_i
     data[-30] ^= 0xFF
     (path / PARTS["model"]).write_bytes(bytes(data))
     with pytest.raises(CorruptCheckpoint, match="checksum mismatch"):
+        verify(path)
+
+
+def test_a_format_3_checkpoint_with_the_controllers_part_in_torchs_format_still_reads(tmp_path):
+    """Checkpoints written before the controller's part became JSON (format 3) resume: it is read through
+    torch; a format 3 checkpoint without it is incomplete, as ever."""
+    path = _save(CheckpointStore(tmp_path, keep=1), 5, 2.5)
+    _as_format3(path)
+    found, skipped = CheckpointStore(tmp_path, keep=1).latest()
+    assert found.step == 5 and found.format == 3 and not skipped
+    assert found.read("controller") == {"w": 2.5} and not (path / "controller.json").exists()
+    manifest = json.loads((path / "manifest.json").read_text())
+    del manifest["files"]["controller.pt"]
+    (path / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(CorruptCheckpoint, match="lists no controller part"):
         verify(path)
 
 
@@ -138,7 +169,7 @@ def test_unknown_format_is_refused_naming_it(tmp_path):
     m = json.loads((path / "manifest.json").read_text())
     (path / "manifest.json").write_text(json.dumps(m | {"format": 7}))
     found, skipped = CheckpointStore(tmp_path, keep=1).latest()
-    assert found is None and "format 7" in skipped[0] and "formats 1, 2, 3" in skipped[0]
+    assert found is None and "format 7" in skipped[0] and "formats 1, 2, 3, 4" in skipped[0]
 
 
 # ---- damaged checkpoints: moved aside, never counted, the step saved again ------------------------------
@@ -271,7 +302,8 @@ def test_writers_hash_what_they_write_as_it_goes_out_and_read_no_file_back(tmp_p
 
     pending = CheckpointStore(tmp_path, keep=1).begin(1)
     monkeypatch.setattr(checkpoint_files, "file_checksum", no_read_back)
-    files = pending.write("controller", {"w": torch.randn(300, 70), "n": 3})
+    files = pending.write("controller", {"counters": {"n": 3}})
+    files |= pending.write("rng", {"w": torch.randn(300, 70), "n": 3}, index=0)
     one_copy = PolicyState(Storage.REPLICATED, {"model": {"w": torch.randn(50)}, "optimizer": {"lr": 0.1}})
     files |= pending.write_policy(one_copy, rank=0)
     shards = PolicyState(Storage.SHARDED, {"model": {"w": torch.randn(64, 64)}, "optimizer": {"s": torch.ones(9)}})
@@ -294,14 +326,14 @@ def test_checkpoint_files_skip_the_zip_crc_and_load_and_other_saves_keep_it(tmp_
     from vlmrun.policy.interface import PolicyState, Storage
 
     pending = CheckpointStore(tmp_path, keep=1).begin(1)
-    controller = {"w": torch.randn(256, 256), "n": 3}
-    files = pending.write("controller", controller)
+    part = {"w": torch.randn(256, 256), "n": 3}
+    files = pending.write("rng", part, index=0)
     shards = PolicyState(Storage.SHARDED, {"model": {"w": torch.randn(64, 64)}, "optimizer": {"s": torch.ones(9)}})
     files |= pending.write_policy(shards, rank=0)
-    with zipfile.ZipFile(Path(pending.path) / "controller.pt") as z:
+    with zipfile.ZipFile(Path(pending.path) / part_file("rng", 0)) as z:
         assert {i.CRC for i in z.infolist()} == {0}
-    found = checkpoint.Checkpoint(1, Path(pending.path), {"format": 3, "files": files})
-    assert torch.equal(found.read("controller")["w"], controller["w"])
+    found = checkpoint.Checkpoint(1, Path(pending.path), {"format": 4, "files": files})
+    assert torch.equal(found.read("rng", index=0)["w"], part["w"])
     into = PolicyState(Storage.SHARDED, {"model": {"w": torch.zeros(64, 64)}, "optimizer": {"s": torch.zeros(9)}})
     assert torch.equal(found.read_policy(into).parts["model"]["w"], shards.parts["model"]["w"])
 

@@ -19,9 +19,8 @@ from vlmrun_cli import TINY
 
 from vlmrun.algorithms.common.checkpoint_store import run_checkpoints
 from vlmrun.algorithms.common.loop import DriverLost, StepLoop
-from vlmrun.algorithms.common.validation import ValidationScore
+from vlmrun.algorithms.common.validation import ValidationScore, ValidationSet
 from vlmrun.config.load import load_recipe
-from vlmrun.data.batch import PromptBatch
 from vlmrun.errors import InputError
 from vlmrun.policy.interface import PolicyState, Storage
 from vlmrun.run.directory import RunDirectory, dump_recipe
@@ -83,6 +82,7 @@ class Ranks:
         self.weight = torch.zeros(1)  # what a cold start's ranks hold
 
     def _validate(self, rank, share):
+        self.calls.append(("share", rank, share))
         return self.score
 
 
@@ -265,16 +265,35 @@ def test_a_checkpoint_of_another_layout_needs_restart_data_order(tmp_path, clevr
 def test_validation_steps_carry_the_summed_score_and_an_empty_pass_says_so(tmp_path, clevr_set, caplog):
     caplog.set_level(logging.WARNING, logger="vlmrun")
     rd = make_run(tmp_path / "run", clevr_set, "train.val_samples=2", "train.val_period=3")
-    prompts = PromptBatch(["v0", "v1"], torch.ones(2, 3, dtype=torch.long), torch.ones(2, 3), ["3", "4"])
-    loop, outcome = run_loop(rd, _val=([], [prompts], 1))
+    # rank 0's val set: every rank's share (here a name for it), the answers, the samples left out
+    loop, outcome = run_loop(rd, _val=ValidationSet(["share-0", "share-1"], ["3", "4"], 1))
     rows = history(rd.metrics_file())
     assert [s for s, r in rows.items() if "val_loss" in r] == [3, 6]  # every val_period and the last
     assert rows[3]["val_loss"] == 6.0 / 12 and rows[3]["val_accuracy"] == 2 / 4 and rows[3]["val_dropped_samples"] == 1
     assert outcome.final_val["val_samples"] == 4 and loop.group.calls.count("validate") == 2
+    assert [c for c in loop.group.calls if isinstance(c, tuple)] == [
+        ("share", 0, "share-0"),
+        ("share", 1, "share-1"),
+    ] * 2
+    assert rows[3]["val_majority_baseline"] == 0.5
     empty = make_run(tmp_path / "empty", clevr_set, "train.val_samples=2", "train.val_period=3")
-    run_loop(empty, _val=([], [prompts], 0), ranks=Ranks(score=ValidationScore(0.0, 0, 0, 2)))
+    run_loop(
+        empty, _val=ValidationSet(["share-0", "share-1"], ["3", "4"]), ranks=Ranks(score=ValidationScore(0.0, 0, 0, 2))
+    )
     assert history(empty.metrics_file())[3]["val_loss"] is None and history(empty.metrics_file())[3]["val_tokens"] == 0
     assert "scored no token of 2 val samples" in caplog.text
+
+
+def test_the_sft_controllers_class_and_what_it_imports_load_no_torch():
+    """The SFT controller's process holds no torch (common/loop.py, 5). A real run's controller, past a
+    validation and checkpoints, and resumed: tests/test_chaos_processes.py (tests 1 and 3)."""
+    import subprocess
+    import sys
+
+    code = "import sys; from vlmrun.algorithms.controllers import controller_class; controller_class('sft'); "
+    code += "print(sorted(m for m in sys.modules if m.partition('.')[0] == 'torch'))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout[-2000:] + out.stderr[-3000:]
 
 
 def test_once_the_node_process_is_gone_nothing_more_is_written(tmp_path, clevr_set):

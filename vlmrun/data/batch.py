@@ -1,11 +1,16 @@
-"""The batch that the task encoder produces and the policy consumes."""
+"""The batch that the task encoder produces and the policy consumes.
+
+Importing this module loads no torch (`SampleCounts` travels to the SFT controller, which holds none).
+"""
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 #: The label of a position that carries no loss (prompt, padding, image tokens); torch's default ignore_index.
 IGNORE_INDEX = -100
@@ -111,6 +116,8 @@ def media_layout(samples) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
 def media_into(samples, out: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The samples' media concatenated in sample order into the `media.<key>` tensors of `out`
     (`media_layout`'s fields), by key."""
+    import torch
+
     media = {}
     for name in out:
         if name.startswith("media."):

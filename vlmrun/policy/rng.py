@@ -1,14 +1,18 @@
-"""Capture and restore every RNG a rank uses (python, numpy, torch), for bitwise-identical resumes."""
+"""Capture and restore every RNG a rank uses (python, numpy, torch), for bitwise-identical resumes.
+
+numpy and torch are imported when a function runs: the rank worker's module imports this one, and the
+controller imports that module for the class alone (it holds no torch: algorithms/common/loop.py).
+"""
 
 from __future__ import annotations
 
 import random
 
-import numpy as np
-import torch
-
 
 def seed_all(seed: int) -> None:
+    import numpy as np
+    import torch
+
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
@@ -16,6 +20,9 @@ def seed_all(seed: int) -> None:
 
 def rng_state() -> dict:
     """A state that `torch.load(weights_only=True)` can read back (tensors, lists, ints, strings)."""
+    import numpy as np
+    import torch
+
     np_state = np.random.get_state()
     return {
         "python": _to_lists(random.getstate()),
@@ -31,6 +38,9 @@ def rng_state() -> dict:
 
 
 def set_rng_state(state: dict) -> None:
+    import numpy as np
+    import torch
+
     version, internal, gauss = state["python"]
     random.setstate((version, tuple(internal), gauss))
     n = state["numpy"]

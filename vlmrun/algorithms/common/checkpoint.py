@@ -6,7 +6,7 @@
     checkpoints/step_<N>/            complete
         manifest.json                format, step, the run that wrote it (run_id, run_dir), every file
                                      with its size and checksum (checkpoint_files.py), run metadata
-        controller.pt                the controller's RNG and step counters
+        controller.json              the controller's RNG (python's: it draws no other) and step counters
         policy/model.pt              the policy's parts (one copy when every rank holds the same state)
         policy/optimizer.pt          optimizer and LR schedule
         policy/sharded/              or, for a sharded policy (FSDP2): model, optimizer and LR schedule
@@ -31,7 +31,11 @@
    store (checkpoint_store.py) names, lists, retains and guards the folders.
 3. Format 1 (written before the layered layout: `meta.json`, `model.pt`, `optim.pt`, and loader and
    plane state in one `loader/shard_<r>.pt`) is read through the same `Checkpoint.read`. Format 2 is
-   format 3's layout with sha256 where format 3 records XXH3-128 (checkpoint_files.py, 2).
+   format 3's layout with sha256 where format 3 records XXH3-128 (checkpoint_files.py, 2). Formats 2
+   and 3 hold the controller's part as `controller.pt` (torch.save, with numpy's and torch's RNG
+   beside python's); format 4 writes it as JSON, so that the controller, which draws no random number
+   of numpy or torch, never imports torch (~1.2 s of CPU at every attempt's start, before any rank
+   could be started). A part whose file ends in `.json` is JSON; every other part is `torch.save`'s.
 """
 
 from __future__ import annotations
@@ -46,13 +50,14 @@ from typing import Any
 from vlmrun.algorithms.common import checkpoint_files as files
 from vlmrun.policy.interface import MODEL_PART, OPTIMIZER_PART, POLICY_PARTS, PolicyState, Storage
 
-FORMAT = 3
-#: Formats `verify` and `Checkpoint` read: 1 (the earlier layout, module doc 3), 2 (sha256 per file) and 3.
-READS = (1, 2, FORMAT)
+FORMAT = 4
+#: Formats `verify` and `Checkpoint` read: 1 (the earlier layout, module doc 3), 2 (sha256 per file), 3
+#: (the controller's part in torch's format) and 4.
+READS = (1, 2, 3, FORMAT)
 MANIFEST = "manifest.json"
 #: Part -> file, relative to the checkpoint folder; `{index}` is the rank or the loader shard.
 PARTS = {
-    "controller": "controller.pt",
+    "controller": "controller.json",
     **{part: f"policy/{part}.pt" for part in POLICY_PARTS},
     "rng": "rng/rank_{index}.pt",
     "loader": "loader/shard_{index}.pt",
@@ -79,6 +84,12 @@ _V1_PARTS = {
     "plane": "loader/shard_{index}.pt",
 }
 _V1_KEYS = {"loader": "loader", "plane": "plane"}
+# Formats 2 and 3: format 4's files but the controller's.
+_V3_PARTS = PARTS | {"controller": "controller.pt"}
+
+
+def _layout(fmt: int) -> dict[str, str]:
+    return _V1_PARTS if fmt == 1 else _V3_PARTS if fmt in (2, 3) else PARTS
 
 
 class CorruptCheckpoint(Exception):
@@ -102,12 +113,19 @@ class PendingCheckpoint:
     path: str
 
     def write(self, part: str, state: Any, index: int | None = None) -> dict[str, dict]:
-        """Save `state` (tensors and plain containers) as `part`; returns {file: digest} for `finish`."""
-        import torch
-
+        """Save `state` as `part`; returns {file: digest} for `finish`. A JSON part (module doc, 3) takes
+        what `json` writes; the others tensors and plain containers."""
         name = part_file(part, index)
         target = Path(self.path) / name
         target.parent.mkdir(parents=True, exist_ok=True)
+        if name.endswith(".json"):
+            with open(target, "wb") as raw:
+                hashed = files.HashingStream(raw)
+                hashed.write(json.dumps(state).encode())
+                hashed.flush()
+            return {name: hashed.digest()}
+        import torch
+
         with open(target, "wb") as raw, files.hashing_writes(raw) as hashed:
             torch.save(state, hashed)
         return {name: hashed.digest()}
@@ -225,11 +243,13 @@ class Checkpoint:
 
     def read(self, part: str, index: int | None = None) -> Any:
         """The state saved as `part`; KeyError when this checkpoint has no such part."""
-        import torch
-
         name = self._file(part, index)
         if name not in self.manifest["files"]:
             raise KeyError(f"checkpoint {self.path} has no {part}{'' if index is None else f' {index}'} ({name})")
+        if name.endswith(".json"):
+            return json.loads((self.path / name).read_bytes())
+        import torch
+
         state = torch.load(self.path / name, weights_only=True)
         if self.format == 1 and part in _V1_KEYS:
             return state[_V1_KEYS[part]]
@@ -255,7 +275,7 @@ class Checkpoint:
         return into
 
     def _file(self, part: str, index: int | None) -> str:
-        return part_file(part, index, layout=_V1_PARTS if self.format == 1 else PARTS)
+        return part_file(part, index, layout=_layout(self.format))
 
 
 def verify(path: Path, *, checksums: bool = True, threads: int | None = None) -> dict:
@@ -271,7 +291,7 @@ def verify(path: Path, *, checksums: bool = True, threads: int | None = None) ->
     if fmt not in READS or not isinstance(manifest.get("files"), dict):
         reads = ", ".join(map(str, READS))
         raise CorruptCheckpoint(f"unknown checkpoint format {fmt!r} (this vlmrun reads formats {reads})")
-    lacking = lacking_parts(manifest["files"], _V1_PARTS if fmt == 1 else PARTS)
+    lacking = lacking_parts(manifest["files"], _layout(fmt))
     if lacking:
         raise CorruptCheckpoint(f"the manifest lists no {', '.join(lacking)} part")
     for name, want in manifest["files"].items():

@@ -17,6 +17,11 @@ algorithm; a subclass supplies the algorithm's part:
    hands its verdict in (`checkpoint_verified`) before anything is loaded: the candidate, an older
    one in place of a damaged candidate, or none.
 4. `_close()` releases workers and loaders (a subclass adds what else it holds).
+5. This module imports no torch, and neither does the SFT controller: its process starts in ~0.6 s of
+   CPU where torch's import alone took ~1.2, and the ranks are started only once it has. So the
+   controller's RNG part is python's (it draws from no other) and JSON, the ranks' results reach it
+   as plain values, and the val set's tensors go from rank 0 to the ranks by reference
+   (validation.py, 1). tests/test_chaos_processes.py sees a real run's controller without torch.
 
 A stop request (signal -> flag -> `request_stop`, or `train.stop_after` reached) is acted on at the
 next step boundary: every rank saves, and the run ends as STOPPED (resumable). Once the driver's
@@ -27,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import random
 import threading
 import time
 
@@ -35,14 +41,13 @@ from vlmrun.algorithms.common.checkpoint_store import run_checkpoints
 from vlmrun.algorithms.common.saving import Saves
 from vlmrun.algorithms.common.shards import open_train_shard
 from vlmrun.algorithms.common.steps import plan_steps
-from vlmrun.algorithms.common.validation import ValidationScore, validation_row, validation_shares
+from vlmrun.algorithms.common.validation import ValidationScore, ValidationSet, validation_row
 from vlmrun.config.identity import RESHARD_TERMS, check_checkpoint_belongs, run_identity
 from vlmrun.distributed.topology import plan_placement
 from vlmrun.distributed.worker_group import Placement, WorkerGroup, freeze_heap
 from vlmrun.errors import CheckFailed
 from vlmrun.models.fingerprint import model_contents
 from vlmrun.observe.wandb_sink import WandbSink, wandb_id
-from vlmrun.policy import rng
 from vlmrun.run.directory import RunDirectory
 from vlmrun.run.lock import Holder
 from vlmrun.run.metrics import MetricsLog
@@ -323,15 +328,16 @@ class StepLoop:
         return check_checkpoint_belongs(found.manifest, self.identity, self.plan, restart, found.path)
 
     def _resume(self, found: Checkpoint | None, skipped: list[str]) -> tuple[int, dict, dict]:
-        rng.seed_all(self.recipe.train.seed)
+        random.seed(self.recipe.train.seed)
         counters = {"consumed_samples": 0, "total_valid_tokens": 0}
         notes = {"skipped_checkpoints": skipped} if skipped else {}
         if found is None:
             return 0, counters, notes
         self._load_parts(found, restart_data=self.restart_data)
         ctrl = found.read("controller")
-        if not self.restart_data:
-            rng.set_rng_state(ctrl["rng"])
+        if not self.restart_data:  # a format 3 checkpoint's part has numpy's and torch's too, never drawn from here
+            version, internal, gauss = ctrl["rng"]["python"]
+            random.setstate((version, tuple(internal), gauss))
         counters = dict(ctrl["counters"])
         notes["resumed_from"] = found.step
         if self.restart_data:
@@ -345,16 +351,15 @@ class StepLoop:
         r = self.recipe
         if r.train.val_samples <= 0:
             return None
-        if not hasattr(self, "_val"):  # read and encoded by rank 0, which has the loader's stack imported:
-            # this process then never imports the processor, torchvision and Energon (~2 s of CPU)
+        if not hasattr(self, "_val"):  # read, encoded and cut by rank 0, which has the loader's stack
+            # imported; the shares' tensors never come here (this process holds no torch)
+            size = max(1, r.train.micro_batch_size)
             self._val = self.group.on_rank(
-                0, "val_set", samples=r.train.val_samples, batch_size=max(1, r.train.micro_batch_size)
+                0, "val_set", samples=r.train.val_samples, batch_size=size, ranks=self.group.world_size
             )
-        loss_b, prompt_b, dropped = self._val
-        shares = validation_shares(loss_b, prompt_b, self.group.world_size)
-        scores = self.group.per_rank("validate", lambda rank: {"share": shares[rank]})
-        answers = [a for b in prompt_b for a in b.answers]
-        validation = validation_row(sum(scores, ValidationScore()), answers, dropped=dropped)
+        val: ValidationSet = self._val
+        scores = self.group.per_rank("validate", lambda rank: {"share": val.shares[rank]})
+        validation = validation_row(sum(scores, ValidationScore()), val.answers, dropped=val.dropped)
         if validation.val_loss is None:
             log.warning(
                 "validation at step %d scored no token of %d val samples (every label cut away? data.max_seq_len "
@@ -383,7 +388,7 @@ class StepLoop:
         background = self.recipe.checkpoint.async_save
         pending = self.store.begin(step)
         files = self._save_parts(pending, background)
-        files |= pending.write("controller", {"rng": rng.rng_state(), "counters": counters})
+        files |= pending.write("controller", {"rng": {"python": _python_rng()}, "counters": counters})
         meta = {
             "placement_hash": self.plan.placement_hash,
             "layout": self.plan.describe(),
@@ -395,3 +400,9 @@ class StepLoop:
         }
         rank_files = (lambda wait: self.group.all_ranks("save_done", wait)) if background else None
         self.saves.begun(pending, files, meta, t0, rank_files)
+
+
+def _python_rng() -> list:
+    """Python's RNG state as JSON holds it: the controller's whole RNG (module doc, 5)."""
+    version, internal, gauss = random.getstate()
+    return [version, list(internal), gauss]

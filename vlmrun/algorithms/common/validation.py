@@ -1,7 +1,9 @@
 """Validation: every algorithm's held-out score, computed on the ranks with the policy and a generation engine.
 
-1. The controller cuts the val batches into one `ValidationShare` per rank (`validation_shares`): rank r
-   scores loss batches r, r + n, ... and answers prompt batches r, r + n, ...
+1. The val batches are cut into one `ValidationShare` per rank (`validation_shares`): rank r scores loss
+   batches r, r + n, ... and answers prompt batches r, r + n, ... In a run, rank 0 reads and cuts them
+   and keeps the shares in Ray's object store; the controller holds a `ValidationSet` of references
+   and hands each rank its own.
 2. On each rank, `evaluate` takes the NLL of the loss batches from the policy's `logprobs` and the
    greedy answers from a generation engine refit from the policy (refit.py: streamed), so the policy
    seam holds no validation code and a sharded policy never gathers the whole model for a forward.
@@ -36,6 +38,16 @@ class ValidationShare:
     loss_batches: list
     prompt_batches: list
     padding: list = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class ValidationSet:
+    """A run's val set as the controller holds it: every rank's share (in rank order; a reference to it in
+    Ray's object store), every prompt's reference answer, and the val samples the loader left out."""
+
+    shares: list
+    answers: list[str]
+    dropped: int = 0
 
 
 @dataclass(frozen=True)

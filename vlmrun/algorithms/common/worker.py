@@ -22,7 +22,14 @@ from collections.abc import Iterator
 
 from vlmrun.algorithms.common.checkpoint import Checkpoint, PendingCheckpoint
 from vlmrun.algorithms.common.shards import open_train_shard
-from vlmrun.algorithms.common.validation import ValidationScore, ValidationShare, evaluate, response_texts
+from vlmrun.algorithms.common.validation import (
+    ValidationScore,
+    ValidationSet,
+    ValidationShare,
+    evaluate,
+    response_texts,
+    validation_shares,
+)
 from vlmrun.config.dtype import compute_dtype
 from vlmrun.distributed.worker_group import RankActor
 from vlmrun.errors import InputError
@@ -128,12 +135,20 @@ class RankWorker(RankActor):
             self.recipe, self.model_dir, shard=shard, num_shards=num_shards, placement_hash=placement_hash
         )
 
-    def val_set(self, samples: int, batch_size: int):
+    def val_set(self, samples: int, batch_size: int, ranks: int) -> ValidationSet:
         """The recipe's validation set (`val_batches`: the first `samples` usable val samples as loss and
-        prompt batches), read here for the controller, which hands each rank its share."""
+        prompt batches), read here and cut into the shares of `ranks` ranks, each put into Ray's object
+        store: the controller hands each rank its share's reference, so the batches (tensors) go from
+        here to the ranks and never through the controller, which holds no torch."""
+        import ray
+
         from vlmrun.data.loader import val_batches
 
-        return val_batches(self.recipe, processor_dir=self.model_dir, samples=samples, batch_size=batch_size)
+        loss, prompts, dropped = val_batches(
+            self.recipe, processor_dir=self.model_dir, samples=samples, batch_size=batch_size
+        )
+        shares = [ray.put(share) for share in validation_shares(loss, prompts, ranks)]
+        return ValidationSet(shares, [a for b in prompts for a in b.answers], dropped)
 
     def validate(self, share: ValidationShare) -> ValidationScore:
         """This rank's score of its share of the val batches (collective: every rank calls it)."""

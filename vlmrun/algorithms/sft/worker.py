@@ -15,11 +15,11 @@ from vlmrun.algorithms.common.checkpoint import Checkpoint, PendingCheckpoint
 from vlmrun.algorithms.common.worker import RankWorker
 from vlmrun.config.families import family_spec
 from vlmrun.data.batch import SampleCounts
-from vlmrun.data.packing import by_tokens, rows_for
 from vlmrun.plane.interface import DataPlane
-from vlmrun.plane.local import LocalDataPlane
-from vlmrun.plane.micro_batches import get_micro_batches, put_micro_batches
 from vlmrun.policy.interface import StepResult
+
+# The rank's own tools (packing, the plane, micro-batches: torch) are imported where a rank uses them:
+# the controller imports this module for the class alone, and holds no torch (common/loop.py).
 
 
 @dataclass(frozen=True)
@@ -35,6 +35,8 @@ class SftStepReport:
 
 class SftWorker(RankWorker):
     def __init__(self, **kwargs):
+        from vlmrun.plane.local import LocalDataPlane
+
         super().__init__(**kwargs)
         self.plane: DataPlane = LocalDataPlane()
 
@@ -54,6 +56,8 @@ class SftWorker(RankWorker):
     def _by_tokens(self, micro_batches: list) -> list:
         """The step's micro-batches as rows of at most data.pack_tokens tokens (`data.pack_by: tokens`),
         as many on this rank as on the rank that fills the most (a collective: every rank asks)."""
+        from vlmrun.data.packing import by_tokens, rows_for
+
         d = self.recipe.data
         family = family_spec(self.recipe.model.family)
         count = self.most_over_ranks(rows_for(micro_batches, d.pack_tokens))
@@ -62,6 +66,8 @@ class SftWorker(RankWorker):
         )
 
     def _batches_through_plane(self, partition: str, n_micro: int) -> list:
+        from vlmrun.plane.micro_batches import get_micro_batches, put_micro_batches
+
         family = self.recipe.model.family
         try:
             batches = [self.loader.next_batch() for _ in range(n_micro)]
