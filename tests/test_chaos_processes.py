@@ -138,6 +138,8 @@ def test_1_sigkill_of_the_node_ends_every_process_of_the_attempt(chain):
     node = node_pid(run)
     marker, temp_root, _ = reaper_of(node)
     chain.past(10)  # past the validation at step 10
+    # the seal publishes a checkpoint, then retention (keep 2) removes the oldest: let it be done
+    wait_for(lambda: sum(c.startswith("step_") for c in checkpoints(run)) <= 2, 30, "the retention of the seal")
     processes = census(marker)
     assert not torch_in(next(pid for pid, name in processes.items() if "SftController" in name))
     temp_files = sorted(os.listdir(temp_root))
