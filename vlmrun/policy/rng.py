@@ -9,6 +9,16 @@ from __future__ import annotations
 import random
 
 
+def python_rng_state() -> list:
+    """Python's RNG state as plain lists (JSON and `torch.load(weights_only=True)` both read it back)."""
+    return _to_lists(random.getstate())
+
+
+def set_python_rng_state(state: list) -> None:
+    version, internal, gauss = state
+    random.setstate((version, tuple(internal), gauss))
+
+
 def seed_all(seed: int) -> None:
     import numpy as np
     import torch
@@ -25,7 +35,7 @@ def rng_state() -> dict:
 
     np_state = np.random.get_state()
     return {
-        "python": _to_lists(random.getstate()),
+        "python": python_rng_state(),
         "numpy": {
             "name": np_state[0],
             "keys": torch.from_numpy(np_state[1].astype(np.int64)),
@@ -41,8 +51,7 @@ def set_rng_state(state: dict) -> None:
     import numpy as np
     import torch
 
-    version, internal, gauss = state["python"]
-    random.setstate((version, tuple(internal), gauss))
+    set_python_rng_state(state["python"])
     n = state["numpy"]
     np.random.set_state((n["name"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["cached"]))
     torch.set_rng_state(state["torch"])

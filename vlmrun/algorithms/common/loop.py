@@ -17,11 +17,9 @@ algorithm; a subclass supplies the algorithm's part:
    hands its verdict in (`checkpoint_verified`) before anything is loaded: the candidate, an older
    one in place of a damaged candidate, or none.
 4. `_close()` releases workers and loaders (a subclass adds what else it holds).
-5. This module imports no torch, and neither does the SFT controller: its process starts in ~0.6 s of
-   CPU where torch's import alone took ~1.2, and the ranks are started only once it has. So the
-   controller's RNG part is python's (it draws from no other) and JSON, the ranks' results reach it
-   as plain values, and the val set's tensors go from rank 0 to the ranks by reference
-   (validation.py, 1). tests/test_chaos_processes.py sees a real run's controller without torch.
+5. Neither this module nor the SFT controller imports torch (its process starts in ~0.6 s of CPU, where
+   torch's import alone took ~1.2, and the ranks start after it): its RNG part is python's (it draws
+   from no other), as JSON; the val set goes from rank 0 to the ranks by reference (validation.py, 1).
 
 A stop request (signal -> flag -> `request_stop`, or `train.stop_after` reached) is acted on at the
 next step boundary: every rank saves, and the run ends as STOPPED (resumable). Once the driver's
@@ -48,6 +46,7 @@ from vlmrun.distributed.worker_group import Placement, WorkerGroup, freeze_heap
 from vlmrun.errors import CheckFailed
 from vlmrun.models.fingerprint import model_contents
 from vlmrun.observe.wandb_sink import WandbSink, wandb_id
+from vlmrun.policy import rng
 from vlmrun.run.directory import RunDirectory
 from vlmrun.run.lock import Holder
 from vlmrun.run.metrics import MetricsLog
@@ -336,8 +335,7 @@ class StepLoop:
         self._load_parts(found, restart_data=self.restart_data)
         ctrl = found.read("controller")
         if not self.restart_data:  # a format 3 checkpoint's part has numpy's and torch's too, never drawn from here
-            version, internal, gauss = ctrl["rng"]["python"]
-            random.setstate((version, tuple(internal), gauss))
+            rng.set_python_rng_state(ctrl["rng"]["python"])
         counters = dict(ctrl["counters"])
         notes["resumed_from"] = found.step
         if self.restart_data:
@@ -388,7 +386,7 @@ class StepLoop:
         background = self.recipe.checkpoint.async_save
         pending = self.store.begin(step)
         files = self._save_parts(pending, background)
-        files |= pending.write("controller", {"rng": {"python": _python_rng()}, "counters": counters})
+        files |= pending.write("controller", {"rng": {"python": rng.python_rng_state()}, "counters": counters})
         meta = {
             "placement_hash": self.plan.placement_hash,
             "layout": self.plan.describe(),
@@ -400,9 +398,3 @@ class StepLoop:
         }
         rank_files = (lambda wait: self.group.all_ranks("save_done", wait)) if background else None
         self.saves.begun(pending, files, meta, t0, rank_files)
-
-
-def _python_rng() -> list:
-    """Python's RNG state as JSON holds it: the controller's whole RNG (module doc, 5)."""
-    version, internal, gauss = random.getstate()
-    return [version, list(internal), gauss]
