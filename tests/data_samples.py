@@ -193,8 +193,8 @@ def trained_model(run: Path, step: int):
     builds it (its model directory plus the checkpoint's weights), in eval mode."""
     from transformers import AutoModelForImageTextToText
 
-    from vlmrun.algorithms.common.checkpoint import Checkpoint, verify
-    from vlmrun.algorithms.common.checkpoint_store import CheckpointStore
+    from vlmrun.checkpoint.read import Checkpoint, verify
+    from vlmrun.checkpoint.store import CheckpointStore
     from vlmrun.models.source import ensure_model
     from vlmrun.run.directory import RunDirectory
 

@@ -20,8 +20,8 @@ import pytest
 from shared_runs import copy_run, submit_args
 from vlmrun_cli import Launcher, rows_of, sealed, sets, vlmrun, wait_for
 
-from vlmrun.algorithms.common.checkpoint import verify
-from vlmrun.algorithms.common.checkpoint_store import run_checkpoints
+from vlmrun.checkpoint.read import verify
+from vlmrun.checkpoint.store import run_checkpoints
 from vlmrun.run.directory import RunDirectory
 from vlmrun.run.metrics import history
 

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from vlmrun.algorithms.common.checkpoint_owner import CLAIM, CheckpointOwner, ForeignCheckpoints
-from vlmrun.algorithms.common.checkpoint_store import CheckpointStore
+from vlmrun.checkpoint.owner import CLAIM, CheckpointOwner, ForeignCheckpoints
+from vlmrun.checkpoint.store import CheckpointStore
 from vlmrun.config.load import load_recipe
 from vlmrun.run.directory import RUN_FILE, RunDirectory
 
@@ -27,7 +27,7 @@ def _save(store: CheckpointStore, step: int) -> Path:
     pending = store.begin(step)
     files = pending.write("controller", {"counters": {"step": step}})
     files |= {f: d for p in ("model", "optimizer") for f, d in pending.write(p, {"w": torch.ones(4)}).items()}
-    return store.finish(pending, files, {})
+    return store.finish(pending, files, None)
 
 
 def test_every_manifest_names_its_run_and_another_runs_store_never_counts_or_deletes_it(tmp_path):

@@ -9,11 +9,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from vlmrun.algorithms.common import checkpoint
-from vlmrun.algorithms.common.checkpoint import PARTS, CorruptCheckpoint, part_file, verify
-from vlmrun.algorithms.common.checkpoint_store import CheckpointStore, MissingCheckpoint
+from vlmrun.checkpoint import files as checkpoint_files
+from vlmrun.checkpoint.manifest import CorruptCheckpoint, Manifest, RunAtSave
+from vlmrun.checkpoint.parts import PARTS, part_file
+from vlmrun.checkpoint.read import verify
+from vlmrun.checkpoint.store import CheckpointStore, MissingCheckpoint
 
-FORMAT1 = Path(__file__).resolve().parent / "fixtures" / "format1-run" / "checkpoints" / "step_9"
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
+FORMAT1 = FIXTURES / "format1-run" / "checkpoints" / "step_9"
 
 
 def _save(store: CheckpointStore, step: int, value: float = 1.0, *, parts=("controller", "model", "optimizer")) -> Path:
@@ -22,7 +25,7 @@ def _save(store: CheckpointStore, step: int, value: float = 1.0, *, parts=("cont
     state = {p: {"w": value} if p == "controller" else {"w": torch.full((100,), value)} for p in parts}
     files = {f: d for p in parts for f, d in pending.write(p, state[p]).items()}
     files |= pending.write("rng", {"seed": step}, index=0)
-    return store.finish(pending, files, {"placement_hash": "h"})
+    return store.finish(pending, files, RunAtSave(placement_hash="h", layout="dp=1"))
 
 
 def _as_format3(path: Path) -> None:
@@ -32,7 +35,7 @@ def _as_format3(path: Path) -> None:
     (path / "controller.json").unlink()
     torch.save(controller, path / "controller.pt")
     del manifest["files"]["controller.json"]
-    manifest["files"]["controller.pt"] = checkpoint.digest(path / "controller.pt")
+    manifest["files"]["controller.pt"] = checkpoint_files.digest(path / "controller.pt").to_json()
     (path / "manifest.json").write_text(json.dumps(manifest | {"format": 3}))
 
 
@@ -43,7 +46,7 @@ def test_parts_round_trip_under_the_stores_names(tmp_path):
     assert torch.equal(found.read("model")["w"], torch.full((100,), 2.5))
     assert found.read("rng", index=0) == {"seed": 5}
     assert found.read("controller") == {"w": 2.5} and json.loads((path / "controller.json").read_text()) == {"w": 2.5}
-    assert found.manifest["placement_hash"] == "h" and found.format == 4
+    assert found.manifest.run.placement_hash == "h" and found.format == 4
     assert (path / PARTS["model"]).is_file() and (path / part_file("rng", 0)).is_file()
     assert not found.has("loader", index=0)
     with pytest.raises(KeyError, match="loader"):
@@ -91,6 +94,27 @@ def test_torn_corrupt_or_incomplete_checkpoint_is_reported_and_skipped(tmp_path,
     assert len(skipped) == 1 and "step_4" in skipped[0]
 
 
+@pytest.mark.parametrize(
+    "change, words",
+    [
+        ({"step": "4"}, "the manifest's step is '4', not an integer"),
+        ({"files": []}, "the manifest's files is [], not an object"),
+        (
+            {"files": {"controller.json": {"size": 3, "md5": "ab"}}},
+            "entry of controller.json is not a size and a checksum",
+        ),
+        ({"files": {"controller.json": {"xxh3_128": "ab"}}}, "entry of controller.json is not a size and a checksum"),
+    ],
+)
+def test_a_malformed_manifest_is_skipped_naming_what_is_wrong(tmp_path, change, words):
+    store = CheckpointStore(tmp_path, keep=3)
+    _save(store, 2)
+    manifest = _save(store, 4) / "manifest.json"
+    manifest.write_text(json.dumps(json.loads(manifest.read_text()) | change))
+    found, skipped = store.latest()
+    assert found.step == 2 and len(skipped) == 1 and words in skipped[0]
+
+
 def test_a_checkpoint_without_the_required_parts_is_never_sealed(tmp_path):
     store = CheckpointStore(tmp_path, keep=1)
     with pytest.raises(ValueError, match="optimizer"):
@@ -111,8 +135,8 @@ def test_unfinished_tmp_checkpoint_is_ignored_and_cleaned(tmp_path):
 def test_manifest_records_sizes_and_checksums(tmp_path):
     path = _save(CheckpointStore(tmp_path, keep=1), 5)
     manifest = verify(path)
-    assert manifest["step"] == 5 and manifest["format"] == 4
-    entry = manifest["files"][PARTS["model"]]
+    assert manifest.step == 5 and manifest.format == 4
+    entry = json.loads((path / "manifest.json").read_text())["files"][PARTS["model"]]
     assert entry["size"] == (path / PARTS["model"]).stat().st_size and len(entry["xxh3_128"]) == 32
 
 
@@ -129,7 +153,7 @@ def test_a_format_2_checkpoint_with_sha256_checksums_still_verifies_and_damage_i
             "sha256": hashlib.sha256((path / name).read_bytes()).hexdigest(),
         }
     (path / "manifest.json").write_text(json.dumps(manifest | {"format": 2}))
-    assert verify(path)["format"] == 2
+    assert verify(path).format == 2
     data = bytearray((path / PARTS["model"]).read_bytes())
     data[-30] ^= 0xFF
     (path / PARTS["model"]).write_bytes(bytes(data))
@@ -161,7 +185,34 @@ def test_format1_checkpoint_written_by_the_previous_layout_reads_through_the_sam
     assert found.read("loader", index=1)["fingerprint"]["topology.shard"] == 1
     assert found.read("plane", index=0) == {}
     assert set(found.read("controller")) == {"rng", "counters"}
-    assert found.manifest["placement_hash"] and found.read("rng", index=1)["torch"].dtype == torch.uint8
+    assert found.manifest.run.placement_hash and found.read("rng", index=1)["torch"].dtype == torch.uint8
+
+
+@pytest.mark.parametrize("fmt, checksum", [(1, "sha256"), (2, "sha256"), (3, "xxh3_128")])
+def test_each_older_formats_checkpoint_written_by_its_vlmrun_reads_through_the_same_parts(tmp_path, fmt, checksum):
+    """The fixtures of tests/test_old_formats_resume.py (each written by the vlmrun of its format): every
+    part reads back through the current calls, the manifest parses into its typed form, and a damaged
+    file is still seen under the checksum that format recorded."""
+    shutil.copytree(FIXTURES / f"format{fmt}-run" / "checkpoints" / "step_9", tmp_path / "step_9")
+    found, skipped = CheckpointStore(tmp_path, keep=2).latest()
+    assert (found.step, found.format, skipped) == (9, fmt, [])
+    assert {e.algorithm for e in found.manifest.files.values()} == {checksum}
+    assert found.manifest.run.layout == "dp=2 tp=1 pp=1 cp=1 (2 ranks)" and found.manifest.run.counters
+    assert found.manifest.run.placement_hash and (found.manifest.run_id is None) == (fmt == 1)
+    assert set(found.read("optimizer")) == {"optimizer", "scheduler"}
+    assert "model.language_model.embed_tokens.weight" in found.read("model")
+    assert found.read("loader", index=1)["fingerprint"]["topology.shard"] == 1
+    assert not found.has("plane", index=0) or found.read("plane", index=0) == {}
+    controller = found.read("controller")
+    assert set(controller) == {"rng", "counters"} and "python" in controller["rng"]
+    assert controller["counters"]["consumed_samples"] == 72
+    assert found.read("rng", index=1)["torch"].dtype == torch.uint8
+    model = next(name for name in found.manifest.files if name.endswith("model.pt"))
+    data = bytearray((tmp_path / "step_9" / model).read_bytes())
+    data[-30] ^= 0xFF
+    (tmp_path / "step_9" / model).write_bytes(bytes(data))
+    with pytest.raises(CorruptCheckpoint, match="checksum mismatch"):
+        verify(tmp_path / "step_9")
 
 
 def test_unknown_format_is_refused_naming_it(tmp_path):
@@ -191,7 +242,7 @@ def test_the_job_moves_a_damaged_newest_aside_and_saves_its_step_again(tmp_path)
     assert not attempt.holds(4)
     _save(attempt, 3)
     _save(attempt, 4)  # the step the damaged one held, saved again
-    assert [s for s, _ in attempt.complete()] == [3, 4] and verify(tmp_path / "step_4")["step"] == 4
+    assert [s for s, _ in attempt.complete()] == [3, 4] and verify(tmp_path / "step_4").step == 4
 
 
 def test_retention_counts_valid_checkpoints_only_and_keeps_the_last_valid_one(tmp_path):
@@ -220,7 +271,7 @@ def test_a_reader_reports_a_damaged_newest_and_moves_nothing(tmp_path):
 
 
 def test_a_sealed_checkpoint_counts_as_valid_without_a_rehash_until_a_stat_says_otherwise(tmp_path, monkeypatch):
-    from vlmrun.algorithms.common import checkpoint_files
+    from vlmrun.checkpoint import files as checkpoint_files
 
     hashed: list[str] = []
     real = checkpoint_files.file_checksum
@@ -232,7 +283,7 @@ def test_a_sealed_checkpoint_counts_as_valid_without_a_rehash_until_a_stat_says_
         pending = writers(step)
         files = {f: d for p in ("controller", "model", "optimizer") for f, d in pending.write(p, {"w": 1}).items()}
         monkeypatch.setattr(checkpoint_files, "file_checksum", lambda p, *a: hashed.append(p.name) or real(p, *a))
-        store.finish(pending, files, {})
+        store.finish(pending, files, None)
         monkeypatch.setattr(checkpoint_files, "file_checksum", real)
 
     for step in (2, 3, 4, 5):
@@ -292,8 +343,8 @@ def test_readers_racing_a_writer_with_keep_1_always_read_a_whole_checkpoint(tmp_
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 def test_writers_hash_what_they_write_as_it_goes_out_and_read_no_file_back(tmp_path, monkeypatch):
-    from vlmrun.algorithms.common import checkpoint, checkpoint_files
-    from vlmrun.policy.interface import PolicyState, Storage
+    from vlmrun.checkpoint import files as checkpoint_files
+    from vlmrun.checkpoint.parts import PolicyState, Storage
 
     real = checkpoint_files.file_checksum
 
@@ -311,7 +362,7 @@ def test_writers_hash_what_they_write_as_it_goes_out_and_read_no_file_back(tmp_p
     monkeypatch.setattr(checkpoint_files, "file_checksum", real)
     assert any(f.endswith(".distcp") for f in dcp_files) and any(f.endswith(".metadata") for f in dcp_files)
     for name, recorded in (files | dcp_files).items():
-        assert recorded == checkpoint.digest(Path(pending.path) / name), name
+        assert recorded == checkpoint_files.digest(Path(pending.path) / name), name
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -322,8 +373,9 @@ def test_checkpoint_files_skip_the_zip_crc_and_load_and_other_saves_keep_it(tmp_
     import threading
     import zipfile
 
-    from vlmrun.algorithms.common import checkpoint, checkpoint_files
-    from vlmrun.policy.interface import PolicyState, Storage
+    from vlmrun.checkpoint import files as checkpoint_files
+    from vlmrun.checkpoint import read as checkpoint_read
+    from vlmrun.checkpoint.parts import PolicyState, Storage
 
     pending = CheckpointStore(tmp_path, keep=1).begin(1)
     part = {"w": torch.randn(256, 256), "n": 3}
@@ -332,7 +384,7 @@ def test_checkpoint_files_skip_the_zip_crc_and_load_and_other_saves_keep_it(tmp_
     files |= pending.write_policy(shards, rank=0)
     with zipfile.ZipFile(Path(pending.path) / part_file("rng", 0)) as z:
         assert {i.CRC for i in z.infolist()} == {0}
-    found = checkpoint.Checkpoint(1, Path(pending.path), {"format": 4, "files": files})
+    found = checkpoint_read.Checkpoint(1, Path(pending.path), Manifest(4, 1, files))
     assert torch.equal(found.read("rng", index=0)["w"], part["w"])
     into = PolicyState(Storage.SHARDED, {"model": {"w": torch.zeros(64, 64)}, "optimizer": {"s": torch.zeros(9)}})
     assert torch.equal(found.read_policy(into).parts["model"]["w"], shards.parts["model"]["w"])
@@ -353,11 +405,12 @@ def test_verify_hashes_on_several_threads_and_names_the_first_damaged_file_in_ma
     import threading
     import time
 
-    from vlmrun.algorithms.common import checkpoint, checkpoint_files
+    from vlmrun.checkpoint import files as checkpoint_files
+    from vlmrun.checkpoint import read as checkpoint_read
 
     path = _save(CheckpointStore(tmp_path, keep=1), 1, parts=("controller", "model", "optimizer"))
     threads, real = set(), checkpoint_files.file_checksum
-    monkeypatch.setattr(checkpoint, "_HASH_THREADS", 4)
+    monkeypatch.setattr(checkpoint_read, "_HASH_THREADS", 4)
 
     def slow_hash(p, *algorithm):  # long enough that the pool starts a thread per file
         threads.add(threading.get_ident())

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from vlmrun.checkpoint.parts import MODEL_PART, Storage
 from vlmrun.config.train import TrainConfig
 from vlmrun.data.batch import Batch
 from vlmrun.errors import InputError
@@ -19,7 +20,6 @@ from vlmrun.generation import open_generator
 from vlmrun.generation.interface import SamplingParams
 from vlmrun.models.spec import ModelSpec
 from vlmrun.policy import open_policy
-from vlmrun.policy.interface import MODEL_PART, Storage
 
 TINY = Path(__file__).resolve().parents[1] / "recipes" / "tiny-clevr-cpu.yaml"
 TRAIN = TrainConfig(lr=1e-2, warmup_steps=0, lr_schedule="constant")

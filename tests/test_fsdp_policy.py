@@ -53,7 +53,7 @@ def _rank_main(rank, world, recipe, model_dir, batches, layout, port, out, all_t
 def _offloaded_and_back(policy, batch) -> None:
     """GrpoWorker.rollout's moves with parallel.offload_during_generation, checked: what moved holds no
     device memory until it is back, and the reference model scores `batch` as before."""
-    from vlmrun.policy.interface import MODEL_PART, OPTIMIZER_PART
+    from vlmrun.checkpoint.parts import MODEL_PART, OPTIMIZER_PART
 
     def held(tensors) -> int:
         return sum((t.to_local() if hasattr(t, "to_local") else t).untyped_storage().nbytes() for t in tensors)

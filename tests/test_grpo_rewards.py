@@ -31,7 +31,7 @@ def length_bonus(response, sample, ended):
     global CALLS
     CALLS += 1
     if CALLS > 64:  # the third step (32 responses a step)
-        raise ValueError("the grader's cache is gone")
+        raise SystemExit("the grader's cache is gone")  # any exception, even this one, names the function
     words = len(response.split())
     return {"reward": 1.0 / (1 + words), "words": words, "ended": float(ended)}
 '''
@@ -58,19 +58,27 @@ def test_a_users_reward_trains_logs_its_parts_and_fails_the_run_naming_itself(tm
         assert abs(row["reward"] - (0.5 * row["reward/brief"] + row["reward/clevr_exact"])) < 1e-5
     reason = job(run)["attempts"][-1]["reason"]
     assert "\n" not in reason and "the reward function my_rewards:length_bonus (grpo.rewards), on sample " in reason
-    assert "raised ValueError: the grader's cache is gone" in reason
+    assert "raised SystemExit: the grader's cache is gone" in reason
     assert reason in out.stderr
 
 
-def test_a_reward_function_that_does_not_import_is_refused_at_submit(tmp_path, run_data):
+@pytest.mark.parametrize(
+    "module, words",
+    [
+        (None, "'not_a_module_here:score': importing not_a_module_here failed (ModuleNotFoundError"),
+        ("raise SystemExit(0)\n", "'not_a_module_here:score': importing not_a_module_here failed (SystemExit: 0)"),
+    ],
+)
+def test_a_reward_function_that_does_not_import_is_refused_at_submit(tmp_path, run_data, module, words):
+    if module is not None:  # a module that exits while it is imported: submit must not exit 0 with it
+        (tmp_path / "not_a_module_here.py").write_text(module)
     run = tmp_path / "run"
     out = vlmrun(
         *("submit", GRPO, "--cluster", "local", "--run-dir", str(run), "--dry-run"),
         *run_data,
         *sets(*SMALL, "grpo.rewards=[{fn: clevr_exact}, {fn: not_a_module_here:score}]"),
+        env={"PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])},
     )
     assert out.returncode == 2 and "Traceback" not in out.stderr
-    assert out.stderr.strip().startswith(
-        "error: grpo.rewards[1].fn: 'not_a_module_here:score': importing not_a_module_here"
-    )
+    assert out.stderr.strip().startswith(f"error: grpo.rewards[1].fn: {words}")
     assert not run.exists()

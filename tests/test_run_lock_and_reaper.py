@@ -146,8 +146,8 @@ def test_the_reaper_imports_only_the_standard_library():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
     assert out.stdout.strip() == str(
-        ["vlmrun", "vlmrun.cluster", "vlmrun.cluster.reaper", "vlmrun.run", "vlmrun.run.process", "vlmrun.startup"]
-    )  # vlmrun.startup: the package's own (gc, sys, threading)
+        ["vlmrun", "vlmrun.cluster", "vlmrun.cluster.reaper", "vlmrun.run", "vlmrun.run.process"]
+    )
 
 
 def test_sweep_kills_only_the_marked_processes_and_removes_the_temp_root(tmp_path):

@@ -150,10 +150,11 @@ def _resume_rank_main(rank, world, recipe, model_dir, unread_dir, folder, ports,
     import torch.distributed as dist
     from data_samples import rank_policy
 
-    from vlmrun.algorithms.common.checkpoint import Checkpoint, PendingCheckpoint
+    from vlmrun.checkpoint.parts import MODEL_PART, OPTIMIZER_PART, PolicyState
+    from vlmrun.checkpoint.read import Checkpoint
+    from vlmrun.checkpoint.write import PendingCheckpoint
     from vlmrun.models.spec import ModelSpec
     from vlmrun.policy import open_policy
-    from vlmrun.policy.interface import MODEL_PART, OPTIMIZER_PART, PolicyState
 
     torch.set_num_threads(1)
     first, then = batches[rank::world][:1], batches[rank::world][1:2]

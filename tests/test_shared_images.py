@@ -16,7 +16,6 @@ from vlmrun.algorithms.grpo.micro_batches import (
     sequence_lengths,
     token_groups,
 )
-from vlmrun.algorithms.grpo.rewards import Scored
 from vlmrun.algorithms.grpo.rollout_rows import join, rollout_columns
 from vlmrun.config.families import family_spec
 from vlmrun.data.chat_encoding import ConversationEncoder
@@ -28,6 +27,7 @@ from vlmrun.generation.interface import SamplingParams
 from vlmrun.models.packing import packing_refusal
 from vlmrun.models.shared_images import share_images
 from vlmrun.models.spec import ModelSpec
+from vlmrun.rewards.builtin import Scored
 
 KEYS = ("train-0000000", "train-0000001", "train-0000002")
 G = 3

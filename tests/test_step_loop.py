@@ -17,12 +17,12 @@ import pytest
 import torch
 from vlmrun_cli import TINY
 
-from vlmrun.algorithms.common.checkpoint_store import run_checkpoints
 from vlmrun.algorithms.common.loop import DriverLost, StepLoop
 from vlmrun.algorithms.common.validation import ValidationScore, ValidationSet
+from vlmrun.checkpoint.parts import PolicyState, Storage
+from vlmrun.checkpoint.store import run_checkpoints
 from vlmrun.config.load import load_recipe
 from vlmrun.errors import InputError
-from vlmrun.policy.interface import PolicyState, Storage
 from vlmrun.run.directory import RunDirectory, dump_recipe
 from vlmrun.run.lock import Holder
 from vlmrun.run.metrics import history
@@ -308,7 +308,7 @@ def test_the_step_waits_for_the_writes_and_the_seal_runs_behind_the_next_steps(t
     until step 3 has trained, which it never would if the loop sealed before stepping on."""
     import threading
 
-    from vlmrun.algorithms.common import checkpoint_store
+    from vlmrun.checkpoint import store as checkpoint_store
 
     trained_3, seen = threading.Event(), {}
     finish = checkpoint_store.CheckpointStore.finish
@@ -335,7 +335,7 @@ def test_the_step_waits_for_the_writes_and_the_seal_runs_behind_the_next_steps(t
 
 
 def test_a_seal_that_fails_fails_the_run_at_the_next_step_and_publishes_nothing(tmp_path, clevr_set, monkeypatch):
-    from vlmrun.algorithms.common import checkpoint_store
+    from vlmrun.checkpoint import store as checkpoint_store
 
     def full(store, pending, files, meta):
         raise OSError(28, "No space left on device")
@@ -353,7 +353,7 @@ def test_a_seal_that_fails_fails_the_run_at_the_next_step_and_publishes_nothing(
 @pytest.fixture
 def held_writes(monkeypatch):
     """The background policy writes of the steps put in the returned set wait until the test ends."""
-    from vlmrun.algorithms.common import checkpoint
+    from vlmrun.checkpoint import write as checkpoint
 
     held, release = set(), __import__("threading").Event()
     write_parts = checkpoint.PendingCheckpoint._write_parts
@@ -424,7 +424,8 @@ def verdict_loop(rd: RunDirectory, attempt: int, candidate, verdict, delay_s: fl
 
 def candidates(rd: RunDirectory) -> dict:
     """step -> the sealed checkpoint of it, unverified (as the node's stat-only choice gives it)."""
-    from vlmrun.algorithms.common.checkpoint import Checkpoint, read_manifest
+    from vlmrun.checkpoint.manifest import read_manifest
+    from vlmrun.checkpoint.read import Checkpoint
 
     return {
         s: Checkpoint(s, p, read_manifest(p)) for s, p in run_checkpoints(rd, rd.load_recipe(), assign=False).complete()

@@ -154,8 +154,9 @@ def test_freeze_heap_leaves_what_lives_now_out_of_later_collections():
 
 
 def test_a_rank_starts_with_the_collector_paused_and_has_it_back_once_set_up(ray_local):
-    """vlmrun/startup.py: a Ray worker that imports vlmrun (this module does) starts with the cyclic
-    collector off; `freeze_heap` (what the loop asks of every rank after set-up) turns it on again."""
+    """vlmrun/startup.py: every Ray worker of a Ray that vlmrun starts runs its set-up hook before it
+    imports any actor's code, so a rank starts with the cyclic collector off; `freeze_heap` (what the
+    loop asks of every rank after set-up) turns it on again."""
     plan = plan_placement(ParallelConfig(dp=2))
     group = WorkerGroup(EchoRank, plan, Placement(nodes=1), init=lambda rank: {"rank": rank, "tag": ""})
     try:
@@ -166,15 +167,20 @@ def test_a_rank_starts_with_the_collector_paused_and_has_it_back_once_set_up(ray
         group.shutdown()
 
 
-def test_a_ray_worker_the_command_line_and_the_node_pause_the_collector_other_processes_do_not(tmp_path):
-    """Another process importing vlmrun (a tool, a test) keeps its collector as it was; the command
-    line's entry point and the node's turn it off for their start (COMMAND_PAUSE_S at most), and
-    `resume` on again."""
+def test_importing_vlmrun_changes_no_collector_the_command_line_and_the_node_pause_theirs(tmp_path):
+    """A library user, a tool, a test, even a process that looks like a Ray worker: importing vlmrun and
+    every package of it leaves the collector as it was (on or off, its thresholds). The command line's
+    entry point and the node's turn it off for their start (COMMAND_PAUSE_S at most), `resume` on again."""
     import subprocess
     import sys
 
-    code = "import gc, vlmrun; print(gc.isenabled())"
-    (tmp_path / "default_worker.py").write_text(code)  # what Ray's worker processes run as __main__
+    packages = [
+        p.name for p in (Path(__file__).resolve().parents[1] / "vlmrun").iterdir() if (p / "__init__.py").exists()
+    ]
+    imports = "import importlib, gc, vlmrun; " + "; ".join(f"importlib.import_module('vlmrun.{p}')" for p in packages)
+    state = "(gc.isenabled(), gc.get_threshold())"
+    plain = f"import gc; gc.set_threshold(500, 7, 3); was = {state}; {imports}; print(was == {state})"
+    off = f"import gc; gc.disable(); {imports}; print(gc.isenabled())"
     cli = (
         "import gc, vlmrun.cli as cli, vlmrun.startup as s; was = gc.isenabled(); "
         "cli.run = lambda app: print(was, gc.isenabled(), s.COMMAND_PAUSE_S <= 60, end=' '); cli.main(); "
@@ -184,11 +190,13 @@ def test_a_ray_worker_the_command_line_and_the_node_pause_the_collector_other_pr
         "import gc, vlmrun.cluster.node as node; was = gc.isenabled(); "
         "node._parse = lambda argv: print(was, gc.isenabled(), end=' ') or exit(0); node.main([])"
     )
+    (tmp_path / "default_worker.py").write_text(plain)  # what Ray's worker processes run as __main__
     seen = [
-        subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=60).stdout.strip()
-        for args in (["-c", code], [str(tmp_path / "default_worker.py")], ["-c", cli], ["-c", node])
+        subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=120).stdout.strip()
+        for args in (["-c", plain], [str(tmp_path / "default_worker.py")], ["-c", off], ["-c", cli], ["-c", node])
     ]
-    assert seen == ["True", "False", "True False True True", "True False"]
+    assert len(packages) > 10 and "checkpoint" in packages and "rewards" in packages
+    assert seen == ["True", "True", "False", "True False True True", "True False"]
 
 
 def test_ranks_are_ordered_by_node_so_a_shard_group_stays_on_one():

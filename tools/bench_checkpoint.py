@@ -65,9 +65,9 @@ def _rank(rank: int, world: int, mb: int, rounds: int, folder: str, rendezvous: 
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from vlmrun.algorithms.common.checkpoint import digest
-    from vlmrun.algorithms.common.checkpoint_store import CheckpointStore
-    from vlmrun.policy.interface import MODEL_PART, OPTIMIZER_PART, PolicyState, Storage
+    from vlmrun.checkpoint.files import digest
+    from vlmrun.checkpoint.parts import MODEL_PART, OPTIMIZER_PART, PolicyState, Storage
+    from vlmrun.checkpoint.store import CheckpointStore
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=rendezvous, rank=rank, world_size=world)
@@ -155,7 +155,7 @@ def interleaved_rounds(rank: int, world: int, rounds: int, store, state, folder:
                 t1 = time.perf_counter()
                 every = {name: d for rank_files in written for name, d in rank_files.items()}
                 every |= box[0].write("controller", {"step": 100 + r})
-                sealed = store.finish(box[0], every, {})
+                sealed = store.finish(box[0], every, None)
                 mine["seal"] = time.perf_counter() - t1
                 shutil.rmtree(sealed)
         gathered = [None] * world
@@ -191,11 +191,11 @@ def seal_and_time_verify(store, pending, written: list[dict], results: list[dict
     cache: the CPU's share of it). Adds {verify_s, verify_one_thread_s} (medians) to results[0]."""
     import statistics
 
-    from vlmrun.algorithms.common.checkpoint import verify
+    from vlmrun.checkpoint.read import verify
 
     files = {name: d for rank_files in written for name, d in rank_files.items()}
     files |= pending.write("controller", {"step": 1})
-    path = store.finish(pending, files, {})
+    path = store.finish(pending, files, None)
     timed: dict[int | None, list[float]] = {None: [], 1: []}
     for _ in range(rounds):
         for threads in timed:

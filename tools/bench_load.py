@@ -40,8 +40,8 @@ from bench_refit import SIZES
 from gpu.workload import TRAIN, free_port, model_config, sharded_parallel
 from measure_memory import status_kb
 
-from vlmrun.algorithms.common.checkpoint import verify
-from vlmrun.algorithms.common.checkpoint_store import CheckpointStore
+from vlmrun.checkpoint.read import verify
+from vlmrun.checkpoint.store import CheckpointStore
 from vlmrun.observe.ratios import ratio_spread, round_ratios
 
 
@@ -84,7 +84,8 @@ def _rank(
     before = status_kb("VmRSS")
     t0 = time.perf_counter()
     if variant == "resume":
-        from vlmrun.algorithms.common.checkpoint import Checkpoint, read_manifest
+        from vlmrun.checkpoint.manifest import read_manifest
+        from vlmrun.checkpoint.read import Checkpoint
 
         info = policy.setup(master_addr="127.0.0.1", master_port=port, max_steps=1, weights="checkpoint")
         found = Checkpoint(1, Path(checkpoint), read_manifest(Path(checkpoint)))
@@ -100,7 +101,7 @@ def _rank(
     if write_to:  # the checkpoint the resume rounds read (model and AdamW state), after the measurement
         import torch.distributed as dist
 
-        from vlmrun.algorithms.common.checkpoint import PendingCheckpoint
+        from vlmrun.checkpoint.write import PendingCheckpoint
 
         folder = Path(write_to)
         files = PendingCheckpoint(1, str(folder)).write_policy(policy.checkpoint_state(), rank=rank)
@@ -132,7 +133,7 @@ def seal(store, pending) -> Path:
     files = json.loads((Path(pending.path) / "files.json").read_text())
     (Path(pending.path) / "files.json").unlink()
     files |= pending.write("controller", {"step": 1})
-    return store.finish(pending, files, {})
+    return store.finish(pending, files, None)
 
 
 def main() -> int:

@@ -117,7 +117,6 @@ def with_tower(model_dir: Path, tower: dict, out: Path) -> Path:
 def measure(recipe, family: str, rounds: int, prompts: int, work: Path, tower: str = "tiny") -> dict:
     from vlmrun.algorithms.grpo.loss import ClippedPgLoss
     from vlmrun.algorithms.grpo.micro_batches import batch_response_values, model_batches, pg_micro_batches
-    from vlmrun.algorithms.grpo.rewards import Scored
     from vlmrun.algorithms.grpo.rollout_rows import join, rollout_columns
     from vlmrun.config.dtype import torch_dtype
     from vlmrun.generation.hf import HfGenerator
@@ -127,6 +126,7 @@ def measure(recipe, family: str, rounds: int, prompts: int, work: Path, tower: s
     from vlmrun.models.spec import ModelSpec
     from vlmrun.plane.interface import SampleBatch
     from vlmrun.policy import open_policy
+    from vlmrun.rewards.builtin import Scored
 
     train = recipe.train.model_copy(update={"lr": 0.0})
     recipe = recipe.model_copy(update={"model": recipe.model.model_copy(update={"family": family}), "train": train})

@@ -30,8 +30,8 @@ from pathlib import Path
 import torch
 import workload
 
-from vlmrun.algorithms.common.checkpoint_store import CheckpointStore
-from vlmrun.policy.interface import MODEL_PART
+from vlmrun.checkpoint.parts import MODEL_PART
+from vlmrun.checkpoint.store import CheckpointStore
 
 WARN_ONLY_TOLERANCE = 1e-7
 STEP = 1
@@ -78,7 +78,7 @@ def save(policy, store: CheckpointStore) -> float:
     pending = store.begin(STEP)
     files = pending.write_policy(policy.checkpoint_state(), rank=0)
     files |= pending.write("controller", {"counters": {"step": STEP}})
-    store.finish(pending, files, {"written_by": "tools/gpu/check.py"})
+    store.finish(pending, files, None)
     return time.perf_counter() - start
 
 

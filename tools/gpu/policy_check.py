@@ -24,8 +24,8 @@ from types import SimpleNamespace
 
 import torch
 
-from vlmrun.algorithms.common.checkpoint_store import CheckpointStore
 from vlmrun.algorithms.common.validation import ValidationShare, evaluate
+from vlmrun.checkpoint.store import CheckpointStore
 from vlmrun.data.batch import Batch, PromptBatch
 from vlmrun.generation import open_generator
 from vlmrun.models.spec import ModelSpec
@@ -110,7 +110,7 @@ def run(model_dir: str, folder: Path) -> dict:
     pending = store.begin(3)
     files = pending.write_policy(first.checkpoint_state(), rank=0)
     files |= pending.write("controller", {"counters": {}})
-    store.finish(pending, files, {})
+    store.finish(pending, files, None)
     t0 = time.perf_counter()
     val = validate(first, model_dir, tokenizer, micro)
     score_s = time.perf_counter() - t0

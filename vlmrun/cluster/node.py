@@ -255,7 +255,7 @@ def _choose_checkpoint(rd: RunDirectory, recipe, attempt: int):
     plainly, on the console and in job.json, before training starts from step 0."""
     from concurrent.futures import Future
 
-    from vlmrun.algorithms.common.checkpoint_store import run_checkpoints
+    from vlmrun.checkpoint.store import run_checkpoints
 
     store = run_checkpoints(rd, recipe)
     store.claim()
@@ -292,7 +292,7 @@ def _stopped_before_training(rd: RunDirectory, recipe, stop: StopFlag, chosen=No
     """A stop that came before the first step: nothing trained. The reason names the checkpoint the
     run stays at only once it has been verified (`chosen`); before that, verifying it would cost a
     full read in the stop's grace time, so the next attempt does."""
-    from vlmrun.algorithms.common.checkpoint_store import run_checkpoints
+    from vlmrun.checkpoint.store import run_checkpoints
 
     name = stop.signal_name or "requested"
     reason = f"stop requested ({name}) before training started; nothing trained in this attempt"

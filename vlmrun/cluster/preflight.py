@@ -54,7 +54,7 @@ def check_rewards(recipe) -> None:
     the ranks import them again on their nodes (InputError naming grpo.rewards[i].fn)."""
     if recipe.train.algorithm != "grpo" or not recipe.grpo.rewards:
         return
-    from vlmrun.algorithms.grpo.rewards import reward_terms
+    from vlmrun.rewards.terms import reward_terms
 
     reward_terms(recipe.grpo)
 

@@ -12,7 +12,7 @@ from pydantic import Field
 
 from vlmrun.config.section import Section
 
-#: The rewards vlmrun ships (algorithms/grpo/rewards.py); any other `fn` is "package.module:function".
+#: The rewards vlmrun ships (vlmrun/rewards/builtin.py); any other `fn` is "package.module:function".
 BUILTIN_REWARDS = ("clevr_exact", "last_number")
 
 

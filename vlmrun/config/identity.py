@@ -94,22 +94,22 @@ def check_same_identity(
     )
 
 
-def check_checkpoint_belongs(manifest: dict, identity: dict[str, Any], plan, restart: bool, path) -> bool:
-    """Refuse the checkpoint at `path` (its `manifest`) when another run definition or layout wrote it
-    (InputError, exit 2). True when only the layout differs (another dp) and `restart`
+def check_checkpoint_belongs(saved, identity: dict[str, Any], plan, restart: bool, path) -> bool:
+    """Refuse the checkpoint at `path` when another run definition or layout wrote it (InputError, exit
+    2); `saved` is what its manifest says of the run that wrote it (`identity`, `placement_hash`,
+    `layout`). True when only the layout differs (another dp) and `restart`
     (checkpoint.restart_data_order) lets the run take its model, optimizer and counters while the data
     order starts over; `plan` is this run's placement (`placement_hash`, `describe()`)."""
-    check_same_identity(
-        manifest.get("identity", {}), identity, where=f"checkpoint {path}", ignore=RESHARDABLE if restart else ()
-    )
-    if manifest["placement_hash"] == plan.placement_hash:
+    ignore = RESHARDABLE if restart else ()
+    check_same_identity(saved.identity, identity, where=f"checkpoint {path}", ignore=ignore)
+    if saved.placement_hash == plan.placement_hash:
         return False
     if not restart:
         raise InputError(
             "parallel",
             plan.describe(),
-            f"checkpoint {path} was written with layout {manifest['layout']} "
-            f"(placement {manifest['placement_hash']}), this run has {plan.describe()} "
+            f"checkpoint {path} was written with layout {saved.layout} "
+            f"(placement {saved.placement_hash}), this run has {plan.describe()} "
             f"(placement {plan.placement_hash}); resume with the same layout, or "
             f"`vlmrun resume --restart-data-order` to {RESHARD_TERMS}",
         )

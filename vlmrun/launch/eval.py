@@ -259,7 +259,7 @@ class _Answers:
     """Every greedy answer, by question template, and its reward by the recipe's reward terms."""
 
     def __init__(self, recipe, eos_ids: list[int]):
-        from vlmrun.algorithms.grpo.rewards import reward_terms
+        from vlmrun.rewards.terms import reward_terms
 
         self.terms, self.eos_ids, self.format_reward = reward_terms(recipe.grpo), eos_ids, recipe.grpo.format_reward
         self.templates: dict[str, list[int]] = {}
@@ -267,8 +267,8 @@ class _Answers:
         self.parts: dict[str, list[float]] = {}
 
     def add(self, texts: list[str], prompts, rollouts) -> None:
-        from vlmrun.algorithms.grpo.rewards import score_responses
         from vlmrun.algorithms.grpo.rollout_rows import ended_with
+        from vlmrun.rewards.terms import score_responses
 
         templates = prompts.templates or [""] * len(texts)
         for text, answer, template in zip(texts, prompts.answers, templates, strict=True):

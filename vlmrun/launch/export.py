@@ -27,8 +27,9 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from vlmrun.algorithms.common.checkpoint import Checkpoint, CorruptCheckpoint
-from vlmrun.algorithms.common.checkpoint_store import CheckpointStore, MissingCheckpoint, run_checkpoints
+from vlmrun.checkpoint.manifest import CorruptCheckpoint
+from vlmrun.checkpoint.read import Checkpoint
+from vlmrun.checkpoint.store import CheckpointStore, MissingCheckpoint, run_checkpoints
 from vlmrun.errors import InputError
 from vlmrun.models.source import ensure_model
 from vlmrun.models.spec import ModelSpec

@@ -8,7 +8,7 @@
    (config/identity.py: batch sizes, layout, seed, data and splits, sequence length, loop, algorithm,
    model, and what model.path holds) must equal those the newest checkpoint recorded, or the resume
    is refused listing each `field: old -> new`. The job repeats the check against the checkpoint it
-   verified. A checkpoint folder that belongs to another run is refused too (checkpoint_owner.py).
+   verified. A checkpoint folder that belongs to another run is refused too (vlmrun/checkpoint/owner.py).
 3. A COMPLETED run whose newest valid checkpoint reached its planned steps has nothing to do: said,
    exit 0, nothing started or recorded. That checkpoint is verified here (a full read, on this rare
    path only): a damaged final checkpoint must be trained again, not reported as done.
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from vlmrun.algorithms.common.checkpoint_store import run_checkpoints
+from vlmrun.checkpoint.store import run_checkpoints
 from vlmrun.cluster.preflight import preflight_run
 from vlmrun.config.identity import RESHARD_TERMS, RESHARDABLE, check_same_identity, run_identity
 from vlmrun.errors import InputError
@@ -132,9 +132,7 @@ def check_resumable(rd, recipe) -> None:
         step, manifest = newest
         ignore = RESHARDABLE if recipe.checkpoint.restart_data_order else ()
         current = run_identity(recipe, model_contents=model_contents(recipe.model))
-        check_same_identity(
-            manifest.get("identity", {}), current, where=f"the checkpoint of step {step}", ignore=ignore
-        )
+        check_same_identity(manifest.identity, current, where=f"the checkpoint of step {step}", ignore=ignore)
 
 
 def _nothing_left(rd, recipe) -> int | None:

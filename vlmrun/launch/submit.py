@@ -14,7 +14,7 @@ import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from vlmrun.algorithms.common.checkpoint_store import CheckpointStore, run_checkpoints
+from vlmrun.checkpoint.store import CheckpointStore, run_checkpoints
 from vlmrun.cluster.preflight import preflight_run
 from vlmrun.errors import InputError
 from vlmrun.launch.data_check import check_data_at_submit
@@ -40,7 +40,7 @@ def submit_run(
     Raises InputError (before a run dir is created or data generated) for a bad recipe, argument, a
     missing model or data set, too few GPUs on this machine for a local run (cluster/preflight.py), a
     GPU recipe whose memory estimate exceeds cluster.gpu_memory_gb (models/fit.py), a checkpoint.dir
-    that belongs to another run (algorithms/common/checkpoint_owner.py), a prepared data set whose samples
+    that belongs to another run (vlmrun/checkpoint/owner.py), a prepared data set whose samples
     the run would stop on (launch/data_check.py), or a SLURM whose controller
     does not answer (a dry run then shows the SLURM job and says so through `echo`). The estimate rides on the result (`memory`); its warning (within 10% of the
     limit) goes to `echo` before a run.

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from vlmrun.checkpoint.parts import MODEL_PART, OPTIMIZER_PART, POLICY_PARTS, PolicyState, Storage
 from vlmrun.config.dtype import torch_dtype
 from vlmrun.models.build import build_model, materialize, materialize_buffers
 from vlmrun.models.packing import packed_inputs
@@ -53,17 +54,7 @@ from vlmrun.policy.fsdp import (
 )
 from vlmrun.policy.grad_sync import all_reduce_gradients, all_reduce_sum
 from vlmrun.policy.host_offload import HostCopies
-from vlmrun.policy.interface import (
-    MODEL_PART,
-    OPTIMIZER_PART,
-    POLICY_PARTS,
-    REFIT_BUCKET_BYTES,
-    PolicyBackend,
-    PolicyState,
-    StepResult,
-    Storage,
-    TokenLoss,
-)
+from vlmrun.policy.interface import REFIT_BUCKET_BYTES, PolicyBackend, StepResult, TokenLoss
 from vlmrun.policy.loss import LossStats, NllLoss, labelled_logprobs, scored_positions
 from vlmrun.policy.optimizer import allocate_state, build_optimizer
 from vlmrun.policy.refit_stream import refit_buckets

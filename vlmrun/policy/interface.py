@@ -29,43 +29,19 @@ the same order (as with torch.distributed itself).
 from __future__ import annotations
 
 import abc
-import enum
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-#: The parts of a checkpoint a policy owns: its weights by parameter name, and its optimizer with the
-#: LR schedule. The one place they are named; the checkpoint store gives each its file.
-MODEL_PART, OPTIMIZER_PART = "model", "optimizer"
-POLICY_PARTS = (MODEL_PART, OPTIMIZER_PART)
+from vlmrun.checkpoint.parts import PolicyState
+
 #: The default refit bucket (the recipe's generation.refit_bucket_mb says it per run).
 REFIT_BUCKET_BYTES = 256 << 20
 #: The phases of `train_step` that `PolicyBackend.on_phase` reports: forward and backward of every
 #: micro-batch (a sharded policy's gradient reduce-scatter included), the gradient sum across replicas
 #: with the norm and the clipping, the optimizer and LR schedule step.
 TRAIN_PHASES = ("forward_backward", "grad_norm_clip", "optimizer")
-
-
-class Storage(enum.Enum):
-    """How a policy's checkpoint state is held across ranks, and so how it is written and read."""
-
-    REPLICATED = "replicated"  # every rank holds the same state: rank 0 writes it for all, every rank reads it
-    SHARDED = "sharded"  # each rank holds its shard: every rank writes and reads its own, together (collective)
-
-
-@dataclass(frozen=True)
-class PolicyState:
-    """A policy's share of a checkpoint: `parts` by name (POLICY_PARTS, or some of them), each a state
-    of tensors (DTensors when sharded) and plain containers."""
-
-    storage: Storage
-    parts: dict[str, Any]
-
-    def __post_init__(self):
-        unknown = set(self.parts) - set(POLICY_PARTS)
-        if unknown:
-            raise ValueError(f"policy state parts {sorted(unknown)} are not policy parts ({', '.join(POLICY_PARTS)})")
 
 
 @dataclass(frozen=True)

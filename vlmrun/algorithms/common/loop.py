@@ -34,15 +34,17 @@ import random
 import threading
 import time
 
-from vlmrun.algorithms.common.checkpoint import Checkpoint, PendingCheckpoint
-from vlmrun.algorithms.common.checkpoint_store import run_checkpoints
-from vlmrun.algorithms.common.saving import Saves
 from vlmrun.algorithms.common.shards import open_train_shard
 from vlmrun.algorithms.common.steps import plan_steps
 from vlmrun.algorithms.common.validation import ValidationScore, ValidationSet, validation_row
+from vlmrun.checkpoint.manifest import RunAtSave
+from vlmrun.checkpoint.read import Checkpoint
+from vlmrun.checkpoint.saving import Saves
+from vlmrun.checkpoint.store import run_checkpoints
+from vlmrun.checkpoint.write import PendingCheckpoint
 from vlmrun.config.identity import RESHARD_TERMS, check_checkpoint_belongs, run_identity
 from vlmrun.distributed.topology import plan_placement
-from vlmrun.distributed.worker_group import Placement, WorkerGroup, freeze_heap
+from vlmrun.distributed.worker_group import Placement, WorkerGroup
 from vlmrun.errors import CheckFailed
 from vlmrun.models.fingerprint import model_contents
 from vlmrun.observe.wandb_sink import WandbSink, wandb_id
@@ -53,6 +55,7 @@ from vlmrun.run.metrics import MetricsLog
 from vlmrun.run.outcome import RunOutcome
 from vlmrun.run.rows import StepRow, Validation
 from vlmrun.run.state import State
+from vlmrun.startup import freeze_heap
 
 log = logging.getLogger(__name__)
 
@@ -152,7 +155,7 @@ class StepLoop:
 
     def _save_parts(self, pending: PendingCheckpoint, background: bool = False) -> dict[str, dict]:
         """Every rank's parts (the workers' `save`) and the loader shards this process owns; with
-        `background` the policy's files come later (saving.py)."""
+        `background` the policy's files come later (vlmrun/checkpoint/saving.py)."""
         written = self.group.all_ranks("save", pending, background)
         files = {f: d for w in written for f, d in w.items()}
         for shard, loader in self.loaders.items():
@@ -211,7 +214,7 @@ class StepLoop:
         r = self.recipe
         self.restart_data = False
         if found is not None:  # before any worker starts: a refused resume costs nothing
-            self.restart_data = self._belongs(found)
+            self.restart_data = self._restarts_data_order(found)
         self._resuming = found is not None
         self._start(found)
         found, skipped = self._take_verdict(found, skipped)
@@ -312,7 +315,7 @@ class StepLoop:
             raise error
         if verified is not None:
             if verified.step != getattr(found, "step", None):
-                self.restart_data = self._belongs(verified)
+                self.restart_data = self._restarts_data_order(verified)
             self.store.mark_verified(verified)
         elif found is not None:
             self.group.all_ranks("load_model_weights")
@@ -320,11 +323,11 @@ class StepLoop:
         self._resuming = verified is not None
         return verified, skipped
 
-    def _belongs(self, found: Checkpoint) -> bool:
+    def _restarts_data_order(self, found: Checkpoint) -> bool:
         """Whether `found` is another layout's that the run may take with its data order restarted;
         InputError when it is not this run's (config/identity.py)."""
         restart = self.recipe.checkpoint.restart_data_order
-        return check_checkpoint_belongs(found.manifest, self.identity, self.plan, restart, found.path)
+        return check_checkpoint_belongs(found.manifest.run, self.identity, self.plan, restart, found.path)
 
     def _resume(self, found: Checkpoint | None, skipped: list[str]) -> tuple[int, dict, dict]:
         random.seed(self.recipe.train.seed)
@@ -339,7 +342,7 @@ class StepLoop:
         counters = dict(ctrl["counters"])
         notes["resumed_from"] = found.step
         if self.restart_data:
-            notes["restarted_data_order"] = f"from {found.manifest['layout']}: {RESHARD_TERMS}"
+            notes["restarted_data_order"] = f"from {found.manifest.run.layout}: {RESHARD_TERMS}"
         log.info("resumed from %s", found.path)
         return found.step, counters, notes
 
@@ -377,7 +380,7 @@ class StepLoop:
 
     def _save(self, step: int, counters: dict) -> None:
         """The checkpoint of `step`: every part written here (with `checkpoint.async_save` the policy's
-        from a copy, on the ranks' threads), sealed behind the next steps (saving.py). One is in flight
+        from a copy, on the ranks' threads), sealed behind the next steps (vlmrun/checkpoint/saving.py). One is in flight
         at a time."""
         self.saves.settle(wait=True)
         if step <= 0 or self.store.holds(step):  # already saved, valid: the one resumed from, or just sealed
@@ -387,14 +390,14 @@ class StepLoop:
         pending = self.store.begin(step)
         files = self._save_parts(pending, background)
         files |= pending.write("controller", {"rng": {"python": rng.python_rng_state()}, "counters": counters})
-        meta = {
-            "placement_hash": self.plan.placement_hash,
-            "layout": self.plan.describe(),
-            "loop": self.recipe.train.loop,
-            "algorithm": self.recipe.train.algorithm,
-            "identity": self.identity,
-            "attempt": self.attempt,
-            "counters": counters,
-        }
+        run = RunAtSave(
+            placement_hash=self.plan.placement_hash,
+            layout=self.plan.describe(),
+            loop=self.recipe.train.loop,
+            algorithm=self.recipe.train.algorithm,
+            identity=self.identity,
+            attempt=self.attempt,
+            counters=counters,
+        )
         rank_files = (lambda wait: self.group.all_ranks("save_done", wait)) if background else None
-        self.saves.begun(pending, files, meta, t0, rank_files)
+        self.saves.begun(pending, files, run, t0, rank_files)

@@ -20,7 +20,6 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
-from vlmrun.algorithms.common.checkpoint import Checkpoint, PendingCheckpoint
 from vlmrun.algorithms.common.shards import open_train_shard
 from vlmrun.algorithms.common.validation import (
     ValidationScore,
@@ -30,6 +29,9 @@ from vlmrun.algorithms.common.validation import (
     response_texts,
     validation_shares,
 )
+from vlmrun.checkpoint.parts import MODEL_PART, OPTIMIZER_PART, PolicyState, Storage
+from vlmrun.checkpoint.read import Checkpoint
+from vlmrun.checkpoint.write import PendingCheckpoint
 from vlmrun.config.dtype import compute_dtype
 from vlmrun.distributed.worker_group import RankActor
 from vlmrun.errors import InputError
@@ -37,7 +39,7 @@ from vlmrun.generation import open_generator
 from vlmrun.generation.interface import GenerationBackend
 from vlmrun.models.spec import ModelSpec
 from vlmrun.policy import open_policy, rng
-from vlmrun.policy.interface import MODEL_PART, OPTIMIZER_PART, PolicyBackend, PolicyState, Storage
+from vlmrun.policy.interface import PolicyBackend
 
 
 class RankWorker(RankActor):

@@ -17,12 +17,12 @@ from __future__ import annotations
 import logging
 import time
 
-from vlmrun.algorithms.common.checkpoint import Checkpoint
 from vlmrun.algorithms.common.loop import StepLoop
 from vlmrun.algorithms.grpo.metrics import step_row
 from vlmrun.algorithms.grpo.partition import ReplicaPlanes, StagePlane
 from vlmrun.algorithms.grpo.stages import DriverStages, PlaneStages
 from vlmrun.algorithms.grpo.worker import GrpoWorker
+from vlmrun.checkpoint.read import Checkpoint
 from vlmrun.data.batch import SampleCounts
 from vlmrun.run.rows import StepRow
 

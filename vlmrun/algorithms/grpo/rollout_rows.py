@@ -21,12 +21,12 @@ from dataclasses import dataclass
 
 import torch
 
-from vlmrun.algorithms.grpo.rewards import Scored
 from vlmrun.config.families import family_spec
 from vlmrun.data.batch import PromptBatch
 from vlmrun.generation.prompts import prompt_media
 from vlmrun.generation.rollouts import Rollouts
 from vlmrun.plane.interface import SampleBatch
+from vlmrun.rewards.builtin import Scored
 
 
 @dataclass

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import time
 
-from vlmrun.algorithms.common.checkpoint import Checkpoint, PendingCheckpoint
 from vlmrun.algorithms.common.refit import refit
 from vlmrun.algorithms.common.worker import RankWorker
 from vlmrun.algorithms.grpo.loss import ClippedPgLoss
@@ -44,7 +43,6 @@ from vlmrun.algorithms.grpo.partition import (
     stage_fields,
 )
 from vlmrun.algorithms.grpo.reports import RolloutReport, ScoreReport, TrainReport
-from vlmrun.algorithms.grpo.rewards import reward_terms, score_responses
 from vlmrun.algorithms.grpo.rollout_rows import (
     RolloutRows,
     ended_with,
@@ -54,6 +52,9 @@ from vlmrun.algorithms.grpo.rollout_rows import (
     response_lengths,
     response_sample_ids,
 )
+from vlmrun.checkpoint.parts import MODEL_PART, OPTIMIZER_PART
+from vlmrun.checkpoint.read import Checkpoint
+from vlmrun.checkpoint.write import PendingCheckpoint
 from vlmrun.config.dtype import torch_dtype
 from vlmrun.data.packing import rows_in_order
 from vlmrun.distributed.worker_group import StepGate, side_call
@@ -61,7 +62,7 @@ from vlmrun.generation.interface import SamplingParams
 from vlmrun.generation.prompts import join_prompts
 from vlmrun.plane.fields import Stage
 from vlmrun.plane.interface import Put, SampleBatch
-from vlmrun.policy.interface import MODEL_PART, OPTIMIZER_PART
+from vlmrun.rewards.terms import reward_terms, score_responses
 
 
 class GrpoWorker(RankWorker):
@@ -142,7 +143,7 @@ class GrpoWorker(RankWorker):
         return report
 
     def _score(self, rollouts) -> list:
-        """Every response's reward (rewards.py), from its text and whether it ended its turn."""
+        """Every response's reward (vlmrun/rewards), from its text and whether it ended its turn."""
         g = self.recipe.grpo
         ended = ended_with(rollouts, self.generator.eos_ids)
         samples = [{"answer": a, "sample_id": s} for a, s in zip(rollouts.answers, rollouts.sample_ids, strict=True)]

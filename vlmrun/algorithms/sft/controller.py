@@ -17,9 +17,9 @@ from __future__ import annotations
 import logging
 import time
 
-from vlmrun.algorithms.common.checkpoint import Checkpoint
 from vlmrun.algorithms.common.loop import StepLoop
 from vlmrun.algorithms.sft.worker import SftWorker
+from vlmrun.checkpoint.read import Checkpoint
 from vlmrun.data.batch import SampleCounts
 from vlmrun.distributed.worker_group import gather
 from vlmrun.run.rows import StepRow

@@ -11,8 +11,9 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from vlmrun.algorithms.common.checkpoint import Checkpoint, PendingCheckpoint
 from vlmrun.algorithms.common.worker import RankWorker
+from vlmrun.checkpoint.read import Checkpoint
+from vlmrun.checkpoint.write import PendingCheckpoint
 from vlmrun.config.families import family_spec
 from vlmrun.data.batch import SampleCounts
 from vlmrun.plane.interface import DataPlane

@@ -1,37 +1,59 @@
 """The files of a checkpoint: each one's checksum taken as its bytes go out, and the seal that makes them durable.
 
-1. A writer hashes what it writes on its way to the file (`HashingStream`; DCP's writes through
-   `hashing_file_system`), so no file is read back to be hashed. `digest` of a file is its size and
-   its checksum under `CHECKSUM`, the one key the manifest records it with.
-2. The checksum is XXH3-128 (`xxhash`): ~25 GB/s on one core here, against ~1.8 GB/s for sha256 with
-   the CPU's SHA instructions (0.8 GB/s on another host of this kind), so the save's cost is its
-   writes, not its hashing, and a resume's verify reads at the storage's pace. It guards against
-   damage (a torn write, a flipped bit, a file another save replaced), not against someone who
-   forges a file to match: 128 bits make an accidental match impossible in practice. Checkpoints of
-   format 2 recorded sha256; `file_checksum` reads either, by the key an entry has (`recorded`).
-3. `seal` writes the manifest and fsyncs every file and folder: what a rename then publishes is on
-   disk. The writers leave their bytes in the page cache, as a plain `torch.save` does; the seal waits
-   for the disk, and the step loop runs it behind the next steps (saving.py).
-4. `torch.save` into a checkpoint skips the zip format's CRC32 of every record (`without_zip_crc`):
-   the manifest's XXH3-128 covers every byte of every file, and the CRC32 pass cost as much as the
-   write itself (docs/measurements.md). `torch.load` reads such files as any other.
+- A writer hashes what it writes on its way to the file (`HashingStream`; DCP's writes through
+  `hashing_file_system`), so no file is read back to be hashed. `digest` of a file is its size and its
+  checksum under `CHECKSUM`, the key the manifest records it with.
+- The checksum is XXH3-128: fast enough that a save costs its writes, not its hashing, and a resume's
+  verify reads at the storage's pace. It guards against damage (a torn write, a flipped bit, a file
+  another save replaced), not against someone who forges a file to match. Older manifests recorded
+  sha256 (legacy.py); `file_checksum` reads either, by the key an entry has.
+- `seal` writes the manifest and fsyncs every file and folder: what a rename then publishes is on disk.
+  The writers leave their bytes in the page cache, as a plain `torch.save` does; the seal waits for the
+  disk, and the step loop runs it behind the next steps (saving.py).
+- `torch.save` into a checkpoint skips the zip format's CRC32 of every record (`without_zip_crc`): the
+  manifest's checksum covers every byte of every file, and the CRC32 pass costs as much as the write
+  (docs/measurements.md). `torch.load` reads such files as any other.
 """
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import io
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import xxhash
 
+from vlmrun.checkpoint.legacy import CHECKSUMS as _OLDER_CHECKSUMS
+
 #: The checksum new checkpoints record per file (manifest entry: {"size": n, CHECKSUM: hex digest}).
 CHECKSUM = "xxh3_128"
-#: Every checksum a manifest entry may carry, newest first: format 3 writes xxh3_128, format 2 wrote sha256.
-_ALGORITHMS = {"xxh3_128": xxhash.xxh3_128, "sha256": hashlib.sha256}
+#: Every checksum a manifest entry may carry, by its key, the current one first.
+ALGORITHMS = {CHECKSUM: xxhash.xxh3_128, **_OLDER_CHECKSUMS}
+
+
+@dataclass(frozen=True)
+class Digest:
+    """A file's size and checksum under `algorithm`, as the manifest records it: {"size": n, algorithm: hex}."""
+
+    size: int
+    checksum: str
+    algorithm: str = CHECKSUM
+
+    @classmethod
+    def from_json(cls, entry: object) -> Digest | None:
+        """The digest a manifest entry records; None when it is not one (no size, or no checksum vlmrun knows)."""
+        if not isinstance(entry, dict) or type(entry.get("size")) is not int:
+            return None
+        algorithm = next((a for a in ALGORITHMS if isinstance(entry.get(a), str)), None)
+        return None if algorithm is None else cls(entry["size"], entry[algorithm], algorithm)
+
+    def to_json(self) -> dict:
+        return {"size": self.size, self.algorithm: self.checksum}
+
+
 _CHUNK = 8 << 20  # bytes per read while hashing a file on disk
 
 
@@ -40,7 +62,7 @@ class HashingStream(io.RawIOBase):
     without reading the file back. Position queries pass through (DCP records offsets)."""
 
     def __init__(self, raw):
-        self.raw, self._hash, self.size = raw, _ALGORITHMS[CHECKSUM](), 0
+        self.raw, self._hash, self.size = raw, ALGORITHMS[CHECKSUM](), 0
 
     def writable(self) -> bool:
         return True
@@ -63,13 +85,13 @@ class HashingStream(io.RawIOBase):
     def fileno(self) -> int:
         return self.raw.fileno()
 
-    def digest(self) -> dict:
-        return {"size": self.size, CHECKSUM: self._hash.hexdigest()}
+    def digest(self) -> Digest:
+        return Digest(self.size, self._hash.hexdigest())
 
 
 @contextlib.contextmanager
 def without_zip_crc():
-    """`torch.save` in the block skips the zip records' CRC32 (module doc, 4). torch keeps that switch per
+    """`torch.save` in the block skips the zip records' CRC32 (see the module doc). torch keeps that switch per
     thread (a context variable): a write on another thread, a user's `torch.save`, keeps its CRC32."""
     import torch
 
@@ -96,12 +118,12 @@ def hashing_writes(raw):
 def hashing_file_system():
     """DCP's local file system, with every file it writes hashed as it goes (`digests`: path -> digest,
     following DCP's renames of its metadata file) and its tensors' `torch.save` without the zip CRC32
-    (module doc, 4)."""
+    (see the module doc)."""
     from torch.distributed.checkpoint.filesystem import FileSystem
 
     class HashingFileSystem(FileSystem):
         def __init__(self):
-            self.digests: dict[Path, dict] = {}
+            self.digests: dict[Path, Digest] = {}
 
         @contextlib.contextmanager
         def create_stream(self, path, mode: str):
@@ -121,25 +143,19 @@ def hashing_file_system():
     return HashingFileSystem()
 
 
-def recorded(entry: dict) -> tuple[str, str | None]:
-    """(algorithm, checksum) a manifest entry records: its CHECKSUM, or a format-2 entry's sha256."""
-    algorithm = next((name for name in _ALGORITHMS if name in entry), CHECKSUM)
-    return algorithm, entry.get(algorithm)
-
-
 def file_checksum(path: Path, algorithm: str = CHECKSUM) -> str:
     """The checksum of the file at `path` under `algorithm`, read in full (the read drops the GIL, and
     so does hashing a large chunk: callers hash several files on threads at once)."""
-    h = _ALGORITHMS[algorithm]()
+    h = ALGORITHMS[algorithm]()
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(_CHUNK), b""):
             h.update(chunk)
     return h.hexdigest()
 
 
-def digest(path: Path) -> dict:
-    """{size, CHECKSUM} of a file on disk, as the manifest records it (read in full)."""
-    return {"size": path.stat().st_size, CHECKSUM: file_checksum(path)}
+def digest(path: Path) -> Digest:
+    """The digest of a file on disk (read in full)."""
+    return Digest(path.stat().st_size, file_checksum(path))
 
 
 def seal(folder: Path, manifest: dict, manifest_name: str) -> None:

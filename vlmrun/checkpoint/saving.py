@@ -22,7 +22,9 @@ import threading
 import time
 from collections.abc import Callable
 
-from vlmrun.algorithms.common.checkpoint import PendingCheckpoint
+from vlmrun.checkpoint.files import Digest
+from vlmrun.checkpoint.manifest import RunAtSave
+from vlmrun.checkpoint.write import PendingCheckpoint
 
 log = logging.getLogger(__name__)
 
@@ -35,16 +37,14 @@ class Saves:
         self.store, self.check_driver = store, check_driver
         self.save_times: list[float] = []
         self.write_times: list[float] = []
-        self._writing: tuple | None = (
-            None  # async_save: (pending, files, meta, t0, rank_files) of the one being written
-        )
+        self._writing: tuple | None = None  # async_save: (pending, files, run, t0, rank_files) of the one being written
         self._sealing: tuple[threading.Thread, dict] | None = None  # (thread, its outcome) of the seal under way
 
     def begun(
         self,
         pending: PendingCheckpoint,
-        files: dict[str, dict],
-        meta: dict,
+        files: dict[str, Digest],
+        run: RunAtSave,
         t0: float,
         rank_files: Callable[[bool], list[dict | None]] | None = None,
     ) -> None:
@@ -52,9 +52,9 @@ class Saves:
         ranks' files once they are all written (None for a rank still writing; `wait` waits for them)."""
         self.save_times.append(round(time.perf_counter() - t0, 4))
         if rank_files is None:
-            self._seal(pending, files, meta, t0)
+            self._seal(pending, files, run, t0)
             return
-        self._writing = (pending, files, meta, t0, rank_files)
+        self._writing = (pending, files, run, t0, rank_files)
         log.info(
             "checkpoint of step %d: writing in the background (the step waited %.2fs)",
             pending.step,
@@ -64,12 +64,12 @@ class Saves:
     def settle(self, *, wait: bool) -> None:
         """Seal an async save whose ranks are done and take a finished seal's outcome (`wait`: wait for both)."""
         if self._writing is not None:
-            pending, files, meta, t0, rank_files = self._writing
+            pending, files, run, t0, rank_files = self._writing
             written = rank_files(wait)
             if any(w is None for w in written):
                 return
             self._writing = None
-            self._seal(pending, files | {f: d for w in written for f, d in w.items()}, meta, t0)
+            self._seal(pending, files | {f: d for w in written for f, d in w.items()}, run, t0)
         if self._sealing is None:
             return
         thread, outcome = self._sealing
@@ -91,13 +91,13 @@ class Saves:
             if "error" in outcome:
                 log.error("checkpoint seal failed: %s", outcome["error"])
 
-    def _seal(self, pending: PendingCheckpoint, files: dict[str, dict], meta: dict, t0: float) -> None:
+    def _seal(self, pending: PendingCheckpoint, files: dict[str, Digest], run: RunAtSave, t0: float) -> None:
         self.check_driver()
         outcome: dict = {}
 
         def seal() -> None:
             try:
-                path = self.store.finish(pending, files, meta)
+                path = self.store.finish(pending, files, run)
             except BaseException as e:  # noqa: BLE001 - raised in the loop by `settle`
                 outcome["error"] = e
                 return

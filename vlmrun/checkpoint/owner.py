@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
+from vlmrun.checkpoint.manifest import Manifest
 from vlmrun.errors import InputError
 from vlmrun.run.directory import RunDirectory, write_once
 
@@ -46,11 +47,11 @@ class CheckpointOwner:
         """What every manifest this run writes records about it."""
         return {"run_id": self.run_id, "run_dir": self.run_dir}
 
-    def owns(self, manifest: dict | None) -> bool:
+    def owns(self, manifest: Manifest | None) -> bool:
         """Whether a checkpoint in this run's own folder with `manifest` (None: unreadable) is this run's."""
         if manifest is None:
             return True
-        named = manifest.get("run_id")
+        named = manifest.run_id
         return named == self.run_id if named is not None else self.adopts_unnamed
 
 
@@ -66,8 +67,17 @@ class ForeignCheckpoints(InputError):
         )
 
 
-def read_claim(folder: Path) -> dict | None:
-    """The claim of `folder` ({run_id, run_dir, claimed}), None when it has none."""
+@dataclass(frozen=True)
+class Claim:
+    """A folder's claim (owner.json): the run it belongs to, and when that run claimed it."""
+
+    run_id: str
+    run_dir: str | None = None
+    claimed: str | None = None
+
+
+def read_claim(folder: Path) -> Claim | None:
+    """The claim of `folder`, None when it has none; InputError on checkpoint.dir when it is unreadable."""
     try:
         claim = json.loads((folder / CLAIM).read_text())
     except FileNotFoundError:
@@ -78,23 +88,23 @@ def read_claim(folder: Path) -> dict | None:
         ) from None
     if not isinstance(claim, dict) or not isinstance(claim.get("run_id"), str):
         raise InputError("checkpoint.dir", str(folder), message=f"checkpoint.dir: {folder / CLAIM} names no run_id")
-    return claim
+    return Claim(claim["run_id"], claim.get("run_dir"), claim.get("claimed"))
 
 
-def check_folder(folder: Path, owner: CheckpointOwner, sealed: dict[Path, dict | None]) -> None:
+def check_folder(folder: Path, owner: CheckpointOwner, sealed: dict[Path, Manifest | None]) -> None:
     """Raise ForeignCheckpoints when `folder` is another run's: its claim, or (unclaimed) any of its
     `sealed` checkpoints ({folder: manifest, None when unreadable}) that is not `owner`'s."""
     claim = read_claim(folder)
     if claim is not None:
-        if claim["run_id"] != owner.run_id:
-            raise ForeignCheckpoints(folder, f"belongs to another run: {_describe(claim)}")
+        if claim.run_id != owner.run_id:
+            raise ForeignCheckpoints(folder, f"belongs to another run: {_describe(claim.run_id, claim.run_dir)}")
         return
     for path, manifest in sealed.items():
-        named = (manifest or {}).get("run_id")
+        named = manifest.run_id if manifest is not None else None
         if named == owner.run_id or (manifest is not None and named is None and owner.adopts_unnamed):
             continue
         if named is not None:
-            whose = f"holds {path.name} of another run: {_describe(manifest)}"
+            whose = f"holds {path.name} of another run: {_describe(manifest.run_id, manifest.run_dir)}"
         elif manifest is None:
             whose = f"holds {path.name}, whose manifest cannot be read, of a run that is not this one"
         else:
@@ -109,20 +119,20 @@ def claim_folder(folder: Path, owner: CheckpointOwner) -> bool:
     if write_once(folder / CLAIM, text + "\n"):
         return True
     claim = read_claim(folder)
-    if claim is None or claim["run_id"] != owner.run_id:
-        raise ForeignCheckpoints(folder, f"belongs to another run: {_describe(claim or {})}")
+    if claim is None or claim.run_id != owner.run_id:
+        whose = _describe(claim.run_id, claim.run_dir) if claim is not None else _describe("?", None)
+        raise ForeignCheckpoints(folder, f"belongs to another run: {whose}")
     return False
 
 
 def release_claim(folder: Path, owner: CheckpointOwner) -> None:
     """Withdraw `owner`'s claim on `folder` (a submit that failed before its run came to be)."""
     claim = read_claim(folder)
-    if claim is not None and claim["run_id"] == owner.run_id:
+    if claim is not None and claim.run_id == owner.run_id:
         (folder / CLAIM).unlink(missing_ok=True)
 
 
-def _describe(record: dict) -> str:
-    run_id, run_dir = record.get("run_id", "?"), record.get("run_dir")
+def _describe(run_id: str | None, run_dir: str | None) -> str:
     if not run_dir:
         return f"run id {run_id}"
     resume = f" (continue it with `vlmrun resume {run_dir}`)" if RunDirectory(run_dir).exists() else ""

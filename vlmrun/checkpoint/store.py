@@ -1,8 +1,13 @@
-"""The checkpoint store: one run's checkpoints in one folder (checkpoint.py has their format).
+"""The checkpoint store: one run's checkpoints in one folder; the one owner of the folder's layout.
+
+    checkpoints/owner.json                the run this folder belongs to (owner.py)
+    checkpoints/tmp_step_<N>/             being written (ignored, and removed by the next save)
+    checkpoints/damaged_step_<N>-<time>/  a checkpoint found damaged, moved aside for inspection
+    checkpoints/step_<N>/                 complete: manifest.json (manifest.py) and the parts (parts.py)
 
 1. `begin` gives the writers a fresh tmp_step_<N>; `finish` seals it (the manifest names the run that
    wrote it), renames it to step_<N> and applies retention.
-2. Only this run's checkpoints count (checkpoint_owner.py): the store lists, loads and deletes no
+2. Only this run's checkpoints count (owner.py): the store lists, loads and deletes no
    other run's, and `claim` / `check_owner` refuse a folder that belongs to another run.
 3. Only valid checkpoints count. `latest` returns the newest that verifies; the job, the run's one
    writer (`set_aside=True`), moves a damaged one aside to damaged_step_<N>-<time> (kept for
@@ -12,7 +17,7 @@
    at most once: one it sealed or verified counts as valid after a stat of each file (`holds`); the
    job's controller takes the node's verification as its own (`mark_verified`).
 5. Readers in other processes (`reading`: export, an evaluation) hold the checkpoint they read, so
-   the run's retention cannot delete it under them (checkpoint_lease.py); one that vanished between
+   the run's retention cannot delete it under them (lease.py); one that vanished between
    the listing and the hold gives way to the next valid one.
 """
 
@@ -26,19 +31,13 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from vlmrun.algorithms.common.checkpoint import (
-    FORMAT,
-    Checkpoint,
-    CorruptCheckpoint,
-    PendingCheckpoint,
-    lacking_parts,
-    read_manifest,
-    seal,
-    verify,
-)
-from vlmrun.algorithms.common.checkpoint_files import fsync_dir
-from vlmrun.algorithms.common.checkpoint_lease import exclusive_hold, shared_hold
-from vlmrun.algorithms.common.checkpoint_owner import CheckpointOwner, check_folder, claim_folder, release_claim
+from vlmrun.checkpoint.files import Digest, fsync_dir
+from vlmrun.checkpoint.lease import exclusive_hold, shared_hold
+from vlmrun.checkpoint.manifest import FORMAT, CorruptCheckpoint, Manifest, RunAtSave, read_manifest, seal
+from vlmrun.checkpoint.owner import CheckpointOwner, check_folder, claim_folder, release_claim
+from vlmrun.checkpoint.parts import lacking_parts
+from vlmrun.checkpoint.read import Checkpoint, verify
+from vlmrun.checkpoint.write import PendingCheckpoint
 from vlmrun.run.directory import RunDirectory
 
 log = logging.getLogger(__name__)
@@ -99,16 +98,17 @@ class CheckpointStore:
         tmp.mkdir(parents=True)
         return PendingCheckpoint(step, str(tmp))
 
-    def finish(self, pending: PendingCheckpoint, files: dict[str, dict], meta: dict) -> Path:
-        """Seal `pending` ({file: digest} from the writers into the manifest, with the run that wrote it;
-        fsync) and rename it to step_<N>; apply retention."""
+    def finish(self, pending: PendingCheckpoint, files: dict[str, Digest], run: RunAtSave | None) -> Path:
+        """Seal `pending` ({file: digest} from the writers into the manifest, with `run` (None: a tool's
+        checkpoint, which no run resumes) and the run that wrote it; fsync) and rename it to step_<N>;
+        apply retention."""
         tmp = Path(pending.path)
         missing = lacking_parts(files)
         if missing:
             raise ValueError(f"checkpoint step {pending.step} lacks the parts {missing}")
         stamp = self.owner.stamp() if self.owner is not None else {}
-        files = {f: files[f] for f in sorted(files)}
-        seal(tmp, dict(meta, **stamp, format=FORMAT, step=pending.step, saved_at=time.time(), files=files))
+        entries = {f: files[f] for f in sorted(files)}
+        seal(tmp, Manifest(FORMAT, pending.step, entries, run, saved_at=time.time(), **stamp))
         final = self.root / f"step_{pending.step}"
         if final.exists():
             self._replace(final)
@@ -174,7 +174,7 @@ class CheckpointStore:
         self._valid[candidate.step] = candidate.path
         return candidate, []
 
-    def newest_manifest(self) -> tuple[int, dict] | None:
+    def newest_manifest(self) -> tuple[int, Manifest] | None:
         """(step, manifest) of this run's newest sealed checkpoint, read without verifying its files
         (cheap: for checks on a login node); None when there is none with a readable manifest."""
         for step, path in reversed(self.complete()):
@@ -225,7 +225,7 @@ class CheckpointStore:
         raise MissingCheckpoint(f"{what} in {self.root}", skipped)
 
     # ---- retention and damage -----------------------------------------------------------------------
-    def _sealed(self) -> list[tuple[int, Path, dict | None]]:
+    def _sealed(self) -> list[tuple[int, Path, Manifest | None]]:
         """(step, folder, manifest or None when unreadable) of every step_<N> in the folder, oldest first."""
         if not self.root.is_dir():
             return []

@@ -22,7 +22,7 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
-from vlmrun.algorithms.common.checkpoint import manifest_file
+from vlmrun.checkpoint.manifest import manifest_file
 
 
 @contextlib.contextmanager
