@@ -8,7 +8,7 @@ TORCH  := torch==2.14.1 torchvision==0.29.1
 export HF_HUB_OFFLINE := 1
 export WANDB_MODE ?= offline
 
-.PHONY: setup system-libs demo lint test test-fast clean vllm-classes
+.PHONY: setup system-libs demo lint test test-fast test-e2e test-tools clean vllm-classes
 
 setup: system-libs $(VENV)/.installed
 
@@ -59,6 +59,15 @@ lint: setup
 # Each module runs whole on one worker, the SLURM ones together, the heaviest units first (tests/conftest.py says why).
 # pytest exits 5 when it collected no tests: that is a failure here, said in words.
 PYTEST := $(VENV)/bin/python -m pytest -n 3 --dist loadscope --no-loadscope-reorder
+# The suite's lanes (tests/conftest.py): unit (logic, in-process), e2e (real runs, spawned ranks: `slow`; the
+# local SLURM cluster: `slurm`), tools (the smoke runs of tools/). `make test` runs them all in one session.
+LANE_unit  := -m "not slow and not slurm and not tools"
+LANE_e2e   := -m "(slow or slurm) and not tools"
+LANE_tools := -m "tools"
+define run_pytest
+	@$(PYTEST) -q -ra $(1); rc=$$?; \
+	if [ $$rc = 5 ]; then echo "make: pytest collected no tests"; fi; exit $$rc
+endef
 
 # vLLM's model classes for the refit naming test (tests/test_vllm_classes.py), beside the venv:
 # vllm pins another torch than the project's (requirements/vllm-classes.txt says why).
@@ -72,11 +81,16 @@ $(VLLM_CLASSES)/.installed: requirements/vllm-classes.txt | $(VENV)/.installed
 vllm-classes: $(VLLM_CLASSES)/.installed
 
 test: lint vllm-classes
-	@$(PYTEST) -q -ra --durations=15; rc=$$?; \
-	if [ $$rc = 5 ]; then echo "make test: pytest collected no tests"; fi; exit $$rc
+	$(call run_pytest,--durations=15)
 
 test-fast: lint
-	$(PYTEST) -q -m "not slow and not slurm"
+	$(call run_pytest,$(LANE_unit))
+
+test-e2e: lint vllm-classes
+	$(call run_pytest,$(LANE_e2e))
+
+test-tools: lint
+	$(call run_pytest,$(LANE_tools))
 
 clean:
 	rm -rf $(VENV) $(VLLM_CLASSES) runs data .pytest_cache

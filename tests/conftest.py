@@ -1,4 +1,13 @@
-"""Fixtures shared by several test modules; pytest finds them here, no test module imports them.
+"""Fixtures shared by several test modules, the suite's lanes and its scheduling under pytest-xdist;
+pytest finds them here, no test module imports them.
+
+The lanes, by what a test promises (LANES; `make test` runs all three in one session and prints each
+lane's seconds at the end):
+
+- unit: logic with hand-made inputs and small real parts in-process (`make test-fast`);
+- e2e: the product end to end: real runs through the CLI, real Ray, spawned ranks (`slow`), the local
+  SLURM cluster (`slurm`);
+- tools: the smoke runs of tools/ measurements (`tools`), which users do not run but CI keeps working.
 
 A small CLEVR set (64 px, 3 train shards of 32) and the tiny models of every family are built once
 per session under pytest's base temp dir. The real runs several modules share, and the one local Ray,
@@ -10,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before anything imports huggingface_hub
@@ -19,6 +29,9 @@ from data_samples import FAMILIES, PER_SHARD, SIZE, TRAIN, VAL
 
 pytest_plugins = ["shared_runs"]
 SLURM_GROUP = "slurm"
+#: The tools' lane: each of its tests is a work unit of its own.
+TOOLS_MODULE = "test_tools.py"
+CHAIN_LINK = re.compile(r"test_\d+_")
 
 
 #: Seconds each work unit took in a whole run (tests/unit_seconds.json, written by `pytest
@@ -26,6 +39,8 @@ SLURM_GROUP = "slurm"
 UNIT_SECONDS = Path(__file__).with_name("unit_seconds.json")
 #: A unit the table does not know yet (a new module): one with slow tests goes out among the heavy ones.
 NEW_SLOW_UNIT_S, NEW_UNIT_S = 60.0, 1.0
+#: The lanes, in the order `make test` reports them, and the marks that put a test in each.
+LANES = {"unit": (), "e2e": ("slow", "slurm"), "tools": ("tools",)}
 
 
 def pytest_addoption(parser):
@@ -49,6 +64,9 @@ def pytest_collection_modifyitems(config, items):
        (on one run's measured unit times, a simulation of the alphabetical order ends one worker
        ~85 s after the others, ~7% of the run; heaviest first, they end together).
     """
+    for item in items:
+        if CHAIN_LINK.match(item.name):
+            item.add_marker(pytest.mark.chain)
     groups = {item: group_of(item.nodeid) for item in items}
     slow = {groups[item] for item in items if item.get_closest_marker("slow")}
     known = json.loads(UNIT_SECONDS.read_text()) if UNIT_SECONDS.is_file() else {}
@@ -60,12 +78,52 @@ def pytest_collection_modifyitems(config, items):
 
 
 _unit_seconds: dict[str, float] = {}
+_lane_seconds: dict[str, float] = {}
+_lane_tests: dict[str, set[str]] = {}
+
+
+def lane_of(marks) -> str:
+    """The lane of a test with `marks` (names): tools before e2e, e2e before unit."""
+    for lane in ("tools", "e2e"):
+        if any(mark in marks for mark in LANES[lane]):
+            return lane
+    return "unit"
 
 
 def pytest_runtest_logreport(report):
-    """Each unit's seconds (under pytest-xdist the controller sees every worker's reports)."""
+    """Each unit's and each lane's seconds (under pytest-xdist the controller sees every worker's reports)."""
     group = group_of(report.nodeid)
     _unit_seconds[group] = _unit_seconds.get(group, 0.0) + report.duration
+    lane = lane_of(report.keywords)
+    _lane_seconds[lane] = _lane_seconds.get(lane, 0.0) + report.duration
+    _lane_tests.setdefault(lane, set()).add(report.nodeid)
+
+
+#: A chain: the tests of a module named test_<n>_... (marked `chain` at collection) go on, in order, from
+#: where the one before left its run. A link whose predecessor failed is skipped naming it, so the first
+#: failure is the one reported (test_chaos_processes.py, test_slurm_sft.py).
+_broken_chains: dict[str, str] = {}
+
+
+def pytest_runtest_makereport(item, call):
+    if item.get_closest_marker("chain") is not None and call.excinfo is not None and call.when != "teardown":
+        if not call.excinfo.errisinstance(pytest.skip.Exception):
+            _broken_chains.setdefault(item.module.__name__, item.name)
+
+
+def pytest_runtest_setup(item):
+    if item.get_closest_marker("chain") is not None and item.module.__name__ in _broken_chains:
+        pytest.skip(f"the chain broke at {_broken_chains[item.module.__name__]}: this link goes on from it")
+
+
+def pytest_terminal_summary(terminalreporter):
+    """The seconds each lane's tests took (set-up, call and tear-down, summed over the workers)."""
+    if os.environ.get("PYTEST_XDIST_WORKER") or not _lane_seconds:
+        return
+    lanes = ", ".join(
+        f"{lane} {len(_lane_tests[lane])} tests {_lane_seconds[lane]:.0f} s" for lane in LANES if lane in _lane_seconds
+    )
+    terminalreporter.write_line(f"lanes (test seconds, summed over the workers): {lanes}")
 
 
 def pytest_sessionfinish(session, exitstatus):
@@ -77,9 +135,12 @@ def pytest_sessionfinish(session, exitstatus):
 
 
 def group_of(nodeid: str) -> str:
-    """The work unit of a test under pytest-xdist: its module, or SLURM_GROUP for every SLURM module."""
+    """The work unit of a test under pytest-xdist: its module, SLURM_GROUP for every SLURM module, and each
+    test of the tools' lane on its own (independent smoke runs: they spread over the workers)."""
     module = nodeid.split("::")[0]
-    return SLURM_GROUP if Path(module).name.startswith("test_slurm_") else module
+    if Path(module).name.startswith("test_slurm_"):
+        return SLURM_GROUP
+    return nodeid.split("[")[0] if Path(module).name == TOOLS_MODULE else module
 
 
 def pytest_xdist_make_scheduler(config, log):
