@@ -119,6 +119,7 @@ def test_ray_env_is_private_and_keeps_loopback():
         "RAY_USAGE_STATS_ENABLED": "0",
         "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
         "GLOO_SOCKET_IFNAME": "lo",
+        "__RAY_WORKER_PROCESS_SETUP_HOOK_ENV_VAR": "vlmrun.startup.pause_in_worker",
     }
     env = ray_env("192.0.2.1")  # an address no interface here holds (TEST-NET-1)
     assert env["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] == "1" and "GLOO_SOCKET_IFNAME" not in env

@@ -157,6 +157,11 @@ def test_a_rank_starts_with_the_collector_paused_and_has_it_back_once_set_up(ray
     """vlmrun/startup.py: every Ray worker of a Ray that vlmrun starts runs its set-up hook before it
     imports any actor's code, so a rank starts with the cyclic collector off; `freeze_heap` (what the
     loop asks of every rank after set-up) turns it on again."""
+    from ray._private import ray_constants
+
+    from vlmrun.cluster.ray.nodes import SETUP_HOOK_ENV
+
+    assert set(SETUP_HOOK_ENV) == {ray_constants.WORKER_PROCESS_SETUP_HOOK_ENV_VAR}  # Ray's own name for it
     plan = plan_placement(ParallelConfig(dp=2))
     group = WorkerGroup(EchoRank, plan, Placement(nodes=1), init=lambda rank: {"rank": rank, "tag": ""})
     try:

@@ -7,9 +7,9 @@ collection off, each asking for it where it starts:
 
 - the command line (`vlmrun.cli.main`) and the node process (`vlmrun.cluster.node`): `pause_for_command`,
   for their first COMMAND_PAUSE_S;
-- every Ray worker of a job that vlmrun's node starts: `pause_in_worker`, Ray's worker process set-up
-  hook (WORKER_SETUP_HOOK, given to `ray.init` with the job's runtime environment), which runs before
-  the worker imports any actor's code;
+- every Ray worker of a Ray that vlmrun's node starts: `pause_in_worker`, Ray's worker process set-up
+  hook (WORKER_SETUP_HOOK, in the environment the node gives its raylets: cluster/ray/nodes.py), which
+  runs before the worker imports any actor's code;
 - then a controller or a rank calls `freeze_imports` as its construction begins (its imports are done)
   and `freeze_heap` once set up: one collection of what set-up made, everything alive then left out of
   later collections, and collection on again. A worker that never gets there has it back after
@@ -24,7 +24,7 @@ from __future__ import annotations
 import gc
 import threading
 
-#: Ray's `worker_process_setup_hook` for the jobs vlmrun starts (`ray.init(runtime_env=...)`).
+#: Ray's worker process set-up hook for the Ray vlmrun starts (cluster/ray/nodes.py's SETUP_HOOK_ENV).
 WORKER_SETUP_HOOK = "vlmrun.startup.pause_in_worker"
 #: The longest the collector stays off in a worker that never says its set-up is done.
 PAUSE_LIMIT_S = 120.0

@@ -50,7 +50,6 @@ from vlmrun.cluster.reaper import TEMP_ENV
 from vlmrun.cluster.slurm_env import SlurmAllocation, node_address
 from vlmrun.errors import CheckFailed
 from vlmrun.run.directory import write_atomic
-from vlmrun.startup import WORKER_SETUP_HOOK
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -140,13 +139,7 @@ def ray_head(
         )
         import ray
 
-        ray.init(
-            address=address,
-            _node_ip_address=ip,
-            log_to_driver=True,
-            configure_logging=False,
-            runtime_env={"worker_process_setup_hook": WORKER_SETUP_HOOK},
-        )
+        ray.init(address=address, _node_ip_address=ip, log_to_driver=True, configure_logging=False)
         want_cpus = num_cpus if num_cpus is not None else alloc.cpus_on_node
         want_gpus = num_gpus if num_gpus is not None else alloc.gpus_on_node
         _wait_for_nodes(nodes, rdv, want_cpus, want_gpus, t0 + deadline_s, deadline_s)

@@ -13,8 +13,8 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
+from vlmrun.cluster.ray.nodes import SETUP_HOOK_ENV
 from vlmrun.cluster.reaper import TEMP_ENV
-from vlmrun.startup import WORKER_SETUP_HOOK
 
 # Read by Ray and gloo when they are imported / start: set before either happens.
 LOCAL_ENV = {
@@ -24,6 +24,7 @@ LOCAL_ENV = {
     "HF_HUB_DISABLE_PROGRESS_BARS": "1",
     "TRANSFORMERS_VERBOSITY": "error",
     "TOKENIZERS_PARALLELISM": "false",
+    **SETUP_HOOK_ENV,
 }
 
 
@@ -52,7 +53,6 @@ def start_local_ray(job_id: str, num_cpus: int) -> Path:
             object_store_memory=256 * 1024 * 1024,
             log_to_driver=True,
             configure_logging=False,
-            runtime_env={"worker_process_setup_hook": WORKER_SETUP_HOOK},
         )
     return temp
 

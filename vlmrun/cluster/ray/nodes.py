@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from vlmrun.cluster.reaper import TEMP_ENV
+from vlmrun.startup import WORKER_SETUP_HOOK
 
 PORT_BASE = 10240  # below the Linux ephemeral range (32768+), above well-known services
 PORT_END = 32768
@@ -189,14 +190,23 @@ def _is_ray_process(p) -> bool:
     return name.startswith("ray::") or name in ("raylet", "gcs_server")
 
 
+#: Ray's worker process set-up hook, given by environment: every worker a raylet starts inherits the
+#: raylet's environment, prestarted ones included, and runs the hook before it imports any actor's code.
+#: (`ray.init(runtime_env={"worker_process_setup_hook": ...})` sets the same variable, but for the job's
+#: runtime environment only, whose workers cannot be the raylet's prestarted ones: each is started twice.)
+SETUP_HOOK_ENV = {"__RAY_WORKER_PROCESS_SETUP_HOOK_ENV_VAR": WORKER_SETUP_HOOK}
+
+
 def ray_env(ip: str) -> dict[str, str]:
-    """Environment for our Ray processes and the driver: private cluster, no telemetry, gloo on `ip`'s interface."""
+    """Environment for our Ray processes and the driver: private cluster, no telemetry, gloo on `ip`'s
+    interface, our workers' set-up hook."""
     # "0" keeps a one-node Ray on loopback (docs/measurements.md: else Ray rewrites 127.0.0.1 to the outward address);
     # "1" (Linux's default) is required to join nodes, even where the local default said "0"
     env = {
         "RAY_AUTH_MODE": "disabled",
         "RAY_USAGE_STATS_ENABLED": "0",
         "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0" if ip.startswith("127.") else "1",
+        **SETUP_HOOK_ENV,
     }
     iface = interface_of(ip)
     if iface:
