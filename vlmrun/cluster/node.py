@@ -82,11 +82,11 @@ def _attempt(rd: RunDirectory, job_id: str, alloc, stop: StopFlag, started_at: f
         outcome = _run(rd, attempt, job_id, started_at, alloc, stop)
     except VlmrunError as e:
         log.error("%s", e)
-        job_record.fail_attempt(rd, attempt, str(e))
+        _record_failure(rd, attempt, str(e))
         return e.exit_code
     except BaseException as e:  # noqa: BLE001 - our bug or a crash below us: record it, keep the traceback
         reason = failure_reason(e)
-        job_record.fail_attempt(rd, attempt, reason)
+        _record_failure(rd, attempt, reason)
         _report_failure(reason)
         return EXIT_FAILED
     job_record.end_attempt(rd, attempt, outcome)
@@ -110,13 +110,26 @@ def _attempt(rd: RunDirectory, job_id: str, alloc, stop: StopFlag, started_at: f
     return EXIT_STOPPED if outcome.state is State.STOPPED else EXIT_COMPLETED
 
 
+def _record_failure(rd: RunDirectory, attempt: int, reason: str) -> None:
+    """The attempt FAILED with `reason` in job.json; a job.json that cannot be written (a full disk)
+    is said on the console, and the failure's own line still follows."""
+    try:
+        job_record.fail_attempt(rd, attempt, reason)
+    except OSError as e:
+        log.error("could not record the failure in %s: %s", rd.job_file, failure_reason(e))
+
+
 def _report_failure(reason: str) -> None:
     """One line on the console with where the traceback is; the traceback itself goes to the log file
     (the attempt's log when the console is attached, else stderr, which is then the log)."""
     tee = os.environ.get("VLMRUN_TEE_LOG")
     if tee:
-        with open(tee, "a") as f:
-            traceback.print_exc(file=f)
+        try:
+            with open(tee, "a") as f:
+                traceback.print_exc(file=f)
+        except OSError:  # a full disk: the traceback goes to the console instead
+            tee = None
+    if tee:
         log.error("FAILED: %s (traceback in %s)", reason, tee)
     else:
         traceback.print_exc()
