@@ -6,7 +6,9 @@
     checkpoints/step_<N>/                 complete: manifest.json (manifest.py) and the parts (parts.py)
 
 1. `begin` gives the writers a fresh tmp_step_<N>; `finish` seals it (the manifest names the run that
-   wrote it), renames it to step_<N> and applies retention.
+   wrote it), renames it to step_<N> and applies retention. A save that fails is `abandon`ed: its
+   tmp_step_<N> goes, and for want of space the error names this folder, what is free, what a
+   checkpoint of the run takes.
 2. Only this run's checkpoints count (owner.py): the store lists, loads and deletes no
    other run's, and `claim` / `check_owner` refuse a folder that belongs to another run.
 3. Only valid checkpoints count. `latest` returns the newest that verifies; the job, the run's one
@@ -38,6 +40,7 @@ from vlmrun.checkpoint.owner import CheckpointOwner, check_folder, claim_folder,
 from vlmrun.checkpoint.parts import lacking_parts
 from vlmrun.checkpoint.read import Checkpoint, verify
 from vlmrun.checkpoint.write import PendingCheckpoint
+from vlmrun.errors import disk_full, no_space_left
 from vlmrun.run.directory import RunDirectory
 
 log = logging.getLogger(__name__)
@@ -108,7 +111,11 @@ class CheckpointStore:
             raise ValueError(f"checkpoint step {pending.step} lacks the parts {missing}")
         stamp = self.owner.stamp() if self.owner is not None else {}
         entries = {f: files[f] for f in sorted(files)}
-        seal(tmp, Manifest(FORMAT, pending.step, entries, run, saved_at=time.time(), **stamp))
+        try:
+            seal(tmp, Manifest(FORMAT, pending.step, entries, run, saved_at=time.time(), **stamp))
+        except BaseException as e:
+            self.abandon(pending, e)
+            raise
         final = self.root / f"step_{pending.step}"
         if final.exists():
             self._replace(final)
@@ -117,6 +124,28 @@ class CheckpointStore:
         self._valid[pending.step] = final
         self._retain()
         return final
+
+    def abandon(self, pending: PendingCheckpoint, error: BaseException) -> None:
+        """A save of `pending` that failed with `error` (the caller re-raises it): its tmp_step_<N> goes,
+        so the checkpoints before it stay the newest valid ones. For want of space, raises instead a
+        NoSpaceLeft naming this folder, what is free once the partial checkpoint is gone, and what a
+        checkpoint of this run takes (its newest one; for its first, what was written plus what the
+        failed write needed)."""
+        tmp = Path(pending.path)
+        found = disk_full(error)
+        written = _bytes_under(tmp) if found is not None else 0
+        shutil.rmtree(tmp, ignore_errors=True)
+        if found is None:
+            return
+        needed = self._checkpoint_bytes() or written + (getattr(found, "needed", None) or 0) or None
+        full = no_space_left(self.root, needed)
+        log.error("checkpoint of step %d not saved: %s; removed %s", pending.step, full, tmp.name)
+        raise full from error
+
+    def _checkpoint_bytes(self) -> int | None:
+        """The size of this run's newest sealed checkpoint (its manifest's files), None when there is none."""
+        newest = self.newest_manifest()
+        return sum(d.size for d in newest[1].files.values()) if newest is not None else None
 
     # ---- reading ----------------------------------------------------------------------------------
     def complete(self) -> list[tuple[int, Path]]:
@@ -298,3 +327,12 @@ class CheckpointStore:
         if self.owner is not None and not self.owner.owns(manifest):
             raise RuntimeError(f"{final} belongs to another run; a run never replaces another run's checkpoint")
         self._delete(final, wait=True)
+
+
+def _bytes_under(folder: Path) -> int:
+    """What the files under `folder` take (0 when it is gone)."""
+    total = 0
+    for p in folder.rglob("*"):
+        with contextlib.suppress(OSError):
+            total += p.stat().st_size if p.is_file() else 0
+    return total

@@ -388,8 +388,9 @@ class StepLoop:
         t0 = time.perf_counter()
         background = self.recipe.checkpoint.async_save
         pending = self.store.begin(step)
-        files = self._save_parts(pending, background)
-        files |= pending.write("controller", {"rng": {"python": rng.python_rng_state()}, "counters": counters})
+        with self.saves.writing(pending):  # a failed write leaves no partial checkpoint
+            files = self._save_parts(pending, background)
+            files |= pending.write("controller", {"rng": {"python": rng.python_rng_state()}, "counters": counters})
         run = RunAtSave(
             placement_hash=self.plan.placement_hash,
             layout=self.plan.describe(),
