@@ -20,7 +20,9 @@
    job's controller takes the node's verification as its own (`mark_verified`).
 5. Readers in other processes (`reading`: export, an evaluation) hold the checkpoint they read, so
    the run's retention cannot delete it under them (lease.py); one that vanished between
-   the listing and the hold gives way to the next valid one.
+   the listing and the hold gives way to the next valid one. One that retention had to leave to a
+   reader is marked expired and deleted once nobody holds it: by the last reader as it lets go, by
+   the run at its end (`delete_expired`), or by a later retention.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from vlmrun.checkpoint.files import Digest, fsync_dir
-from vlmrun.checkpoint.lease import exclusive_hold, shared_hold
+from vlmrun.checkpoint.lease import exclusive_hold, expire, expired, shared_hold
 from vlmrun.checkpoint.manifest import FORMAT, CorruptCheckpoint, Manifest, RunAtSave, read_manifest, seal
 from vlmrun.checkpoint.owner import CheckpointOwner, check_folder, claim_folder, release_claim
 from vlmrun.checkpoint.parts import lacking_parts
@@ -231,7 +233,7 @@ class CheckpointStore:
             if vanished:
                 time.sleep(0.01)
             for s, path in listed:
-                with shared_hold(path) as held:
+                with self._reader_hold(path) as held:
                     try:
                         manifest = verify(path)
                     except CorruptCheckpoint as e:
@@ -252,6 +254,30 @@ class CheckpointStore:
                 break
         what = f"no checkpoint of step {step}" if step is not None else "no valid checkpoint"
         raise MissingCheckpoint(f"{what} in {self.root}", skipped)
+
+    @contextlib.contextmanager
+    def _reader_hold(self, path: Path) -> Iterator[bool]:
+        """A reader's hold on `path` (lease.shared_hold); letting go of one marked expired deletes it
+        unless another reader holds it still (that one does, later)."""
+        try:
+            with shared_hold(path) as held:
+                yield held
+        finally:
+            if expired(path):
+                try:
+                    self._delete(path, wait=False)
+                except OSError as e:  # a reader that may not write (a read-only mount) leaves it to the run
+                    log.info("left %s, expired, in place: %s", path, e)
+
+    def delete_expired(self) -> None:
+        """Delete the checkpoints that retention marked expired while a reader held them and that no
+        reader holds now (the run's end); one still held stays, for its last reader to delete."""
+        for _, path in self.complete():
+            if expired(path):
+                try:
+                    self._delete(path, wait=False)
+                except OSError as e:  # tidying up never fails the run that trained
+                    log.warning("could not delete %s, expired: %s", path, e)
 
     # ---- retention and damage -----------------------------------------------------------------------
     def _sealed(self) -> list[tuple[int, Path, Manifest | None]]:
@@ -278,6 +304,7 @@ class CheckpointStore:
             if kept < self.keep:
                 kept += self._counts(step, path)
             else:
+                expire(path)  # first: a reader that lets go after the try below then deletes it
                 self._delete(path, wait=False)
 
     def _counts(self, step: int, path: Path) -> bool:
@@ -314,7 +341,10 @@ class CheckpointStore:
                 log.info("keeping %s beyond checkpoint.keep for now: a reader holds it", path)
                 return
             doomed = path.with_name(f".deleting_{path.name}-{os.getpid()}")
-            os.rename(path, doomed)  # out of every listing at once; the files go after the lock
+            try:
+                os.rename(path, doomed)  # out of every listing at once; the files go after the lock
+            except FileNotFoundError:  # deleted meanwhile by another (its last reader, lease.py)
+                return
         self._valid.pop(int(path.name[5:]), None)
         shutil.rmtree(doomed, ignore_errors=True)
 

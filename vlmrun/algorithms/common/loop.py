@@ -265,6 +265,7 @@ class StepLoop:
         return step == self.steps.max_steps or (period > 0 and step % period == 0)
 
     def _outcome(self, state: State, step: int, reason: str, notes: dict) -> RunOutcome:
+        self.store.delete_expired()  # those a reader held past their retention, if let go since
         self.wandb.close()
         self._close()
         signal = self.stop_reason if state is State.STOPPED and self.stop_reason.startswith("SIG") else None
