@@ -263,13 +263,18 @@ def _choose_checkpoint(rd: RunDirectory, recipe, attempt: int):
     their sizes (a stat each; newer ones that are not, moved aside), and a Future of the verdict on it
     (`CheckpointStore.verify_candidate` on a thread: every file hashed while Ray and the workers start;
     damaged, the newest older one that verifies instead). The controller waits for the verdict before
-    it loads anything. Claims the checkpoint folder for the run first: one that belongs to another run
-    is refused (InputError, exit 2) before anything is read. When no valid checkpoint is left, say so
+    it loads anything. Claims the checkpoint folder for the run first: one that belongs to another run,
+    or to the run a copied run dir was copied from, is refused (InputError, exit 2) before anything is
+    read; a copy with checkpoints of its own goes on as a fork (vlmrun/checkpoint/copies.py). When no valid checkpoint is left, say so
     plainly, on the console and in job.json, before training starts from step 0."""
     from concurrent.futures import Future
 
+    from vlmrun.checkpoint.copies import settle_copy
     from vlmrun.checkpoint.store import run_checkpoints
 
+    if (fork := settle_copy(rd, recipe)) is not None:  # a copied run dir goes on as a run of its own
+        log.info("%s is a copy of %s: it goes on as a fork, run id %s", rd.path, fork.from_run_dir, fork.run_id)
+        job_record.record_fork(rd, attempt, fork.run_id, fork.from_run_id, fork.from_run_dir)
     store = run_checkpoints(rd, recipe)
     store.claim()
     candidate, skipped = store.latest(set_aside=True, checksums=False)
