@@ -313,7 +313,8 @@ class CheckpointStore:
         try:
             verify(path)
         except CorruptCheckpoint as e:
-            self._skip(path, e, set_aside=True, wait=False)  # the training loop never waits on a reader
+            if path.exists():  # else deleted meanwhile: an expired one, by its last reader (lease.py)
+                self._skip(path, e, set_aside=True, wait=False)  # the training loop never waits on a reader
             return False
         self._valid[step] = path
         return True
@@ -329,8 +330,9 @@ class CheckpointStore:
                 aside, n = path.with_name(f"damaged_{path.name}-{stamp}.{n}"), n + 1
             with exclusive_hold(path, wait=wait) as free:  # its readers fail to verify it and let go
                 if free:
-                    os.rename(path, aside)
-                    line += f"; moved aside to {aside.name}"
+                    with contextlib.suppress(FileNotFoundError):  # gone meanwhile: deleted, expired (lease.py)
+                        os.rename(path, aside)
+                        line += f"; moved aside to {aside.name}"
             self._valid.pop(int(path.name[5:]), None)
         log.warning("%s (in %s)", line, self.root)
         return line
