@@ -5,7 +5,8 @@ The damaged checkpoint of a finished, a stopped and a running run: export and th
 API (what an evaluation reads through) give the newest valid one and name the damaged one; a resume
 moves it aside (kept, named in the attempt's skipped_checkpoints), trains the lost steps again to the
 same numbers and saves that step again; every message about a checkpoint names one that verifies.
-`vlmrun export` while the run saves at every step with `checkpoint.keep: 1` never fails.
+`vlmrun export` while the run saves at every step with `checkpoint.keep: 1` never fails, and a
+checkpoint an export held past the run's retention goes once it is let go: `checkpoint.keep` holds.
 """
 
 from __future__ import annotations
@@ -164,3 +165,15 @@ def test_export_while_the_run_saves_every_step_with_keep_1(run_data, tmp_path):
         launcher.kill_group()
         launcher.proc.wait()
     assert exported == sorted(exported) and exported[-1] > exported[0]  # the run saved (and deleted) meanwhile
+
+
+def test_a_checkpoint_held_past_the_runs_end_goes_once_let_go(finished_run, tmp_path):
+    """An export (the store's reading API, as `vlmrun export` holds it) holds step 2 while a resume
+    trains to step 6 with keep 2: step 2 outlives the run while held, and goes when let go."""
+    run = copy_of(finished_run, tmp_path)
+    rd = RunDirectory(run)
+    with run_checkpoints(rd, rd.load_recipe(), assign=False).reading(2) as (held, _):
+        done = vlmrun("resume", str(run), "--set", "train.max_steps=6", "--wait")
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert held.step == 2 and sealed(run) == [2, 4, 6]
+    assert sealed(run) == [4, 6]

@@ -4,7 +4,9 @@ Two submits at once onto one `checkpoint.dir`: one runs, the other is refused (e
 checkpoint.dir and the run that has it); later submits, dry runs and a job started on that folder by
 another run are refused too, and the run keeps every checkpoint. Replacing what `model.path` holds
 (same path, other weights) is refused on resume and by the job (`model.path contents: old -> new`,
-with every other changed field); a copy of the same weights is not.
+with every other changed field); a copy of the same weights is not. A copied run directory (`cp -a`)
+never touches the original's checkpoints: on the original's checkpoint.dir it is refused, with a folder
+of its own it goes on as a fork; a moved one (`mv`) goes on as the same run.
 """
 
 from __future__ import annotations
@@ -16,7 +18,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from vlmrun_cli import ENV, ROOT, TINY, node, refused, sets, vlmrun
+from vlmrun_cli import ENV, ROOT, TINY, node, refused, sealed, sets, vlmrun
+
+from vlmrun.run.metrics import history
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -132,7 +136,8 @@ def test_a_job_of_another_run_on_that_checkpoint_dir_fails_before_it_reads_anyth
 
 def test_other_weights_at_the_same_model_path_are_refused_on_resume_and_by_the_job(race, models, tmp_path):
     """On resume, before anything starts; and by the job, against the checkpoint it verified (a copy of
-    the run: same run id, same folder), where an edited recipe.yaml is named too: every changed field."""
+    the run with a copy of its checkpoint folder, which goes on as a fork of it), where an edited
+    recipe.yaml is named too: every changed field."""
     from vlmrun.launch.resume import check_resumable
     from vlmrun.run.directory import RunDirectory
 
@@ -146,7 +151,8 @@ def test_other_weights_at_the_same_model_path_are_refused_on_resume_and_by_the_j
         assert (winner / "job.json").read_text() == job_before
         twin = tmp_path / "twin"
         shutil.copytree(winner, twin, ignore=shutil.ignore_patterns("cache", "lock*"))
-        recipe = (twin / "recipe.yaml").read_text()
+        own = shutil.copytree(race["folder"], tmp_path / "twin-checkpoints")  # the original's is not the copy's
+        recipe = (twin / "recipe.yaml").read_text().replace(str(race["folder"]), str(own))
         edited = recipe.replace("max_steps: 4", "max_steps: 6").replace("micro_batch_size: 2", "micro_batch_size: 4")
         (twin / "recipe.yaml").write_text(edited)
         job = node(twin)
@@ -161,6 +167,58 @@ def test_other_weights_at_the_same_model_path_are_refused_on_resume_and_by_the_j
         shutil.copytree(models["seed0"], path, copy_function=shutil.copyfile)  # the same weights, new mtimes
     rd = RunDirectory(winner)
     check_resumable(rd, rd.load_recipe())  # a copy of the same weights resumes
+
+
+def cp_a(src: Path, dst: Path) -> Path:
+    subprocess.run(["cp", "-a", str(src), str(dst)], check=True)
+    return dst
+
+
+def test_a_copied_run_dir_on_the_originals_checkpoint_dir_is_refused_until_it_has_a_folder_of_its_own(race, tmp_path):
+    """`cp -a` of a run with an explicit checkpoint.dir: resuming the copy is refused (exit 2, naming the
+    folder, the original and how to go on), and so is its job; given a copy of the folder, it trains on
+    as a fork of its own. The original's folder and record never change."""
+    winner, folder = race["winner"], race["folder"]
+    before, job_before = snapshot(folder), (winner / "job.json").read_text()
+    copy = cp_a(winner, tmp_path / "copy")
+    out = vlmrun("resume", str(copy), "--set", "train.max_steps=6", "--wait", timeout=300)
+    refused(out, "checkpoint.dir", str(folder), str(winner), f"vlmrun resume {copy} --set checkpoint.dir=")
+    job = node(copy)  # the job of the copy, as SLURM would start it
+    assert job.returncode == 2, job.stderr[-3000:]
+    attempt = json.loads((copy / "job.json").read_text())["attempts"][-1]
+    assert attempt["state"] == "FAILED" and "checkpoint.dir" in attempt["reason"] and "a copy" in attempt["reason"]
+    assert snapshot(folder) == before
+
+    mine = cp_a(folder, tmp_path / "copy-checkpoints")
+    out = vlmrun("resume", str(copy), "--set", f"checkpoint.dir={mine}", "--set", "train.max_steps=6", "--wait")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert snapshot(folder) == before and (winner / "job.json").read_text() == job_before
+    forks = json.loads((copy / "job.json").read_text())["forks"]
+    assert [(f["from_run_id"], f["from_run_dir"], f["run_id"]) for f in forks] == [
+        (run_id(winner), str(winner), run_id(copy))
+    ]
+    assert sorted(p.name for p in mine.glob("step_*")) == ["step_4", "step_6"]
+    assert json.loads((mine / "step_6" / "manifest.json").read_text())["run_id"] == run_id(copy) != run_id(winner)
+    assert sorted(history(copy / "metrics.jsonl")) == list(range(1, 7))
+    assert sorted(history(winner / "metrics.jsonl")) == list(range(1, 5))
+
+
+def test_a_copied_run_dir_goes_on_as_a_fork_and_a_moved_one_as_the_same_run(finished_run, tmp_path):
+    """A copy of a run whose checkpoints are inside it forks (its own run id, the copied checkpoints its
+    own); moved afterwards (mv), it goes on as the same run."""
+    before = snapshot(finished_run / "checkpoints") | {"job.json": (finished_run / "job.json").read_bytes()}
+    copy = cp_a(finished_run, tmp_path / "copy")
+    out = vlmrun("resume", str(copy), "--set", "train.max_steps=6", "--wait")
+    assert out.returncode == 0, out.stderr[-3000:]
+    forked = run_id(copy)
+    assert forked != run_id(finished_run) and json.loads((copy / "run.json").read_text())["run_dir"] == str(copy)
+    assert sealed(copy) == [4, 6] and sealed(finished_run) == [2, 4]
+    assert snapshot(finished_run / "checkpoints") | {"job.json": (finished_run / "job.json").read_bytes()} == before
+    moved = Path(shutil.move(copy, tmp_path / "moved"))
+    out = vlmrun("resume", str(moved), "--set", "train.max_steps=8", "--wait")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert run_id(moved) == forked and len(json.loads((moved / "job.json").read_text())["forks"]) == 1
+    assert sealed(moved) == [6, 8] and sorted(history(moved / "metrics.jsonl")) == list(range(1, 9))
 
 
 @pytest.mark.slurm

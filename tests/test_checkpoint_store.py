@@ -306,6 +306,23 @@ def test_a_checkpoint_being_read_outlives_retention_and_goes_at_a_later_save(tmp
     assert [s for s, _ in writer.complete()] == [4]
 
 
+def test_a_checkpoint_held_past_retention_goes_as_its_reader_lets_go_or_at_the_runs_end(tmp_path):
+    from vlmrun.checkpoint.lease import shared_hold
+
+    writer = CheckpointStore(tmp_path, keep=1)
+    _save(writer, 1, 1.0)
+    with CheckpointStore(tmp_path, keep=1).reading() as (found, _):
+        _save(writer, 2, 2.0)
+        assert [s for s, _ in writer.complete()] == [1, 2]  # held: kept for now
+    assert [s for s, _ in writer.complete()] == [2]  # its reader let go: keep 1 holds again
+    with shared_hold(tmp_path / "step_2"):  # a reader that never lets go itself (killed: its lock ends with it)
+        _save(writer, 3, 3.0)
+        writer.delete_expired()
+        assert [s for s, _ in writer.complete()] == [2, 3]
+    writer.delete_expired()  # the run's end
+    assert [s for s, _ in writer.complete()] == [3]
+
+
 def test_readers_racing_a_writer_with_keep_1_always_read_a_whole_checkpoint(tmp_path):
     import threading
     import time

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import errno
+import pickle
+
 from vlmrun.cluster.failure import MAX_CHARS, failure_reason, plain
+from vlmrun.errors import no_space_left
 
 
 class RayTaskError(Exception):  # the shape of ray.exceptions.RayTaskError that failure_reason reads
@@ -42,3 +46,20 @@ def test_plain_errors_and_long_messages_stay_one_bounded_line():
     long = failure_reason(RuntimeError("x" * 5000))
     assert len(long) == MAX_CHARS and long.endswith("...")
     assert plain("\x1b[31mred\x1b[0m text\nmore") == "red text"
+
+
+def test_a_full_disk_is_said_as_such_whatever_the_writer_raised_over_it(tmp_path):
+    """torch.save's error on a full disk names a zip position; the ENOSPC it met is its context."""
+    torch_error = RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 1559360 vs 1559252")
+    torch_error.__context__ = OSError(errno.ENOSPC, "No space left on device")
+    assert failure_reason(torch_error) == "no space left on device"
+    named = OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "metrics.jsonl"))
+    assert failure_reason(named).startswith(f"no space left on device ({tmp_path / 'metrics.jsonl'}, ")
+
+
+def test_a_full_disk_in_an_actor_is_the_line_the_writer_made_and_where():
+    full = pickle.loads(pickle.dumps(no_space_left("/runs/x/checkpoints", 6 << 20)))  # as it crosses Ray
+    inner = RayTaskError("ray::SftWorker.save() (pid=4242, ip=10.0.0.2)\nTraceback ...", full)
+    reason = failure_reason(RayTaskError("ray::SftController.run() (pid=17, ip=10.0.0.1)", inner))
+    assert reason.startswith("no space left on device (/runs/x/checkpoints, ") and " free, 6.0 MiB needed)" in reason
+    assert reason.endswith("(in SftWorker.save, pid 4242 on 10.0.0.2)") and full.needed == 6 << 20

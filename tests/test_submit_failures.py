@@ -165,3 +165,49 @@ def test_resume_runs_it_where_auto_would_so_a_dead_controller_is_refused(unsubmi
 def test_submit_into_it_names_what_it_is(unsubmitted):
     out = vlmrun("submit", TINY, "--cluster", "local", "--run-dir", str(unsubmitted))
     refused(out, "never submitted", f"vlmrun resume {unsubmitted}")
+
+
+# ---------------------------------------------------------------- a failure after the job began
+
+
+def _failing_submit(rd, *, recorded: bool) -> None:
+    """What a submit's block does before it fails: makes the run dir, records the job (or not), and the
+    job writes into it; then the launcher fails (a full disk, say)."""
+    import errno
+
+    from vlmrun.config.load import load_recipe
+    from vlmrun.launch.submit import _undone_unless_recorded
+    from vlmrun.run import job as job_record
+
+    with pytest.raises(OSError), _undone_unless_recorded(rd):
+        rd.create(load_recipe(TINY, []))
+        if recorded:
+            job_record.add_job(rd, "local-1", "local", "tiny")
+            job_record.begin_attempt(rd, "local-1", 0)
+            (rd.path / "checkpoints" / "step_2").mkdir(parents=True)
+            (rd.path / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2}\n')
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+
+def test_a_launcher_failure_after_the_job_was_recorded_deletes_nothing_of_the_run(tmp_path):
+    from vlmrun.run.directory import RunDirectory
+
+    rd = RunDirectory(tmp_path / "run")
+    _failing_submit(rd, recorded=True)
+    assert sorted(p.name for p in rd.path.iterdir()) == [
+        "checkpoints",
+        "job.json",
+        "logs",
+        "metrics.jsonl",
+        "recipe.yaml",
+        "run.json",
+    ]
+    assert json.loads(rd.job_file.read_text())["job_ids"] == ["local-1"]
+
+
+def test_a_failure_before_the_job_was_recorded_still_leaves_no_run_dir(tmp_path):
+    from vlmrun.run.directory import RunDirectory
+
+    rd = RunDirectory(tmp_path / "run")
+    _failing_submit(rd, recorded=False)
+    assert not rd.path.exists()

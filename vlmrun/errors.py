@@ -3,11 +3,16 @@
 `InputError` is a user mistake (a recipe field, an argument, a refused resume): the CLI prints its
 message in one or two lines and exits 2, with no traceback. `CheckFailed` is a check whose answer is
 "no" (a diverging comparison, a failed job): exit 1. Anything else is our bug and keeps its traceback.
+`NoSpaceLeft` is a write that found its file system full: it says where, what was free and what the
+write needed, in the one line that job.json and the console show.
 """
 
 from __future__ import annotations
 
+import errno
+import os
 import reprlib
+import shutil
 from typing import Any
 
 EXIT_OK = 0
@@ -37,6 +42,76 @@ class InputError(VlmrunError):
 
 class CheckFailed(VlmrunError):
     """The thing checked is not so (exit 1): a comparison diverged, a job failed."""
+
+
+class NoSpaceLeft(OSError):
+    """A write that failed for want of space (ENOSPC); its text is the one line a user reads:
+    "no space left on device (<path>, <free> free, <needed> needed)". Made by `no_space_left`;
+    `needed` (bytes, or None) rides along, also through pickling (a Ray actor's error)."""
+
+    needed: int | None = None
+
+    def __str__(self) -> str:
+        return self.strerror
+
+
+def no_space_left(path: str | os.PathLike, needed: int | None = None) -> NoSpaceLeft:
+    """The NoSpaceLeft of a write to `path` that needed `needed` bytes (None: unknown); what is free is
+    asked of `path`'s file system now."""
+    free = _free_bytes(path)
+    what = [f"{path}", f"{_bytes_text(free)} free" if free is not None else "free space unknown"]
+    if needed is not None:
+        what.append(f"{_bytes_text(needed)} needed")
+    error = NoSpaceLeft(errno.ENOSPC, f"no space left on device ({', '.join(what)})", str(path))
+    error.needed = needed
+    return error
+
+
+def disk_full(e: object) -> OSError | None:
+    """The ENOSPC error behind `e`, or None: `e` itself, its cause or context, a Ray task error's
+    cause, a torch.distributed.checkpoint error's failures (torch.save's own error hides the
+    OSError it met in its context)."""
+    seen: set[int] = set()
+    todo = [e]
+    while todo:
+        e = todo.pop()
+        if not isinstance(e, BaseException) or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, NoSpaceLeft) and e.strerror:
+            return e
+        if isinstance(e, OSError) and e.errno == errno.ENOSPC:
+            return e
+        failures = getattr(e, "failures", None)  # DCP's: {rank: (exception, traceback)}
+        for failure in failures.values() if isinstance(failures, dict) else ():
+            todo.append(failure[0] if isinstance(failure, tuple) and failure else failure)
+        todo += [getattr(e, "cause", None), e.__cause__, e.__context__]
+    return None
+
+
+def _free_bytes(path: str | os.PathLike) -> int | None:
+    """Free bytes on the file system of `path` (or of its nearest folder that exists)."""
+    for where in [os.fspath(path), *_parents(os.fspath(path))]:
+        try:
+            return shutil.disk_usage(where).free
+        except OSError:
+            continue
+    return None
+
+
+def _parents(path: str) -> list[str]:
+    out = []
+    while (parent := os.path.dirname(path)) and parent != path:
+        out.append(parent)
+        path = parent
+    return out
+
+
+def _bytes_text(n: int) -> str:
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n} B"
 
 
 class _BoundedRepr(reprlib.Repr):

@@ -10,6 +10,9 @@
 - `seal` writes the manifest and fsyncs every file and folder: what a rename then publishes is on disk.
   The writers leave their bytes in the page cache, as a plain `torch.save` does; the seal waits for the
   disk, and the step loop runs it behind the next steps (saving.py).
+- A write that fails for want of space raises NoSpaceLeft (vlmrun.errors) naming the file, what its
+  file system had free and what the write needed (`space_named`), wherever it fails: `torch.save`'s own
+  error ("unexpected pos ...") hides the ENOSPC it met, DCP's wraps it in a CheckpointException.
 - `torch.save` into a checkpoint skips the zip format's CRC32 of every record (`without_zip_crc`): the
   manifest's checksum covers every byte of every file, and the CRC32 pass costs as much as the write
   (docs/measurements.md). `torch.load` reads such files as any other.
@@ -21,12 +24,15 @@ import contextlib
 import io
 import json
 import os
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import xxhash
 
 from vlmrun.checkpoint.legacy import CHECKSUMS as _OLDER_CHECKSUMS
+from vlmrun.errors import NoSpaceLeft, disk_full, no_space_left
 
 #: The checksum new checkpoints record per file (manifest entry: {"size": n, CHECKSUM: hex digest}).
 CHECKSUM = "xxh3_128"
@@ -143,6 +149,37 @@ def hashing_file_system():
     return HashingFileSystem()
 
 
+@contextlib.contextmanager
+def space_named(path: Path, needed: Callable[[], int | None]) -> Iterator[None]:
+    """A write in the block that fails for want of space raises NoSpaceLeft naming `path` and
+    `needed()` (bytes the write needed, asked only then); any other error passes as it is."""
+    try:
+        yield
+    except NoSpaceLeft:
+        raise
+    except BaseException as e:  # DCP's CheckpointException is a BaseException
+        if disk_full(e) is None:
+            raise
+        raise no_space_left(path, needed()) from e
+
+
+def state_bytes(value: Any) -> int:
+    """The bytes the tensors and arrays in `value` (nested dicts, lists, tuples) hold: about what
+    `torch.save` writes of it (of a DTensor, this rank's shard)."""
+    if isinstance(value, dict):
+        return sum(state_bytes(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return sum(state_bytes(v) for v in value)
+    if hasattr(value, "to_local"):
+        value = value.to_local()
+    if hasattr(value, "element_size") and hasattr(value, "numel"):
+        return value.numel() * value.element_size()
+    if isinstance(value, (bytes, bytearray)):
+        return len(value)
+    nbytes = getattr(value, "nbytes", 0)  # numpy
+    return nbytes if isinstance(nbytes, int) else 0
+
+
 def file_checksum(path: Path, algorithm: str = CHECKSUM) -> str:
     """The checksum of the file at `path` under `algorithm`, read in full (the read drops the GIL, and
     so does hashing a large chunk: callers hash several files on threads at once)."""
@@ -161,13 +198,15 @@ def digest(path: Path) -> Digest:
 def seal(folder: Path, manifest: dict, manifest_name: str) -> None:
     """Write `manifest` into `folder` as `manifest_name` and fsync every file and folder in it: what a
     rename then publishes is on disk whole."""
-    with open(folder / manifest_name, "w") as f:
-        json.dump(manifest, f, indent=1, sort_keys=True)
+    text = json.dumps(manifest, indent=1, sort_keys=True)
+    with space_named(folder / manifest_name, lambda: len(text)), open(folder / manifest_name, "w") as f:
+        f.write(text)
         f.flush()
         os.fsync(f.fileno())
     for p in sorted(folder.rglob("*")):
         if p.is_file():
-            with open(p, "rb") as f:
+            # a file system that allocates late (ext4, XFS, NFS) says ENOSPC here, not at the write
+            with space_named(p, lambda p=p: p.stat().st_size), open(p, "rb") as f:
                 os.fsync(f.fileno())
     for d in [folder, *[p for p in folder.rglob("*") if p.is_dir()]]:
         fsync_dir(d)

@@ -8,6 +8,10 @@
    later save); moving a damaged one aside waits for its readers (they fail to verify it and let go).
 3. A reader that got its lock after the checkpoint was moved or deleted sees that (the manifest's
    path no longer names the locked file) and tries the next checkpoint.
+4. A checkpoint that retention would delete is first marked expired (`expire`: a file EXPIRED in it),
+   then deleted when no reader holds it. One a reader holds stays, marked, until whoever comes next:
+   the last reader as it lets go (it marks nothing, it only finishes what the run began), the run at
+   its end, or a later retention. So `checkpoint.keep` holds once no reader holds a checkpoint.
 
 Like the run lock (run/lock.py), this relies on `flock` working across the nodes that share the
 checkpoint folder (local filesystems, NFS, Lustre mounted with `flock`). The exclusive side opens
@@ -23,6 +27,20 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from vlmrun.checkpoint.manifest import manifest_file
+
+#: The mark of a checkpoint that retention would delete (module doc, 4); an empty file in its folder.
+EXPIRED = ".expired"
+
+
+def expire(path: Path) -> None:
+    """Mark the checkpoint folder `path` expired (before its deletion is tried: module doc, 4)."""
+    with contextlib.suppress(FileNotFoundError):
+        (path / EXPIRED).touch()
+
+
+def expired(path: Path) -> bool:
+    """Whether the checkpoint folder `path` is marked expired."""
+    return (path / EXPIRED).exists()
 
 
 @contextlib.contextmanager

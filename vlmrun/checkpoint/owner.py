@@ -2,16 +2,19 @@
 
 1. Every checkpoint's manifest names the run that wrote it (`run_id`, `run_dir`: the run directory's
    RunId). A folder of checkpoints (`checkpoint.dir`, default `<run dir>/checkpoints`) is claimed by
-   one run in `owner.json` (run id, run dir, when), written once and atomically (`write_once`): at
-   `vlmrun submit` for an explicit checkpoint.dir, else when the run's job first starts. Of two
-   submits at once onto one folder, exactly one claim is written; the other is refused.
+   one run in `owner.json` (run id, run dir, the folder itself, when), written once and atomically
+   (`write_once`): at `vlmrun submit` for an explicit checkpoint.dir, else when the run's job first
+   starts. Of two submits at once onto one folder, exactly one claim is written; the other is
+   refused. A run that finds its claim naming another run dir or folder (it was moved) brings the
+   claim up to date; a fork takes over the claim of the folder it copied (copies.py).
 2. A folder is another run's when its claim names another run id or, unclaimed, when it holds a
    sealed checkpoint that is not this run's: one naming another run, one naming none (written before
    runs had ids) or one whose manifest cannot be read. A run directory made before run ids
    (`RunId.adopted`) takes the checkpoints that name no run as its own.
-3. Inside its folder a run lists only its own checkpoints (`owns`): those naming it, those naming no
-   run when it adopted them, and damaged ones whose manifest cannot be read (in its own folder nobody
-   else writes). So it never loads, counts or deletes another run's.
+3. Inside its folder a run lists only its own checkpoints (`owns`): those naming it or a run it forked
+   from (it brought them along), those naming no run when it adopted them, and damaged ones whose
+   manifest cannot be read (in its own folder nobody else writes). So it never loads, counts or
+   deletes another run's.
 """
 
 from __future__ import annotations
@@ -23,25 +26,26 @@ from pathlib import Path
 
 from vlmrun.checkpoint.manifest import Manifest
 from vlmrun.errors import InputError
-from vlmrun.run.directory import RunDirectory, write_once
+from vlmrun.run.directory import RunDirectory, write_atomic, write_once
 
 CLAIM = "owner.json"
 
 
 @dataclass(frozen=True)
 class CheckpointOwner:
-    """The run a store works for: its id, its directory (for messages), and whether it adopts checkpoints
-    that name no run (a run directory from before run ids)."""
+    """The run a store works for: its id, its directory (for messages), whether it adopts checkpoints
+    that name no run (a run directory from before run ids), and the run ids it forked from."""
 
     run_id: str
     run_dir: str
     adopts_unnamed: bool = False
+    ancestors: tuple[str, ...] = ()
 
     @classmethod
     def of(cls, rd: RunDirectory, *, assign: bool = True) -> CheckpointOwner:
         """The owner for run directory `rd` (RunDirectory.run_id: `assign` gives an old run dir its id)."""
         run_id = rd.run_id(assign=assign)
-        return cls(run_id.value, str(rd.path), run_id.adopted)
+        return cls(run_id.value, str(rd.path), run_id.adopted, run_id.ancestors)
 
     def stamp(self) -> dict[str, str]:
         """What every manifest this run writes records about it."""
@@ -52,7 +56,7 @@ class CheckpointOwner:
         if manifest is None:
             return True
         named = manifest.run_id
-        return named == self.run_id if named is not None else self.adopts_unnamed
+        return named == self.run_id or named in self.ancestors if named is not None else self.adopts_unnamed
 
 
 class ForeignCheckpoints(InputError):
@@ -69,11 +73,13 @@ class ForeignCheckpoints(InputError):
 
 @dataclass(frozen=True)
 class Claim:
-    """A folder's claim (owner.json): the run it belongs to, and when that run claimed it."""
+    """A folder's claim (owner.json): the run it belongs to, the folder it was written for (None in
+    claims from before vlmrun recorded it: a copied folder holds the original's), and when."""
 
     run_id: str
     run_dir: str | None = None
     claimed: str | None = None
+    folder: str | None = None
 
 
 def read_claim(folder: Path) -> Claim | None:
@@ -88,7 +94,7 @@ def read_claim(folder: Path) -> Claim | None:
         ) from None
     if not isinstance(claim, dict) or not isinstance(claim.get("run_id"), str):
         raise InputError("checkpoint.dir", str(folder), message=f"checkpoint.dir: {folder / CLAIM} names no run_id")
-    return Claim(claim["run_id"], claim.get("run_dir"), claim.get("claimed"))
+    return Claim(claim["run_id"], claim.get("run_dir"), claim.get("claimed"), claim.get("folder"))
 
 
 def check_folder(folder: Path, owner: CheckpointOwner, sealed: dict[Path, Manifest | None]) -> None:
@@ -114,15 +120,30 @@ def check_folder(folder: Path, owner: CheckpointOwner, sealed: dict[Path, Manife
 
 def claim_folder(folder: Path, owner: CheckpointOwner) -> bool:
     """Write `owner`'s claim on `folder` (made with its parents when missing); True when this call wrote
-    it. Raises ForeignCheckpoints when another run claimed it first, also in a race."""
-    text = json.dumps(owner.stamp() | {"claimed": datetime.now().astimezone().isoformat(timespec="seconds")}, indent=1)
-    if write_once(folder / CLAIM, text + "\n"):
+    it. Its own claim naming another run dir or folder (moved since) is brought up to date. Raises
+    ForeignCheckpoints when another run claimed it first, also in a race."""
+    if write_once(folder / CLAIM, _claim_text(folder, owner)):
         return True
     claim = read_claim(folder)
     if claim is None or claim.run_id != owner.run_id:
         whose = _describe(claim.run_id, claim.run_dir) if claim is not None else _describe("?", None)
         raise ForeignCheckpoints(folder, f"belongs to another run: {whose}")
+    if (claim.run_dir, claim.folder) != (owner.run_dir, str(folder)):
+        write_atomic(folder / CLAIM, _claim_text(folder, owner))
     return False
+
+
+def take_over_claim(folder: Path, owner: CheckpointOwner, parent: str) -> None:
+    """`owner` (a fork of run `parent`) takes the claim of `folder`, a copy of its parent's folder that
+    it brought along (copies.py); a folder unclaimed, or claimed by another run, is left as it is."""
+    claim = read_claim(folder)
+    if claim is not None and claim.run_id == parent:
+        write_atomic(folder / CLAIM, _claim_text(folder, owner))
+
+
+def _claim_text(folder: Path, owner: CheckpointOwner) -> str:
+    when = datetime.now().astimezone().isoformat(timespec="seconds")
+    return json.dumps(owner.stamp() | {"folder": str(folder), "claimed": when}, indent=1) + "\n"
 
 
 def release_claim(folder: Path, owner: CheckpointOwner) -> None:

@@ -6,21 +6,24 @@
    the rename that publishes it, retention: `CheckpointStore.finish`), runs on a thread of this
    process while the next steps train. Until sealed the checkpoint is tmp_step_<N>, which no resume
    reads: a kill meanwhile leaves the previous checkpoint the newest valid one, as with async_save.
-2. One checkpoint is in flight at a time. `settle(wait=True)` waits for it (before the next save, at a
+2. A save that fails (a full disk, say) leaves no partial checkpoint: its tmp_step_<N> is removed
+   (`CheckpointStore.abandon`) and the checkpoints before it stay the newest valid ones.
+3. One checkpoint is in flight at a time. `settle(wait=True)` waits for it (before the next save, at a
    stop, at the run's end); `settle(wait=False)`, after every step, seals an async save whose files
    are written and takes a finished seal's outcome. A seal that failed raises there, in the loop.
-3. Nothing is sealed for a driver that is gone: `check_driver` runs before a seal begins, as it ran
+4. Nothing is sealed for a driver that is gone: `check_driver` runs before a seal begins, as it ran
    before the seal when the loop sealed inline; a seal already begun runs to its end.
-4. `save_times`: what each save held the loop up (the writes, or async_save's copy); `write_times`:
+5. `save_times`: what each save held the loop up (the writes, or async_save's copy); `write_times`:
    each checkpoint's start to its seal.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from vlmrun.checkpoint.files import Digest
 from vlmrun.checkpoint.manifest import RunAtSave
@@ -61,11 +64,25 @@ class Saves:
             self.save_times[-1],
         )
 
+    @contextlib.contextmanager
+    def writing(self, pending: PendingCheckpoint) -> Iterator[None]:
+        """The loop's writes of `pending`: one that fails abandons it (module doc)."""
+        try:
+            yield
+        except BaseException as e:
+            self.store.abandon(pending, e)
+            raise
+
     def settle(self, *, wait: bool) -> None:
         """Seal an async save whose ranks are done and take a finished seal's outcome (`wait`: wait for both)."""
         if self._writing is not None:
             pending, files, run, t0, rank_files = self._writing
-            written = rank_files(wait)
+            try:
+                written = rank_files(wait)
+            except BaseException as e:
+                self._writing = None
+                self.store.abandon(pending, e)
+                raise
             if any(w is None for w in written):
                 return
             self._writing = None

@@ -6,7 +6,9 @@
     checkpoints/step_<N>/                 complete: manifest.json (manifest.py) and the parts (parts.py)
 
 1. `begin` gives the writers a fresh tmp_step_<N>; `finish` seals it (the manifest names the run that
-   wrote it), renames it to step_<N> and applies retention.
+   wrote it), renames it to step_<N> and applies retention. A save that fails is `abandon`ed: its
+   tmp_step_<N> goes, and for want of space the error names this folder, what is free, what a
+   checkpoint of the run takes.
 2. Only this run's checkpoints count (owner.py): the store lists, loads and deletes no
    other run's, and `claim` / `check_owner` refuse a folder that belongs to another run.
 3. Only valid checkpoints count. `latest` returns the newest that verifies; the job, the run's one
@@ -18,7 +20,9 @@
    job's controller takes the node's verification as its own (`mark_verified`).
 5. Readers in other processes (`reading`: export, an evaluation) hold the checkpoint they read, so
    the run's retention cannot delete it under them (lease.py); one that vanished between
-   the listing and the hold gives way to the next valid one.
+   the listing and the hold gives way to the next valid one. One that retention had to leave to a
+   reader is marked expired and deleted once nobody holds it: by the last reader as it lets go, by
+   the run at its end (`delete_expired`), or by a later retention.
 """
 
 from __future__ import annotations
@@ -32,12 +36,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from vlmrun.checkpoint.files import Digest, fsync_dir
-from vlmrun.checkpoint.lease import exclusive_hold, shared_hold
+from vlmrun.checkpoint.lease import exclusive_hold, expire, expired, shared_hold
 from vlmrun.checkpoint.manifest import FORMAT, CorruptCheckpoint, Manifest, RunAtSave, read_manifest, seal
 from vlmrun.checkpoint.owner import CheckpointOwner, check_folder, claim_folder, release_claim
 from vlmrun.checkpoint.parts import lacking_parts
 from vlmrun.checkpoint.read import Checkpoint, verify
 from vlmrun.checkpoint.write import PendingCheckpoint
+from vlmrun.errors import disk_full, no_space_left
 from vlmrun.run.directory import RunDirectory
 
 log = logging.getLogger(__name__)
@@ -108,7 +113,11 @@ class CheckpointStore:
             raise ValueError(f"checkpoint step {pending.step} lacks the parts {missing}")
         stamp = self.owner.stamp() if self.owner is not None else {}
         entries = {f: files[f] for f in sorted(files)}
-        seal(tmp, Manifest(FORMAT, pending.step, entries, run, saved_at=time.time(), **stamp))
+        try:
+            seal(tmp, Manifest(FORMAT, pending.step, entries, run, saved_at=time.time(), **stamp))
+        except BaseException as e:
+            self.abandon(pending, e)
+            raise
         final = self.root / f"step_{pending.step}"
         if final.exists():
             self._replace(final)
@@ -117,6 +126,28 @@ class CheckpointStore:
         self._valid[pending.step] = final
         self._retain()
         return final
+
+    def abandon(self, pending: PendingCheckpoint, error: BaseException) -> None:
+        """A save of `pending` that failed with `error` (the caller re-raises it): its tmp_step_<N> goes,
+        so the checkpoints before it stay the newest valid ones. For want of space, raises instead a
+        NoSpaceLeft naming this folder, what is free once the partial checkpoint is gone, and what a
+        checkpoint of this run takes (its newest one; for its first, what was written plus what the
+        failed write needed)."""
+        tmp = Path(pending.path)
+        found = disk_full(error)
+        written = _bytes_under(tmp) if found is not None else 0
+        shutil.rmtree(tmp, ignore_errors=True)
+        if found is None:
+            return
+        needed = self._checkpoint_bytes() or written + (getattr(found, "needed", None) or 0) or None
+        full = no_space_left(self.root, needed)
+        log.error("checkpoint of step %d not saved: %s; removed %s", pending.step, full, tmp.name)
+        raise full from error
+
+    def _checkpoint_bytes(self) -> int | None:
+        """The size of this run's newest sealed checkpoint (its manifest's files), None when there is none."""
+        newest = self.newest_manifest()
+        return sum(d.size for d in newest[1].files.values()) if newest is not None else None
 
     # ---- reading ----------------------------------------------------------------------------------
     def complete(self) -> list[tuple[int, Path]]:
@@ -202,7 +233,7 @@ class CheckpointStore:
             if vanished:
                 time.sleep(0.01)
             for s, path in listed:
-                with shared_hold(path) as held:
+                with self._reader_hold(path) as held:
                     try:
                         manifest = verify(path)
                     except CorruptCheckpoint as e:
@@ -223,6 +254,30 @@ class CheckpointStore:
                 break
         what = f"no checkpoint of step {step}" if step is not None else "no valid checkpoint"
         raise MissingCheckpoint(f"{what} in {self.root}", skipped)
+
+    @contextlib.contextmanager
+    def _reader_hold(self, path: Path) -> Iterator[bool]:
+        """A reader's hold on `path` (lease.shared_hold); letting go of one marked expired deletes it
+        unless another reader holds it still (that one does, later)."""
+        try:
+            with shared_hold(path) as held:
+                yield held
+        finally:
+            if expired(path):
+                try:
+                    self._delete(path, wait=False)
+                except OSError as e:  # a reader that may not write (a read-only mount) leaves it to the run
+                    log.info("left %s, expired, in place: %s", path, e)
+
+    def delete_expired(self) -> None:
+        """Delete the checkpoints that retention marked expired while a reader held them and that no
+        reader holds now (the run's end); one still held stays, for its last reader to delete."""
+        for _, path in self.complete():
+            if expired(path):
+                try:
+                    self._delete(path, wait=False)
+                except OSError as e:  # tidying up never fails the run that trained
+                    log.warning("could not delete %s, expired: %s", path, e)
 
     # ---- retention and damage -----------------------------------------------------------------------
     def _sealed(self) -> list[tuple[int, Path, Manifest | None]]:
@@ -249,6 +304,7 @@ class CheckpointStore:
             if kept < self.keep:
                 kept += self._counts(step, path)
             else:
+                expire(path)  # first: a reader that lets go after the try below then deletes it
                 self._delete(path, wait=False)
 
     def _counts(self, step: int, path: Path) -> bool:
@@ -257,7 +313,8 @@ class CheckpointStore:
         try:
             verify(path)
         except CorruptCheckpoint as e:
-            self._skip(path, e, set_aside=True, wait=False)  # the training loop never waits on a reader
+            if path.exists():  # else deleted meanwhile: an expired one, by its last reader (lease.py)
+                self._skip(path, e, set_aside=True, wait=False)  # the training loop never waits on a reader
             return False
         self._valid[step] = path
         return True
@@ -273,8 +330,9 @@ class CheckpointStore:
                 aside, n = path.with_name(f"damaged_{path.name}-{stamp}.{n}"), n + 1
             with exclusive_hold(path, wait=wait) as free:  # its readers fail to verify it and let go
                 if free:
-                    os.rename(path, aside)
-                    line += f"; moved aside to {aside.name}"
+                    with contextlib.suppress(FileNotFoundError):  # gone meanwhile: deleted, expired (lease.py)
+                        os.rename(path, aside)
+                        line += f"; moved aside to {aside.name}"
             self._valid.pop(int(path.name[5:]), None)
         log.warning("%s (in %s)", line, self.root)
         return line
@@ -285,7 +343,10 @@ class CheckpointStore:
                 log.info("keeping %s beyond checkpoint.keep for now: a reader holds it", path)
                 return
             doomed = path.with_name(f".deleting_{path.name}-{os.getpid()}")
-            os.rename(path, doomed)  # out of every listing at once; the files go after the lock
+            try:
+                os.rename(path, doomed)  # out of every listing at once; the files go after the lock
+            except FileNotFoundError:  # deleted meanwhile by another (its last reader, lease.py)
+                return
         self._valid.pop(int(path.name[5:]), None)
         shutil.rmtree(doomed, ignore_errors=True)
 
@@ -298,3 +359,12 @@ class CheckpointStore:
         if self.owner is not None and not self.owner.owns(manifest):
             raise RuntimeError(f"{final} belongs to another run; a run never replaces another run's checkpoint")
         self._delete(final, wait=True)
+
+
+def _bytes_under(folder: Path) -> int:
+    """What the files under `folder` take (0 when it is gone)."""
+    total = 0
+    for p in folder.rglob("*"):
+        with contextlib.suppress(OSError):
+            total += p.stat().st_size if p.is_file() else 0
+    return total

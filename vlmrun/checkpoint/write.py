@@ -8,6 +8,7 @@ into the manifest (store.py).
 
 from __future__ import annotations
 
+import contextlib
 import json
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -30,17 +31,21 @@ class PendingCheckpoint:
         `json` writes; the others tensors and plain containers (torch.save)."""
         name = part_file(part, index)
         target = Path(self.path) / name
-        target.parent.mkdir(parents=True, exist_ok=True)
         if name.endswith(".json"):
-            with open(target, "wb") as raw:
-                hashed = files.HashingStream(raw)
-                hashed.write(json.dumps(state).encode())
-                hashed.flush()
+            text = json.dumps(state).encode()
+            with files.space_named(target, lambda: len(text)):
+                target.parent.mkdir(parents=True, exist_ok=True)
+                with open(target, "wb") as raw:
+                    hashed = files.HashingStream(raw)
+                    hashed.write(text)
+                    hashed.flush()
             return {name: hashed.digest()}
         import torch
 
-        with open(target, "wb") as raw, files.hashing_writes(raw) as hashed:
-            torch.save(state, hashed)
+        with files.space_named(target, lambda: files.state_bytes(state)):
+            target.parent.mkdir(parents=True, exist_ok=True)
+            with open(target, "wb") as raw, files.hashing_writes(raw) as hashed:
+                torch.save(state, hashed)
         return {name: hashed.digest()}
 
     def write_policy(self, state: PolicyState, *, rank: int) -> dict[str, files.Digest]:
@@ -80,12 +85,20 @@ class PendingCheckpoint:
                 raise RuntimeError(f"DCP wrote {unhashed} past the hashing stream (torch {torch.__version__})")
             return {str(f.relative_to(self.path)): writer.fs.digests[f] for f in mine}
 
+        size = files.state_bytes(state.parts)  # now: a background write must not keep the state alive
+
+        def needed() -> int:
+            return size
+
         if not background:
-            dcp.save(state.parts, storage_writer=writer)
+            with files.space_named(folder, needed):
+                dcp.save(state.parts, storage_writer=writer)
             return PolicyWrite.finished(digests())
         # DCP's writer stages the state into host memory (a copy) before async_save returns
-        written = dcp.async_save(state.parts, storage_writer=writer, process_group=group)
-        return PolicyWrite(getattr(written, "upload_completion", written), then=digests)  # a Future either way
+        with files.space_named(folder, needed):
+            written = dcp.async_save(state.parts, storage_writer=writer, process_group=group)
+        future = getattr(written, "upload_completion", written)  # a Future either way
+        return PolicyWrite(future, then=digests, space=(folder, needed))
 
     def _write_parts(self, parts: dict[str, Any]) -> dict[str, files.Digest]:
         written: dict[str, files.Digest] = {}
@@ -98,8 +111,9 @@ class PolicyWrite:
     """A policy write in progress (`PendingCheckpoint.start_policy_write`): `done()` without waiting,
     `result()` waits and gives {file: digest}, or raises what the write raised; both may be asked again."""
 
-    def __init__(self, future, then=None):
+    def __init__(self, future, then=None, space=None):
         self._future, self._then, self._digests = future, then, None
+        self._space = space  # (folder, needed bytes) that a failure for want of space names
 
     @classmethod
     def finished(cls, digests: dict[str, files.Digest]) -> PolicyWrite:
@@ -119,7 +133,8 @@ class PolicyWrite:
 
     def result(self) -> dict[str, files.Digest]:
         if self._digests is None:
-            out = self._future.result()
+            with files.space_named(*self._space) if self._space else contextlib.nullcontext():
+                out = self._future.result()
             self._digests = self._then() if self._then is not None else out
         return self._digests
 

@@ -2,12 +2,16 @@
 
 Ray wraps an exception raised in an actor in RayTaskError (nested once per actor it passed through),
 whose text carries a traceback and ANSI colour codes; job.json and the console want the original
-exception, on one line, without escapes, and the actor and node it happened on.
+exception, on one line, without escapes, and the actor and node it happened on. A write that found
+its disk full is said as such ("no space left on device (<path>, <free> free[, <needed> needed])"),
+whatever error the library that wrote raised over it (torch.save: "unexpected pos ...").
 """
 
 from __future__ import annotations
 
 import re
+
+from vlmrun.errors import NoSpaceLeft, disk_full, no_space_left
 
 _ANSI = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]")
 MAX_CHARS = 400
@@ -36,8 +40,16 @@ def failure_reason(e: BaseException) -> str:
         where = _where(text) or where
     message = plain(text)
     line = f"{type(cause).__name__}: {message}" if message else type(cause).__name__
+    if (full := disk_full(e)) is not None:
+        line = _no_space(full)
     line = f"{line} ({where})" if where else line
     return line if len(line) <= MAX_CHARS else line[: MAX_CHARS - 3] + "..."
+
+
+def _no_space(error: OSError) -> str:
+    if isinstance(error, NoSpaceLeft):
+        return str(error)
+    return str(no_space_left(error.filename)) if isinstance(error.filename, str) else "no space left on device"
 
 
 def plain(text: str) -> str:

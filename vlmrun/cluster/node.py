@@ -82,11 +82,11 @@ def _attempt(rd: RunDirectory, job_id: str, alloc, stop: StopFlag, started_at: f
         outcome = _run(rd, attempt, job_id, started_at, alloc, stop)
     except VlmrunError as e:
         log.error("%s", e)
-        job_record.fail_attempt(rd, attempt, str(e))
+        _record_failure(rd, attempt, str(e))
         return e.exit_code
     except BaseException as e:  # noqa: BLE001 - our bug or a crash below us: record it, keep the traceback
         reason = failure_reason(e)
-        job_record.fail_attempt(rd, attempt, reason)
+        _record_failure(rd, attempt, reason)
         _report_failure(reason)
         return EXIT_FAILED
     job_record.end_attempt(rd, attempt, outcome)
@@ -110,13 +110,26 @@ def _attempt(rd: RunDirectory, job_id: str, alloc, stop: StopFlag, started_at: f
     return EXIT_STOPPED if outcome.state is State.STOPPED else EXIT_COMPLETED
 
 
+def _record_failure(rd: RunDirectory, attempt: int, reason: str) -> None:
+    """The attempt FAILED with `reason` in job.json; a job.json that cannot be written (a full disk)
+    is said on the console, and the failure's own line still follows."""
+    try:
+        job_record.fail_attempt(rd, attempt, reason)
+    except OSError as e:
+        log.error("could not record the failure in %s: %s", rd.job_file, failure_reason(e))
+
+
 def _report_failure(reason: str) -> None:
     """One line on the console with where the traceback is; the traceback itself goes to the log file
     (the attempt's log when the console is attached, else stderr, which is then the log)."""
     tee = os.environ.get("VLMRUN_TEE_LOG")
     if tee:
-        with open(tee, "a") as f:
-            traceback.print_exc(file=f)
+        try:
+            with open(tee, "a") as f:
+                traceback.print_exc(file=f)
+        except OSError:  # a full disk: the traceback goes to the console instead
+            tee = None
+    if tee:
         log.error("FAILED: %s (traceback in %s)", reason, tee)
     else:
         traceback.print_exc()
@@ -250,13 +263,18 @@ def _choose_checkpoint(rd: RunDirectory, recipe, attempt: int):
     their sizes (a stat each; newer ones that are not, moved aside), and a Future of the verdict on it
     (`CheckpointStore.verify_candidate` on a thread: every file hashed while Ray and the workers start;
     damaged, the newest older one that verifies instead). The controller waits for the verdict before
-    it loads anything. Claims the checkpoint folder for the run first: one that belongs to another run
-    is refused (InputError, exit 2) before anything is read. When no valid checkpoint is left, say so
+    it loads anything. Claims the checkpoint folder for the run first: one that belongs to another run,
+    or to the run a copied run dir was copied from, is refused (InputError, exit 2) before anything is
+    read; a copy with checkpoints of its own goes on as a fork (vlmrun/checkpoint/copies.py). When no valid checkpoint is left, say so
     plainly, on the console and in job.json, before training starts from step 0."""
     from concurrent.futures import Future
 
+    from vlmrun.checkpoint.copies import settle_copy
     from vlmrun.checkpoint.store import run_checkpoints
 
+    if (fork := settle_copy(rd, recipe)) is not None:  # a copied run dir goes on as a run of its own
+        log.info("%s is a copy of %s: it goes on as a fork, run id %s", rd.path, fork.from_run_dir, fork.run_id)
+        job_record.record_fork(rd, attempt, fork.run_id, fork.from_run_id, fork.from_run_dir)
     store = run_checkpoints(rd, recipe)
     store.claim()
     candidate, skipped = store.latest(set_aside=True, checksums=False)

@@ -3,7 +3,9 @@ run's own validation scores it.
 
 1. TARGET is a run directory (its newest checkpoint that verifies, or `--step N`) or a model directory.
    A checkpoint is first exported by `vlmrun export`'s own path (launch/export.py) into a temporary
-   folder in the run's cache: the export's logits equal the trained model's bit for bit. A model
+   folder in the user's vlmrun cache ($XDG_CACHE_HOME/vlmrun/eval: an evaluation reads a run and writes
+   nothing into it, so a read-only run directory evaluates too): the export's logits equal the
+   trained model's bit for bit. A model
    directory written by `vlmrun export` takes the recipe of the run it came from (its
    vlmrun_export.json names it); any other one needs `--recipe`. `--set` changes that recipe.
 2. The data are the recipe's (data.path, data.val_split, train.val_samples) unless --data, --split or
@@ -102,10 +104,13 @@ def _checkpoint_model(run: Path, step: int | None, recipe_path: Path | None, ove
 
     if recipe_path is not None:
         raise InputError("--recipe", str(recipe_path), message="--recipe: TARGET is a run; it evaluates with its own")
+    from vlmrun.data.check import cache_dir
+
     rd = RunDirectory(run)
     recipe = load_recipe(rd.path / "recipe.yaml", overrides)
-    rd.cache.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix=".eval-", dir=rd.cache) as tmp:
+    exports = cache_dir() / "eval"
+    exports.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=f".{rd.path.name}-", dir=exports) as tmp:
         exported = export_checkpoint(rd.path, Path(tmp) / "model", step=step)
         rows = history(rd.metrics_file(recipe)) if rd.metrics_file(recipe).is_file() else {}
         row = rows.get(exported.step, {})

@@ -27,6 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from vlmrun.algorithms.common.stop import STOP_SIGNALS
+from vlmrun.cluster.failure import failure_reason
 from vlmrun.cluster.node import RECORDED_FD_ENV
 from vlmrun.cluster.spawn import hold_stop_signals, node_command
 from vlmrun.errors import EXIT_BAD_INPUT, InputError
@@ -243,8 +244,11 @@ def _forwarding_signals():
 def _result(rd: RunDirectory, job_id: str, code: int, killed: bool, echo) -> SubmitResult:
     """The outcome job.json records; a node that died without recording one is recorded KILLED here."""
     if code not in (EXIT_COMPLETED, EXIT_STOPPED, EXIT_BAD_INPUT):
-        with contextlib.suppress(RunLocked), RunLock.acquire(rd.path):  # no attempt begins while we record
-            job_record.mark_killed(rd, job_id)
+        try:
+            with contextlib.suppress(RunLocked), RunLock.acquire(rd.path):  # no attempt begins while we record
+                job_record.mark_killed(rd, job_id)
+        except OSError as e:  # a full disk, say: the run dir and what the job wrote stay as they are
+            _say(f"could not record the end of {job_id} in {rd.job_file}: {failure_reason(e)}")
     job = job_record.read_job(rd)
     state = job.state if job is not None else State.FAILED
     if echo and state is State.STOPPED:

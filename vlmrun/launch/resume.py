@@ -1,14 +1,17 @@
 """`vlmrun resume`: continue an ended run from its newest complete checkpoint, as a new attempt.
 
-1. `--set` may change only RESUMABLE fields (step budget, validation and checkpoint cadence, cluster,
-   logger); anything else is refused before anything starts, naming the field. With
+1. `--set` may change only RESUMABLE fields (step budget, validation and checkpoint cadence, where the
+   checkpoints are, cluster, logger); anything else is refused before anything starts, naming the
+   field. checkpoint.dir takes a folder of this run's checkpoints (moved, or copied for a copied run
+   directory: vlmrun/checkpoint/copies.py); one without any trains from step 0. With
    `--restart-data-order`, parallel.dp too: the job then takes the model, optimizer and counters from
    a checkpoint of another dp (DCP reshards a sharded one) and starts the data order over.
 2. Whatever changed the recipe (`--set`, or an edited recipe.yaml), the fields that define the run
    (config/identity.py: batch sizes, layout, seed, data and splits, sequence length, loop, algorithm,
    model, and what model.path holds) must equal those the newest checkpoint recorded, or the resume
    is refused listing each `field: old -> new`. The job repeats the check against the checkpoint it
-   verified. A checkpoint folder that belongs to another run is refused too (vlmrun/checkpoint/owner.py).
+   verified. A checkpoint folder that belongs to another run is refused too (vlmrun/checkpoint/owner.py),
+   and so is a copied run directory's checkpoint.dir that is the original's own folder.
 3. A COMPLETED run whose newest valid checkpoint reached its planned steps has nothing to do: said,
    exit 0, nothing started or recorded. That checkpoint is verified here (a full read, on this rare
    path only): a damaged final checkpoint must be trained again, not reported as done.
@@ -19,7 +22,9 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 
+from vlmrun.checkpoint.copies import original_of
 from vlmrun.checkpoint.store import run_checkpoints
 from vlmrun.cluster.preflight import preflight_run
 from vlmrun.config.identity import RESHARD_TERMS, RESHARDABLE, check_same_identity, run_identity
@@ -39,6 +44,7 @@ RESUMABLE = (
     "train.val_period",
     "train.val_samples",
     "train.stop_after",
+    "checkpoint.dir",
     "checkpoint.save_period",
     "checkpoint.keep",
     "checkpoint.requeue",
@@ -85,6 +91,8 @@ def resume_run(
                 "changing it would change the sample stream or placement the checkpoint "
                 f"belongs to; a resume may change {', '.join(resumable)}",
             )
+        if key == "checkpoint.dir" and isinstance(value, str):  # as submit has it: absolute
+            value = str(Path(value).expanduser().resolve())
         set_dotted(raw, key, value)
     set_dotted(raw, "checkpoint.restart_data_order", restart_data_order)  # for this attempt only
     recipe = validate(raw)
@@ -123,8 +131,10 @@ def _unsubmitted_executor(rd):
 
 def check_resumable(rd, recipe) -> None:
     """Refuse (InputError, exit 2) a recipe that no longer defines the run its newest checkpoint belongs
-    to, whatever changed it (`--set` or an edited recipe.yaml), or what model.path holds; and a
-    checkpoint folder that is another run's. The job checks again at its start."""
+    to, whatever changed it (`--set` or an edited recipe.yaml), or what model.path holds; a checkpoint
+    folder that is another run's; and a copied run directory whose checkpoint.dir is the original's
+    (vlmrun/checkpoint/copies.py). The job checks again at its start."""
+    original_of(rd, recipe)
     store = run_checkpoints(rd, recipe, assign=False)
     store.check_owner()
     newest = store.newest_manifest()

@@ -79,15 +79,19 @@ def submit_run(
 @contextlib.contextmanager
 def _undone_unless_recorded(rd: RunDirectory):
     """Removes what the block wrote into `rd` (all of `rd` when it made it) when the block fails
-    before job.json exists: no job was recorded, so nothing may refer to the run dir."""
+    before job.json exists: no job was recorded, so nothing may refer to the run dir. Once job.json
+    records a job, a failure leaves everything in place: the job may have begun, and what it wrote
+    (checkpoints, metrics, logs) is the user's."""
     existed = rd.path.exists()
     before = set(os.listdir(rd.path)) if existed else set()
     try:
         yield
     except BaseException:
+        if rd.job_file.exists():
+            raise
         if not existed:
             shutil.rmtree(rd.path, ignore_errors=True)
-        elif not rd.job_file.exists():
+        else:
             for name in set(os.listdir(rd.path)) - before:
                 path = rd.path / name
                 shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)

@@ -1,7 +1,9 @@
 """The run directory: the contract between submit, the job, resume, status and compare.
 
 <run dir>/recipe.yaml     fully resolved recipe; the job reads only this
-          run.json        the run's id, given once when the directory is created (RunId)
+          run.json        the run's id, given once when the directory is created (RunId), the
+                          directory it was written for (a copy elsewhere is told from a move by it),
+                          and the runs this one forked from
           job.json        lineage (job ids, attempts, states); read and written by run/job.py
           metrics.jsonl   one row per optimizer step; a resumed attempt appends
           checkpoints/    complete checkpoints only (step_<N>)
@@ -19,6 +21,7 @@ one of them, and `check_recipe` says so.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import tempfile
@@ -110,11 +113,14 @@ class RunId:
     kept through resumes and requeues (run.json). Every checkpoint names the run id that wrote it.
 
     `adopted`: the run directory was made before vlmrun gave runs an id and got one later, so the
-    checkpoints that name no run are its own.
+    checkpoints that name no run are its own. `ancestors`: the run ids this run forked from (a copied
+    run directory goes on as a run of its own: checkpoint/copies.py), its parent's first; the
+    checkpoints it brought along name them.
     """
 
     value: str
     adopted: bool = False
+    ancestors: tuple[str, ...] = ()
 
 
 class RunDirectory:
@@ -152,7 +158,7 @@ class RunDirectory:
         self.path.mkdir(parents=True, exist_ok=True)
         self.logs.mkdir(exist_ok=True)
         # the id before the recipe: a folder with recipe.yaml but no run.json is one from before run ids
-        write_atomic(self.run_file, _run_file_text(RunId(self._draw_id())))
+        write_atomic(self.run_file, _run_file_text(RunId(self._draw_id()), self.path))
         write_atomic(self.recipe_file, text)
 
     def run_id(self, *, assign: bool = True) -> RunId:
@@ -169,14 +175,68 @@ class RunDirectory:
             return RunId(self._draw_id())
         if not assign:
             return RunId(uuid.uuid4().hex[:16], adopted=True)
-        write_once(self.run_file, _run_file_text(RunId(uuid.uuid4().hex[:16], adopted=True)))
+        write_once(self.run_file, _run_file_text(RunId(uuid.uuid4().hex[:16], adopted=True), self.path))
         return self._read_run_id()
+
+    def home(self) -> Path | None:
+        """The run directory run.json was written for (None: written before vlmrun recorded it)."""
+        data = self._run_record()
+        home = data.get("run_dir") if data is not None else None
+        return Path(home) if isinstance(home, str) else None
+
+    def original(self, home: Path | None = None) -> RunDirectory | None:
+        """The run directory this one is a copy of, or None when it is the run's own.
+
+        A copy: run.json was written for another directory (`home`, default `home()`), and a run
+        directory of the same run id still lives there. One whose recorded directory is gone, or holds
+        another run, was moved here (`settle_home` records that).
+        """
+        home = home or self.home()
+        if home is None or Path(home) == self.path:
+            return None
+        other = RunDirectory(home)
+        with contextlib.suppress(OSError):
+            if os.path.samefile(other.path, self.path):
+                return None
+        try:
+            theirs = other._read_run_id() if other.exists() else None
+        except InputError:  # a damaged run.json there: not this run
+            return None
+        mine = self._read_run_id()
+        return other if theirs is not None and mine is not None and theirs.value == mine.value else None
+
+    def settle_home(self) -> None:
+        """Record this directory as the run's in run.json (a run directory moved here); the caller holds
+        the run lock and has checked that this is no copy (`original`)."""
+        data = self._run_record()
+        if data is not None and data.get("run_dir") != str(self.path):
+            write_atomic(self.run_file, json.dumps(data | {"run_dir": str(self.path)}, indent=1) + "\n")
+
+    def fork(self, original: RunDirectory) -> RunId:
+        """Make this copy of `original` a run of its own: a new run id in run.json, the run it forked
+        from (id, directory, when) first in `forked_from`; returns the new id. The caller holds the run lock."""
+        data = self._run_record() or {}
+        parent = self.run_id(assign=False)
+        step = {"run_id": parent.value, "run_dir": str(original.path), "forked": _now()}
+        forked = RunId(uuid.uuid4().hex[:16], parent.adopted, (parent.value, *parent.ancestors))
+        lineage = [step, *(data.get("forked_from") or [])]
+        write_atomic(self.run_file, _run_file_text(forked, self.path, lineage))
+        return forked
 
     def _draw_id(self) -> str:
         self._new_id = self._new_id or uuid.uuid4().hex[:16]
         return self._new_id
 
     def _read_run_id(self) -> RunId | None:
+        data = self._run_record()
+        if data is None:
+            return None
+        forked = data.get("forked_from") or []
+        ancestors = tuple(f["run_id"] for f in forked if isinstance(f, dict) and isinstance(f.get("run_id"), str))
+        return RunId(data["run_id"], adopted=bool(data.get("adopted", False)), ancestors=ancestors)
+
+    def _run_record(self) -> dict | None:
+        """run.json as written (None when there is none); InputError naming it when it holds no run id."""
         try:
             data = json.loads(self.run_file.read_text())
         except FileNotFoundError:
@@ -185,7 +245,9 @@ class RunDirectory:
             raise InputError("RUN_DIR", str(self.path), message=f"{self.run_file} is unreadable: {e}") from None
         if not isinstance(data, dict) or not isinstance(data.get("run_id"), str):
             raise InputError("RUN_DIR", str(self.path), message=f"{self.run_file} holds no run_id")
-        return RunId(data["run_id"], adopted=bool(data.get("adopted", False)))
+        if not isinstance(data.get("forked_from", []), list):
+            raise InputError("RUN_DIR", str(self.path), message=f"{self.run_file}: forked_from is not a list")
+        return data
 
     def load_recipe(self):
         """The run's validated recipe. Raises InputError naming recipe.yaml when it is missing, is not
@@ -222,9 +284,13 @@ class RunDirectory:
         return self.logs / f"attempt-{attempt}.log"
 
 
-def _run_file_text(run_id: RunId) -> str:
-    created = datetime.now().astimezone().isoformat(timespec="seconds")
-    return json.dumps({"run_id": run_id.value, "created": created, "adopted": run_id.adopted}, indent=1) + "\n"
+def _now() -> str:
+    return datetime.now().astimezone().isoformat(timespec="seconds")
+
+
+def _run_file_text(run_id: RunId, run_dir: Path, forked_from: list[dict] | None = None) -> str:
+    data = {"run_id": run_id.value, "created": _now(), "adopted": run_id.adopted, "run_dir": str(run_dir)}
+    return json.dumps(data | ({"forked_from": forked_from} if forked_from else {}), indent=1) + "\n"
 
 
 def check_recipe(recipe) -> None:

@@ -85,6 +85,17 @@ class Attempt(_Record):
     notice: str | None = None  # what the user must know about how it started (no valid checkpoint left, ...)
 
 
+class Fork(_Record):
+    """A copied run directory that went on as a run of its own at attempt `attempt` (checkpoint/copies.py):
+    its new run id, and the run (id, directory) it was copied from."""
+
+    attempt: int
+    time: str
+    run_id: str
+    from_run_id: str
+    from_run_dir: str
+
+
 class Submit(_Record):
     """One `vlmrun submit` / `resume` of the run: the job id it got and when."""
 
@@ -108,6 +119,7 @@ class JobRecord(_Record):
     attempts: list[Attempt] = Field(default_factory=list)
     submits: list[Submit] = Field(default_factory=list)
     reason: str | None = None
+    forks: list[Fork] | None = None  # this run directory copied from another, gone on as a fork
 
 
 def read_job(rd: RunDirectory) -> JobRecord | None:
@@ -279,6 +291,14 @@ def note_attempt(rd: RunDirectory, index: int, notice: str) -> None:
     was invalid and the attempt starts from step 0)."""
     job = require_job(rd)
     job.attempts[index].notice = notice
+    write_job(rd, job)
+
+
+def record_fork(rd: RunDirectory, index: int, run_id: str, from_run_id: str, from_run_dir: str) -> None:
+    """Record that attempt `index` found the run directory a copy and went on as a fork with `run_id`."""
+    job = require_job(rd)
+    fork = Fork(attempt=index, time=now(), run_id=run_id, from_run_id=from_run_id, from_run_dir=from_run_dir)
+    job.forks = [*(job.forks or []), fork]
     write_job(rd, job)
 
 

@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import os
@@ -75,6 +76,19 @@ class RunLocked(InputError):
         )
 
 
+class RunDirNotWritable(InputError):
+    """The run directory cannot be written (a read-only file system, no permission): nothing that
+    writes into a run (an attempt, a resume) can start in it (exit 2)."""
+
+    def __init__(self, run_dir: Path, error: OSError):
+        super().__init__(
+            "RUN_DIR",
+            str(run_dir),
+            message=f"RUN_DIR: {run_dir} is not writable ({error.strerror}); a resume writes its attempt into "
+            "the run directory: make it writable, or copy it to a writable place and resume the copy",
+        )
+
+
 def read_holder(run_dir: Path) -> Holder | None:
     """The holder `lock.json` describes (it may be dead: the description outlives the lock)."""
     raw = _read_description(Path(run_dir))
@@ -114,15 +128,21 @@ class RunLock:
 
     @classmethod
     def acquire(cls, run_dir: Path, *, settle_s: float = SETTLE_S) -> RunLock:
-        """Take the lock of `run_dir` (created if missing); raises RunLocked naming the holder.
+        """Take the lock of `run_dir` (created if missing); raises RunLocked naming the holder, or
+        RunDirNotWritable when the lock file cannot be opened for writing (a read-only run directory).
 
         Refuses at once when the described holder is alive on this host. Otherwise (it died and its
         reaper is still ending its processes, its launcher has not described it yet, or it runs on
         another host) waits up to `settle_s` for the lock to come free.
         """
         run_dir = Path(run_dir)
-        run_dir.mkdir(parents=True, exist_ok=True)
-        fd = os.open(run_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            fd = os.open(run_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except OSError as e:
+            if e.errno not in (errno.EROFS, errno.EACCES, errno.EPERM):
+                raise
+            raise RunDirNotWritable(run_dir, e) from None
         deadline = time.monotonic() + settle_s
         while True:
             try:

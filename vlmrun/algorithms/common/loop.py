@@ -265,6 +265,7 @@ class StepLoop:
         return step == self.steps.max_steps or (period > 0 and step % period == 0)
 
     def _outcome(self, state: State, step: int, reason: str, notes: dict) -> RunOutcome:
+        self.store.delete_expired()  # those a reader held past their retention, if let go since
         self.wandb.close()
         self._close()
         signal = self.stop_reason if state is State.STOPPED and self.stop_reason.startswith("SIG") else None
@@ -388,8 +389,9 @@ class StepLoop:
         t0 = time.perf_counter()
         background = self.recipe.checkpoint.async_save
         pending = self.store.begin(step)
-        files = self._save_parts(pending, background)
-        files |= pending.write("controller", {"rng": {"python": rng.python_rng_state()}, "counters": counters})
+        with self.saves.writing(pending):  # a failed write leaves no partial checkpoint
+            files = self._save_parts(pending, background)
+            files |= pending.write("controller", {"rng": {"python": rng.python_rng_state()}, "counters": counters})
         run = RunAtSave(
             placement_hash=self.plan.placement_hash,
             layout=self.plan.describe(),
