@@ -35,6 +35,7 @@ from vlmrun.run.lock import Holder, RunLock, RunLocked
 from vlmrun.run.outcome import RunOutcome
 from vlmrun.run.requests import CANCEL_REQUEST, take_request
 from vlmrun.run.state import EXIT_COMPLETED, EXIT_FAILED, EXIT_STOPPED, State
+from vlmrun.run.process import local_job_id, start_time
 from vlmrun.startup import pause_for_command
 
 RAY_DEADLINE_S = 180.0  # every node must have joined Ray by then
@@ -52,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     rd = RunDirectory(args.run_dir)
     _setup_logging()
     alloc = SlurmAllocation.from_env()
-    job_id = alloc.job_id if alloc else f"local-{os.getpid()}"
+    job_id = alloc.job_id if alloc else local_job_id(os.getpid(), start_time(os.getpid()))
     node0 = alloc is None or alloc.node_rank == 0
     if node0:
         try:

@@ -37,7 +37,7 @@ from vlmrun.run import job as job_record
 from vlmrun.run.directory import RunDirectory, dump_recipe
 from vlmrun.run.job import JobRecord
 from vlmrun.run.lock import FD_ENV, Holder, RunLock, RunLocked, live_holder
-from vlmrun.run.process import process_alive
+from vlmrun.run.process import local_job_id, process_alive, start_time
 from vlmrun.run.requests import CANCEL_REQUEST, write_request
 from vlmrun.run.state import EXIT_COMPLETED, EXIT_FAILED, EXIT_STOPPED, State
 
@@ -132,7 +132,7 @@ def running_node(rd: RunDirectory, job: JobRecord | None) -> RunningNode | None:
     """The local attempt that runs in `rd` now: the run lock's live holder (also before it recorded its
     attempt), or an attempt job.json records RUNNING on this host whose process still runs."""
     if (holder := live_holder(rd.path)) is not None:
-        return RunningNode(holder.pid, holder.start, holder.job_id or f"local-{holder.pid}")
+        return RunningNode(holder.pid, holder.start, holder.job_id or local_job_id(holder.pid, holder.start))
     attempt = job_record.running_attempt(job) if job else None
     return RunningNode(attempt.pid, attempt.pid_start, attempt.job_id) if attempt else None
 
@@ -185,10 +185,10 @@ def _start_node(rd: RunDirectory, recipe, lock: RunLock, *, attached: bool, stdo
     finally:
         os.close(recorded_r)
     try:
-        job_id = f"local-{proc.pid}"
+        job_id = local_job_id(proc.pid, start_time(proc.pid))  # the node names itself the same way
         lock.describe(Holder.of(proc.pid, job_id))
         job_record.add_job(rd, job_id, LocalExecutor.cluster, recipe.name)
-        register_job(job_id, rd.path)  # so `vlmrun status|logs|requeue local-<pid>` find the run
+        register_job(job_id, rd.path)  # so `vlmrun status|logs|requeue <job id>` find the run
     except BaseException:
         proc.kill()  # it waits for the pipe below: a job we could not record never begins
         proc.wait()
