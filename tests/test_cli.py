@@ -138,6 +138,14 @@ def test_submit_refuses_a_run_dir_that_holds_a_run(tmp_path):
     assert out.returncode == 2 and "vlmrun resume" in out.stderr
 
 
+def test_resume_help_lists_every_setting_a_resume_may_change():
+    from vlmrun.launch.resume import RESUMABLE
+
+    shown = squeezed(vlmrun("resume", "--help").stdout)
+    for field in RESUMABLE:
+        assert squeezed(field) in shown, field
+
+
 def test_resume_refuses_fingerprinted_override_before_starting(tmp_path):
     out = vlmrun("submit", TINY, "--dry-run", "--cluster", "local", "--json")
     assert out.returncode == 0
