@@ -111,7 +111,10 @@ def test_sft_drop_trains_counts_and_never_trains_a_sample_that_does_not_fit(sft_
     # every conversation here is longer than the limit: each one trained on was cut, and counted
     assert all(row["truncated_samples"] == row["consumed_samples"] for row in rows.values())
     skipped = skipped_to_fill(prompt_lengths(run, data_path(data), "val"), lambda n: n < SFT_LIMIT, 8)
-    assert rows[6]["val_dropped_samples"] == skipped > 0 and rows[6]["val_samples"] == 8
+    assert (
+        rows[6]["val_dropped_samples"] == skipped > 0
+        and rows[6]["val_samples"] == rows[6]["val_samples_requested"] == 8
+    )
 
 
 def test_grpo_drop_trains_every_prompt_with_its_image_and_counts_the_drops(tmp_path, data):

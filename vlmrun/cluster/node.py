@@ -35,9 +35,9 @@ from vlmrun.run import job as job_record
 from vlmrun.run.directory import RunDirectory
 from vlmrun.run.lock import Holder, RunLock, RunLocked
 from vlmrun.run.outcome import RunOutcome
+from vlmrun.run.process import local_job_id, start_time
 from vlmrun.run.requests import CANCEL_REQUEST, take_request
 from vlmrun.run.state import EXIT_COMPLETED, EXIT_FAILED, EXIT_STOPPED, State
-from vlmrun.run.process import local_job_id, start_time
 from vlmrun.startup import pause_for_command
 
 RAY_DEADLINE_S = 180.0  # every node must have joined Ray by then
@@ -109,13 +109,15 @@ def _attempt(rd: RunDirectory, job_id: str, alloc, stop: StopFlag, started_at: f
     log.info("%s: %s", outcome.state, outcome.reason)
     val = outcome.final_val
     if val and val.get("val_samples"):
+        from vlmrun.observe.progress import val_scored
+
         loss = "no token scored" if val.get("val_loss") is None else f"val loss {val['val_loss']:.4f}"
         log.info(
-            "validation at step %d: accuracy %.3f vs majority-class baseline %.3f on %d val samples (%s)",
+            "validation at step %d: accuracy %.3f vs majority-class baseline %.3f on %s (%s)",
             outcome.last_step,
             val["val_accuracy"],
             val["val_majority_baseline"],
-            val["val_samples"],
+            val_scored(val),
             loss,
         )
     return EXIT_STOPPED if outcome.state is State.STOPPED else EXIT_COMPLETED
@@ -343,12 +345,12 @@ def _tee_log(rd: RunDirectory, path: str | None) -> ConsoleTee | None:
     third_party = rd.attempt_log(job_record.next_attempt(rd)).with_suffix(".third-party.log")
     third_party.parent.mkdir(exist_ok=True)
     _add_handler(logging.FileHandler(third_party, delay=True), LibrariesBelowError())
-
-
     if not path:
         return None
     _TEE.append(ConsoleTee(Path(path)))
     return _TEE[0]
+
+
 def _add_handler(handler: logging.Handler, only: logging.Filter) -> None:
     handler.setFormatter(_FORMAT)
     handler.addFilter(only)

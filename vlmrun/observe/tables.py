@@ -96,7 +96,7 @@ def print_eval(result: dict) -> None:
     from rich.table import Table
 
     pair = [result["a"], result["b"]] if "a" in result else [result]
-    keys = ("val_loss", "val_accuracy", "val_majority_baseline", "val_samples", "val_tokens")
+    keys = ("val_loss", "val_accuracy", "val_majority_baseline", "val_samples", "val_samples_requested", "val_tokens")
     table = Table(title=f"{pair[0]['split']} of {pair[0]['data']}")
     table.add_column("")
     for r in pair:

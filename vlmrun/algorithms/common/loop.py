@@ -39,7 +39,7 @@ from vlmrun.algorithms.common.checkpoint_store import run_checkpoints
 from vlmrun.algorithms.common.saving import Saves
 from vlmrun.algorithms.common.shards import open_train_shard
 from vlmrun.algorithms.common.steps import plan_steps
-from vlmrun.algorithms.common.validation import ValidationScore, ValidationSet, validation_row
+from vlmrun.algorithms.common.validation import ValidationScore, ValidationSet
 from vlmrun.config.identity import RESHARD_TERMS, check_checkpoint_belongs, run_identity
 from vlmrun.distributed.topology import plan_placement
 from vlmrun.distributed.worker_group import Placement, WorkerGroup, freeze_heap
@@ -357,7 +357,7 @@ class StepLoop:
             )
         val: ValidationSet = self._val
         scores = self.group.per_rank("validate", lambda rank: {"share": val.shares[rank]})
-        validation = validation_row(sum(scores, ValidationScore()), val.answers, dropped=val.dropped)
+        validation = val.row(sum(scores, ValidationScore()))
         if validation.val_loss is None:
             log.warning(
                 "validation at step %d scored no token of %d val samples (every label cut away? data.max_seq_len "
