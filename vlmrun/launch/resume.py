@@ -106,8 +106,8 @@ def resume_run(
         if overrides or restart_data_order != was_restarting or stopped_after is not None:
             write_atomic(rd.recipe_file, dump_recipe(recipe))
         job_record.set_resume_changes(rd, changes, cluster=executor.cluster, name=recipe.name)
-        if echo and changes:
-            echo(f"this resume changes {'; '.join(changes)}")
+        for change in changes if echo else ():
+            echo(f"this resume changes {change}: {_what_it_does(change.split(':', 1)[0])}")
         return executor.resume(rd, recipe, wait=wait, lock=lock, echo=echo)
     except BaseException:
         lock.release()
@@ -149,6 +149,12 @@ def _stored_recipe(rd):
         return rd.load_recipe()
     except InputError:
         return None
+
+
+def _what_it_does(key: str) -> str:
+    """What a resume's change of `key` does, in RESUMABLE's words (RESHARD_TERMS' for a new dp)."""
+    does = {**RESUMABLE, **dict.fromkeys(RESHARDABLE, RESHARD_TERMS)}
+    return next((d for p, d in does.items() if key == p or key.startswith(p + ".")), "")
 
 
 def _dotted(recipe, key: str):
