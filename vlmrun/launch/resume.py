@@ -108,10 +108,12 @@ def resume_run(
         job_record.set_resume_changes(rd, changes, cluster=executor.cluster, name=recipe.name)
         for change in changes if echo else ():
             echo(f"this resume changes {change}: {_what_it_does(change.split(':', 1)[0])}")
-        return executor.resume(rd, recipe, wait=wait, lock=lock, echo=echo)
+        result = executor.resume(rd, recipe, wait=wait, lock=lock, echo=echo)
     except BaseException:
         lock.release()
         raise
+    result.changes = changes
+    return result
 
 
 def check_resumable_field(key: str, value, restart_data_order: bool) -> None:
