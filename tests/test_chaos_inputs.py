@@ -7,7 +7,8 @@ the file, exit 2, no traceback, and nothing left behind.
 2. Bounded parsing: a "billion laughs" recipe (nested YAML aliases) is refused in well under a second.
 3. Damaged run files: metrics.jsonl with bad UTF-8, a step that is not a whole number, a missing step
    or a metric that is not a number; recipe.yaml that is not YAML or not a recipe; job.json that is not
-   text; `data clevr` onto a file. A torn last line of metrics.jsonl (a killed writer) is normal.
+   text; `data clevr` onto a file. A torn last line of metrics.jsonl (a killed writer) is normal: compare
+   reads the whole rows and names the torn one; a verdict "diverged" always says why.
 
 No training runs: run directories are built by hand from tests/fixtures/format1-run.
 """
@@ -175,6 +176,49 @@ def test_damage_in_the_middle_is_named_by_line(tmp_path):
     bad = make_run(tmp_path, "bad", metrics=b"".join(lines[:3] + [b"\x00\x00garbage\n"] + lines[3:]))
     good = make_run(tmp_path, "good")
     refused(vlmrun("compare", str(good), str(bad), cwd=tmp_path), "metrics.jsonl", "line 4", "not JSON")
+
+
+def squeezed_text(text: str) -> str:
+    """`text` with every run of white space (a table's line wrap) as one space."""
+    return " ".join(text.split())
+
+
+def test_compare_reads_what_is_whole_and_says_what_it_skipped(tmp_path):
+    """A run killed while it wrote its last row, beside one that wrote it: the torn row is named, its step
+    is compared on neither side, and the verdict is that of the whole rows; a step only one run has is a
+    divergence, and says so."""
+    rows = GOOD_ROWS.splitlines(keepends=True)
+    whole = make_run(tmp_path, "whole")  # steps 1..9
+    torn = make_run(tmp_path, "torn", metrics=b"".join(rows[:8]) + rows[8][:40])  # 1..8, then step 9 cut off
+    out = vlmrun("compare", str(whole), str(torn), "--json", "--out", str(tmp_path / "o"), cwd=tmp_path)
+    result = json.loads(out.stdout)
+    assert out.returncode == 0 and result["verdict"] == "match" and result["reasons"] == [], out.stdout
+    assert result["steps_compared"] == 8 and result["skipped"] == [
+        f"{torn}/metrics.jsonl: line 9 (step 9) is a row a killed writer left half-written: skipped"
+    ]
+    text = vlmrun("compare", str(whole), str(torn), "--out", str(tmp_path / "o"), cwd=tmp_path).stdout
+    assert "line 9 (step 9)" in squeezed_text(text) and "verdict: match" in text
+    shorter = make_run(tmp_path, "shorter", metrics=b"".join(rows[:7]) + rows[7][:40])  # 1..7, step 8 torn
+    out = vlmrun("compare", str(whole), str(shorter), "--json", "--out", str(tmp_path / "o"), cwd=tmp_path)
+    result = json.loads(out.stdout)
+    assert out.returncode == 1 and result["verdict"] == "diverged", out.stdout
+    assert result["reasons"] == ["1 step(s) only in whole: 9"] and "(step 8)" in result["skipped"][0]
+    text = vlmrun("compare", str(whole), str(shorter), "--out", str(tmp_path / "o"), cwd=tmp_path).stdout
+    assert "verdict: diverged (rtol 0.0): 1 step(s) only in whole: 9" in squeezed_text(text)
+
+
+def test_a_diverged_comparison_says_why(tmp_path):
+    rows = GOOD_ROWS.splitlines(keepends=True)
+    other = json.loads(rows[4])
+    other["loss"] += 1e-6
+    other["sample_ids"] = other["sample_ids"][::-1]
+    changed = make_run(
+        tmp_path, "changed", metrics=b"".join([*rows[:4], json.dumps(other).encode() + b"\n", *rows[5:]])
+    )
+    out = vlmrun("compare", str(make_run(tmp_path, "good")), str(changed), "--json", "--out", str(tmp_path / "o"))
+    result = json.loads(out.stdout)
+    assert out.returncode == 1 and result["verdict"] == "diverged"
+    assert result["reasons"] == ["loss not bitwise equal from step 5", "sample ids differ from step 5"]
 
 
 def test_a_torn_last_line_is_tolerated(tmp_path):

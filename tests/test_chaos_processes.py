@@ -14,8 +14,9 @@ The chain (one run directory, the arguments of the session's `sft_baseline`), an
 7. A last resume completes: every step equals the uninterrupted run (loss, grad_norm, lr, tokens,
    sample ids), no sample is lost or seen twice, and no attempt after a stop recomputed a step.
 
-Besides: a stop signal counts from the first instant (before Ray is up: STOPPED, nothing trained), and
-`cancel` right after a detached submit says how the job ended. Processes are counted by the attempt's
+Besides: a stop signal counts from the first instant (before Ray is up: STOPPED, nothing trained), a
+second Ctrl-C after the first one's checkpoint was sealed says that checkpoint stays, and `cancel` right
+after a detached submit says how the job ended. Processes are counted by the attempt's
 marker, read from the node's reaper, so other runs on the host never count.
 """
 
@@ -327,6 +328,44 @@ def test_stop_signal_at_start_up_stops_before_the_first_step(tmp_path, long_run,
     no_traceback(launcher.stderr())
     all_gone_within(marker, GONE_S)
     assert not temp_root.exists()
+
+
+def test_a_second_ctrl_c_after_the_stop_checkpoint_was_sealed_says_it_stays(tmp_path, long_run, registry):
+    """The first Ctrl-C's checkpoint is sealed while the node still shuts down (held still here): a second
+    Ctrl-C kills it, saying, as job.json records, that the checkpoint of its last step stays. The job is
+    named by its node's pid and start time; `vlmrun status <job id>` finds the run; the attempt log holds
+    what the reaper said on the console."""
+    from vlmrun.run.process import start_time
+
+    run = tmp_path / "run"
+    launcher = Launcher(tmp_path, "submit", TINY, "--cluster", "local", "--run-dir", str(run), *long_run, "--wait")
+    node = node_pid(run)
+    job_id = f"local-{node}-{start_time(node)}"
+    marker, _, _ = reaper_of(node)
+    wait_for(lambda: last_step(run) >= 1, 300, "the first step")
+    launcher.ctrl_c()
+    wait_for(lambda: sealed(run), 300, "the checkpoint of the stop", poll=0.01)
+    os.kill(node, signal.SIGSTOP)
+    step = sealed(run)[-1]
+    assert job(run)["attempts"][-1]["state"] == "RUNNING" and step == last_step(run)  # sealed, not yet recorded
+    launcher.ctrl_c()
+    assert launcher.wait() == 130
+    err = launcher.stderr()
+    said = f"killing the job (pid {node}) hard, after its checkpoint of step {step} (its last step) was sealed"
+    assert said in err and "without a checkpoint" not in err, err[-3000:]
+    kept = f"killed by a second Ctrl-C (SIGKILL) after its checkpoint of step {step} (its last step) was sealed"
+    wait_for(lambda: not marked_processes(marker), GONE_S, "the attempt's processes to end")
+    record = job(run)
+    assert record["attempts"][-1]["state"] == record["state"] == "KILLED"
+    assert record["attempts"][-1]["reason"] == record["reason"] == kept
+    assert record["job_ids"] == [job_id]
+    status = vlmrun("status", job_id, "--json")
+    assert status.returncode == 0 and json.loads(status.stdout)["run_dir"] == str(run), status.stderr[-2000:]
+    log = run / "logs" / "attempt-0.log"
+    reaper = wait_for(
+        lambda: [ln for ln in log.read_text().splitlines() if ln.startswith("vlmrun reaper")], GONE_S, "it"
+    )
+    assert reaper[0] in launcher.stderr()
 
 
 def test_cancel_right_after_submit_says_how_the_job_ended(tmp_path, long_run, registry):

@@ -73,6 +73,27 @@ def test_a_set_that_changes_the_run_is_refused(finished_run, tmp_path, override)
     refused(out, override.split("=")[0])
 
 
+#: What the docs call outside the run's identity (memory only, a submit-time check) or a recovery step.
+SAFE_TO_CHANGE = [
+    *("data.on_bad_sample=drop", "data.error_tolerance=64", "data.check_at_submit=false"),
+    *("generation.refit_bucket_mb=64", "generation.release_weights=true"),
+]
+
+
+def test_a_resume_accepts_the_settings_documented_as_safe_to_change(finished_run, tmp_path):
+    run = copy_of(finished_run, tmp_path)
+    out = vlmrun("resume", str(run), *sets(*SAFE_TO_CHANGE), timeout=60)
+    assert out.returncode == 0 and "nothing to do" in out.stdout, out.stderr[-3000:]  # accepted; it had completed
+
+
+def test_a_resume_at_another_loader_worker_count_is_refused_saying_why(finished_run, tmp_path):
+    run = copy_of(finished_run, tmp_path)
+    before = (run / "job.json").read_text()
+    out = vlmrun("resume", str(run), "--set", "data.num_workers=2", "--set", "train.max_steps=6", timeout=60)
+    refused(out, "data.num_workers", "another sample order", "restores only at the count it was saved with")
+    assert (run / "job.json").read_text() == before
+
+
 def test_a_data_set_too_small_for_the_layout_is_refused_at_submit(tmp_path):
     out = vlmrun(
         "submit",

@@ -138,6 +138,14 @@ def test_submit_refuses_a_run_dir_that_holds_a_run(tmp_path):
     assert out.returncode == 2 and "vlmrun resume" in out.stderr
 
 
+def test_resume_help_lists_every_setting_a_resume_may_change():
+    from vlmrun.launch.resume import RESUMABLE
+
+    shown = squeezed(vlmrun("resume", "--help").stdout)
+    for field in RESUMABLE:
+        assert squeezed(field) in shown, field
+
+
 def test_resume_refuses_fingerprinted_override_before_starting(tmp_path):
     out = vlmrun("submit", TINY, "--dry-run", "--cluster", "local", "--json")
     assert out.returncode == 0
@@ -284,3 +292,41 @@ def test_a_failed_check_and_our_bug_come_as_json_too(raised, code, kind):
         [sys.executable, "-c", script.replace(", '--json'", "")], capture_output=True, text=True, cwd=ROOT, timeout=120
     )
     assert without.returncode == code and without.stdout == ""  # without --json: stderr only, as before
+
+
+# ---------------------------------------------------------------- --json: stdout is the JSON document's alone
+
+NOISY_LAYER = (
+    "import os, subprocess, sys; import vlmrun.launch.status as s; from vlmrun.errors import CheckFailed\n"
+    "def noisy(target=None):\n"
+    "    print('a library prints this')\n"
+    "    os.write(1, b'its C part writes this\\n')\n"
+    "    subprocess.run([sys.executable, '-c', 'print(\"a process it starts says this\")'])\n"
+    "    {ending}\n"
+    "s.status = noisy; sys.argv = ['vlmrun', 'status', 'x', '--json']\n"
+    "from vlmrun.cli import main; main()\n"
+)
+
+
+@pytest.mark.parametrize("ending,code", [("return {'state': 'RUNNING'}", 0), ("raise CheckFailed('said no')", 1)])
+def test_whatever_else_prints_while_a_json_command_runs_goes_to_stderr(ending, code):
+    script = NOISY_LAYER.replace("{ending}", ending)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert out.returncode == code and json.loads(out.stdout), out.stdout  # the whole of stdout: one document
+    for line in ("a library prints this", "its C part writes this", "a process it starts says this"):
+        assert line in out.stderr and line not in out.stdout
+
+
+def test_a_dry_run_json_stays_one_document_when_a_reward_module_prints(tmp_path):
+    (tmp_path / "noisy_reward.py").write_text(
+        'print("noisy_reward: loading the grader")\n\n\ndef score(response, sample, ended):\n    return 1.0\n'
+    )
+    grpo = str(ROOT / "recipes" / "tiny-grpo-cpu.yaml")
+    rewards = "grpo.rewards=[{fn: noisy_reward:score}]"
+    out = vlmrun(
+        *("submit", grpo, "--dry-run", "--cluster", "local", "--set", rewards, "--json"),
+        cwd=tmp_path,
+        env={"PYTHONPATH": str(tmp_path)},
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert json.loads(out.stdout)["dry_run"] is True and "noisy_reward: loading the grader" in out.stderr

@@ -202,3 +202,17 @@ def test_validation_drops_and_counts_or_refuses(long_set, tiny_dirs):
         SampleRefused, match=r"sample val-0000001 \(val-000000.tar\): \d+ tokens, more than data.max_seq_len=256"
     ):
         val_batches(make_recipe(long_set), processor_dir=tiny_dirs["qwen2_5_vl"], samples=6, batch_size=2)
+
+
+def test_validation_counts_every_drop_when_the_split_runs_out(long_set, tmp_path_factory, tiny_dirs):
+    """Every val sample asked for, the split's last one among the dropped: each drop is counted."""
+    from data_samples import VAL
+
+    last = f"val-{VAL - 1:07d}"
+    tail = write_corrupt_copy(long_set, tmp_path_factory.mktemp("tail") / "set", {last: with_long_question})
+    val = val_batches(
+        make_recipe(tail, on_bad_sample="drop"), processor_dir=tiny_dirs["qwen2_5_vl"], samples=VAL, batch_size=2
+    )
+    keys = [k for b in val.loss_batches for k in b.sample_ids]
+    assert len(keys) == VAL - 3 and last not in keys and not set(keys) & set(VAL_LONG)
+    assert val.dropped == 3

@@ -1,8 +1,8 @@
 """GRPO with a reward function of the user's, through the CLI on the tiny recipe (real Ray, real Energon,
 the tiny Qwen2.5-VL): a module outside the package, importable through PYTHONPATH, weighted beside a
-built-in term; its named parts land in metrics.jsonl as reward/<name>/<key>; when it raises, the run
-fails with one line naming the function and the sample; a path that does not import is refused at
-submit (exit 2, naming grpo.rewards, nothing made). The terms' arithmetic, the built-ins and the other
+built-in term; its named parts land in metrics.jsonl as reward/<name>/<key>; what it prints is in the
+attempt log as on the console; when it raises, the run fails with one line naming the function and the
+sample; a path that does not import is refused at submit (exit 2, naming grpo.rewards, nothing made). The terms' arithmetic, the built-ins and the other
 refusals: tests/test_grpo_units.py."""
 
 from __future__ import annotations
@@ -30,6 +30,8 @@ def length_bonus(response, sample, ended):
     """The user's reward: shorter answers earn more; named numbers are logged beside it."""
     global CALLS
     CALLS += 1
+    if CALLS == 1:
+        print("length_bonus: grading its first response", flush=True)
     if CALLS > 64:  # the third step (32 responses a step)
         raise SystemExit("the grader's cache is gone")  # any exception, even this one, names the function
     words = len(response.split())
@@ -60,6 +62,11 @@ def test_a_users_reward_trains_logs_its_parts_and_fails_the_run_naming_itself(tm
     assert "\n" not in reason and "the reward function my_rewards:length_bonus (grpo.rewards), on sample " in reason
     assert "raised SystemExit: the grader's cache is gone" in reason
     assert reason in out.stderr
+    # the attempt log holds what the console showed (with --wait too): the function's own print included
+    logged = (run / "logs" / "attempt-0.log").read_text().splitlines()
+    shown = [line for line in out.stderr.splitlines() if line.strip()]
+    assert [line for line in shown if line not in logged] == [], out.stderr[-3000:]
+    assert any(line.endswith("length_bonus: grading its first response") for line in logged)
 
 
 @pytest.mark.parametrize(

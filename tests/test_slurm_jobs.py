@@ -171,6 +171,25 @@ def test_status_reads_lineage_and_metrics(tmp_path, registry):
         assert [j["job_id"] for j in launch_status.status(None)["jobs"]] == ["41"]
 
 
+def test_local_jobs_whose_nodes_got_one_pid_after_a_wrap_keep_apart(tmp_path, registry):
+    """The pids wrapped between two local runs: their nodes had one pid, not one start time; each job id
+    still names its own run."""
+    from vlmrun.run.process import local_job_id
+
+    runs = {}
+    for n, started in enumerate((1000, 987654)):  # the node's start time, in clock ticks since boot
+        job_id = local_job_id(4242, started)
+        rd = RunDirectory(tmp_path / f"run-{n}")
+        rd.create(load_recipe(ROOT / "recipes" / "tiny-clevr-cpu.yaml"))
+        add_job(rd, job_id, "local", "tiny")
+        job_registry.register_job(job_id, rd.path)
+        runs[job_id] = rd
+    assert len(runs) == 2 and all(job_id.startswith("local-4242-") for job_id in runs)
+    for job_id, rd in runs.items():
+        found, named = targets.find_run(job_id)
+        assert found.path == rd.path and named == job_id
+
+
 def test_status_of_a_local_run_checks_the_pid(tmp_path, registry):
     rd = make_run(tmp_path, cluster="local", job_id="local-1")
     begin_attempt(rd, "local-1", 0, pid=os.getpid())

@@ -2,6 +2,8 @@
 library's chatter, where each record goes, and the private seam of Ray it wraps.
 
 That a real run's console and attempt log stay quiet is asserted on real runs in tests/test_grpo_e2e.py.
+With the console attached, the attempt log holds what the console shows (cluster/console_tee.py): here in
+a process of its own; on real `--wait` runs in tests/test_over_length_runs.py and tests/test_grpo_rewards.py.
 """
 
 from __future__ import annotations
@@ -131,3 +133,38 @@ def test_a_ray_started_after_the_routing_prints_no_token_line():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=180)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "Token authentication" not in out.stdout + out.stderr, out.stderr[-3000:]
+
+
+TEED = """
+import os, subprocess, sys
+from pathlib import Path
+from vlmrun.cluster.console_tee import ConsoleTee
+tee = ConsoleTee(Path(sys.argv[1]))
+print("ours, on stdout")
+print("ours, on stderr", file=sys.stderr)
+os.write(1, b"a library's C part\\n")
+subprocess.run([sys.executable, "-c", "import sys; print('a process it started', file=sys.stderr)"])
+tee.log_only("the traceback, for the log only\\n")
+print("after it", file=sys.stderr)
+tee.close()
+print("after the attempt: the console only", file=sys.stderr)
+"""
+
+
+@pytest.mark.parametrize("shared", [True, False], ids=["one-console", "stdout-and-stderr-apart"])
+def test_the_attempt_log_holds_what_the_console_shows_whoever_writes_it(tmp_path, shared):
+    log = tmp_path / "attempt-0.log"
+    err = subprocess.PIPE if not shared else subprocess.STDOUT
+    out = subprocess.run(
+        [sys.executable, "-c", TEED, str(log)], stdout=subprocess.PIPE, stderr=err, text=True, timeout=60
+    )
+    assert out.returncode == 0, (out.stdout, out.stderr)
+    console = (out.stdout + (out.stderr or "")).splitlines()
+    logged = log.read_text().splitlines()
+    shown = ["ours, on stdout", "ours, on stderr", "a library's C part", "a process it started", "after it"]
+    assert sorted(logged) == sorted([*shown, "the traceback, for the log only"])
+    assert logged.index("the traceback, for the log only") == len(logged) - 2  # after all written before it
+    assert sorted(console) == sorted([*shown, "after the attempt: the console only"])
+    if shared:  # one console: the log keeps the console's order
+        assert logged == [*shown[:4], "the traceback, for the log only", "after it"]
+        assert console == [*shown, "after the attempt: the console only"]

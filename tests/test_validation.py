@@ -107,6 +107,21 @@ def test_a_pass_that_scored_no_token_has_no_loss_and_says_so():
     assert "val_loss none (no token scored)" in line
 
 
+def test_a_pass_the_val_split_ran_short_for_says_how_many_of_those_asked_for_it_scored():
+    """7 val samples asked for, 2 of them dropped: the row and the console say 5 of 7 were scored."""
+    from vlmrun.algorithms.common.validation import ValidationSet
+    from vlmrun.observe.progress import ProgressLine, val_scored
+
+    answers = ["3", "4", "3", "5", "3"]
+    row = ValidationSet([], answers, dropped=2, requested=7).row(ValidationScore(5.0, 10, 3, 5))
+    assert (row.val_samples, row.val_samples_requested, row.val_dropped_samples) == (5, 7, 2)
+    shown = {"step": 1, "loss": 1.0, "grad_norm": 0.1, **dataclasses.asdict(row)}
+    assert ProgressLine(10)(shown).endswith(" on 5 of 7 val samples asked for (2 dropped)")
+    whole = validation_row(ValidationScore(5.0, 10, 3, 5), answers, requested=5)
+    assert val_scored(dataclasses.asdict(whole)) == "5 val samples"
+    assert " on " not in ProgressLine(10)({**shown, **dataclasses.asdict(whole)})
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -84,13 +84,26 @@ def resume(
 ):
     """Continue an ended run from its newest complete checkpoint (a new attempt in the same run dir).
 
-    Only fields that leave the sample stream and placement unchanged may be overridden
-    (train.max_steps, train.epochs, train.val_*, checkpoint.*, cluster.*, logger.*); a change of what
-    defines the run (batch sizes, layout, seed, data, sequence length, loop, algorithm, model), by --set
-    or by editing recipe.yaml, is refused as `field: old -> new`. A completed run says so and exits 0.
-    With --restart-data-order, parallel.dp may change too (and the cluster with it).
+    \b
+    --set may change only what leaves the sample stream and placement as they are (the resume says
+    what it changed, and job.json's new attempt lists it under resumed_with):
+      train.max_steps, train.epochs, train.val_period, train.val_samples, train.stop_after,
+      checkpoint.save_period, checkpoint.keep, checkpoint.requeue, checkpoint.async_save,
+      cluster.*, logger.*, data.check_at_submit,
+      generation.refit_bucket_mb, generation.release_weights (memory only: no number changes),
+      data.on_bad_sample, data.error_tolerance (recovery: a run stopped by a sample it cannot train
+      on continues with --set data.on_bad_sample=drop: that sample is skipped and counted in
+      dropped_samples, every sample before it was trained; one stopped by too many bad samples, with
+      a higher data.error_tolerance).
+    A change of what defines the run (batch sizes, layout, seed, data and how it is read, sequence
+    length, loop, algorithm, model), by --set or by editing recipe.yaml, is refused as
+    `field: old -> new`; so is data.num_workers (another worker count is another sample order). A
+    completed run says so and exits 0. With --restart-data-order, parallel.dp may change too (and the
+    cluster with it).
 
+    \b
     Example: vlmrun resume runs/tiny-clevr-cpu-20261130-101500 --set train.max_steps=400 --wait
+    Example: vlmrun resume runs/tiny-clevr-cpu-20261130-101500 --set data.on_bad_sample=drop --wait
     Example: vlmrun resume 1234 --restart-data-order --set parallel.dp=1 --set cluster.gpus_per_node=1
     """
     from vlmrun.launch.resume import resume_run

@@ -2,25 +2,32 @@
 
 User mistakes print one or two lines and exit 2; a failed check exits 1; our bugs keep their
 tracebacks. With `--json` (on a command that has it) every error also comes as one JSON object on
-stdout, and nothing else does: {"error": message, "kind": ..., "exit_code": N[, "field": ..., "value":
-...]} with the same exit code (kinds: bad_input 2, check_failed 1, internal 1 (our bug: the traceback
-goes to stderr), interrupted 130).
+stdout, and nothing else does (whatever else prints goes to stderr while the command runs):
+{"error": message, "kind": ..., "exit_code": N[, "field": ..., "value": ...]} with the same exit code
+(kinds: bad_input 2, check_failed 1, internal 1 (our bug: the traceback goes to stderr), interrupted 130).
 """
 
 from __future__ import annotations
 
-import json
+import contextlib
 import sys
 import traceback
 
 import typer
 
+from vlmrun.cli.output import json_stdout, print_json
 from vlmrun.errors import EXIT_BAD_INPUT, InputError, VlmrunError, short_repr
 
 
 def run(app: typer.Typer) -> None:
-    """Run `app` on sys.argv and exit with the code its outcome means (module docstring)."""
+    """Run `app` on sys.argv and exit with the code its outcome means (module docstring). With `--json`
+    the command's stdout holds its one JSON document and nothing else (cli/output.py `json_stdout`)."""
     as_json = _wants_json(app, sys.argv[1:])
+    with json_stdout() if as_json else contextlib.nullcontext():
+        _run(app, as_json)
+
+
+def _run(app: typer.Typer, as_json: bool) -> None:
     try:
         # With standalone_mode=False click returns the code of a raised typer.Exit instead of exiting.
         code = app(standalone_mode=False)
@@ -50,7 +57,7 @@ def _fail(message: str, code: int, kind: str, as_json: bool, **where) -> None:
     """Say `message` on stderr (and as one JSON object on stdout with `--json`), exit `code`."""
     typer.echo(f"error: {message}", err=True)
     if as_json:
-        typer.echo(json.dumps({"error": message, "kind": kind, "exit_code": code, **where}, indent=2, default=str))
+        print_json({"error": message, "kind": kind, "exit_code": code, **where})
     sys.exit(code)
 
 

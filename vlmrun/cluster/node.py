@@ -22,8 +22,10 @@ import sys
 import threading
 import time
 import traceback
+from pathlib import Path
 
 from vlmrun.algorithms.common.stop import StopFlag
+from vlmrun.cluster.console_tee import ConsoleTee
 from vlmrun.cluster.failure import failure_reason
 from vlmrun.cluster.reaper import AttemptScope
 from vlmrun.cluster.slurm_env import SlurmAllocation
@@ -33,6 +35,7 @@ from vlmrun.run import job as job_record
 from vlmrun.run.directory import RunDirectory
 from vlmrun.run.lock import Holder, RunLock, RunLocked
 from vlmrun.run.outcome import RunOutcome
+from vlmrun.run.process import local_job_id, start_time
 from vlmrun.run.requests import CANCEL_REQUEST, take_request
 from vlmrun.run.state import EXIT_COMPLETED, EXIT_FAILED, EXIT_STOPPED, State
 from vlmrun.startup import pause_for_command
@@ -42,6 +45,7 @@ RECORDED_FD_ENV = "VLMRUN_RECORDED_FD"  # a local launcher closes this pipe once
 
 log = logging.getLogger("vlmrun")
 _HELD: list[RunLock] = []
+_TEE: list[ConsoleTee] = []  # the attempt log's copy of the console, while the console is attached
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -52,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     rd = RunDirectory(args.run_dir)
     _setup_logging()
     alloc = SlurmAllocation.from_env()
-    job_id = alloc.job_id if alloc else f"local-{os.getpid()}"
+    job_id = alloc.job_id if alloc else local_job_id(os.getpid(), start_time(os.getpid()))
     node0 = alloc is None or alloc.node_rank == 0
     if node0:
         try:
@@ -62,17 +66,24 @@ def main(argv: list[str] | None = None) -> int:
             if alloc is not None:
                 _tell_workers_done(rd, alloc)
             return e.exit_code
-        _tee_log(rd, os.environ.get("VLMRUN_TEE_LOG"))
-        _wait_until_recorded()
-    scope = AttemptScope.open()
-    scope.start_reaper(run_dir=rd.path if node0 else None, job_id=job_id)
-    scope.enter()
+    tee = _tee_log(rd, os.environ.get("VLMRUN_TEE_LOG")) if node0 else None
     try:
-        if not node0:
-            return _serve_ray_worker(rd, alloc)  # nodes 1..N-1 join Ray and wait; only node 0 writes job.json
-        return _attempt(rd, job_id, alloc, stop, started_at)
+        if node0:
+            _wait_until_recorded()
+        scope = AttemptScope.open()
+        console = {"console": tee.console, "log": tee.path} if tee is not None else {}
+        scope.start_reaper(run_dir=rd.path if node0 else None, job_id=job_id, **console)
+        scope.enter()
+        try:
+            if not node0:
+                return _serve_ray_worker(rd, alloc)  # nodes 1..N-1 join Ray and wait; only node 0 writes job.json
+            return _attempt(rd, job_id, alloc, stop, started_at)
+        finally:
+            scope.sweep()  # a normal end leaves nothing behind either
     finally:
-        scope.sweep()  # a normal end leaves nothing behind either
+        if tee is not None:
+            _TEE.clear()
+            tee.close()  # after the sweep: nothing of the attempt writes into its pipes any more
 
 
 def _attempt(rd: RunDirectory, job_id: str, alloc, stop: StopFlag, started_at: float) -> int:
@@ -98,13 +109,15 @@ def _attempt(rd: RunDirectory, job_id: str, alloc, stop: StopFlag, started_at: f
     log.info("%s: %s", outcome.state, outcome.reason)
     val = outcome.final_val
     if val and val.get("val_samples"):
+        from vlmrun.observe.progress import val_scored
+
         loss = "no token scored" if val.get("val_loss") is None else f"val loss {val['val_loss']:.4f}"
         log.info(
-            "validation at step %d: accuracy %.3f vs majority-class baseline %.3f on %d val samples (%s)",
+            "validation at step %d: accuracy %.3f vs majority-class baseline %.3f on %s (%s)",
             outcome.last_step,
             val["val_accuracy"],
             val["val_majority_baseline"],
-            val["val_samples"],
+            val_scored(val),
             loss,
         )
     return EXIT_STOPPED if outcome.state is State.STOPPED else EXIT_COMPLETED
@@ -121,16 +134,16 @@ def _record_failure(rd: RunDirectory, attempt: int, reason: str) -> None:
 
 def _report_failure(reason: str) -> None:
     """One line on the console with where the traceback is; the traceback itself goes to the log file
-    (the attempt's log when the console is attached, else stderr, which is then the log)."""
-    tee = os.environ.get("VLMRUN_TEE_LOG")
-    if tee:
+    (only the attempt's log when the console is attached, else stderr, which is then the log)."""
+    logged = False
+    if _TEE:
         try:
-            with open(tee, "a") as f:
-                traceback.print_exc(file=f)
+            _TEE[0].log_only(traceback.format_exc())
+            logged = True
         except OSError:  # a full disk: the traceback goes to the console instead
-            tee = None
-    if tee:
-        log.error("FAILED: %s (traceback in %s)", reason, tee)
+            pass
+    if logged:
+        log.error("FAILED: %s (traceback in %s)", reason, _TEE[0].path)
     else:
         traceback.print_exc()
         log.error("FAILED: %s", reason)
@@ -345,14 +358,17 @@ def _setup_logging() -> None:
     logging.getLogger().setLevel(logging.INFO)
 
 
-def _tee_log(rd: RunDirectory, path: str | None) -> None:
-    """Also write the log to the attempt's log file (only once this process holds the run), and the
-    libraries' records below ERROR to the attempt's third-party log."""
-    if path:
-        _add_handler(logging.FileHandler(path), OursAndErrors())
+def _tee_log(rd: RunDirectory, path: str | None) -> ConsoleTee | None:
+    """With the console attached (`path`: the attempt's log), copy everything this process and the ones
+    it starts write to the console into that file too (console_tee.py; only once this process holds the
+    run); either way, the libraries' records below ERROR go to the attempt's third-party log."""
     third_party = rd.attempt_log(job_record.next_attempt(rd)).with_suffix(".third-party.log")
     third_party.parent.mkdir(exist_ok=True)
     _add_handler(logging.FileHandler(third_party, delay=True), LibrariesBelowError())
+    if not path:
+        return None
+    _TEE.append(ConsoleTee(Path(path)))
+    return _TEE[0]
 
 
 def _add_handler(handler: logging.Handler, only: logging.Filter) -> None:

@@ -71,16 +71,28 @@ class AttemptScope:
         os.environ["TMPDIR"] = str(self.temp_root)
         tempfile.tempdir = str(self.temp_root)
 
-    def start_reaper(self, *, run_dir: Path | None = None, job_id: str | None = None) -> subprocess.Popen:
+    def start_reaper(
+        self,
+        *,
+        run_dir: Path | None = None,
+        job_id: str | None = None,
+        console: int | None = None,
+        log: Path | None = None,
+    ) -> subprocess.Popen:
         """Start the reaper of this process and its guard (module doc, 4); with `run_dir` they also
-        record a kill of `job_id` in job.json. Returns the reaper."""
+        record a kill of `job_id` in job.json. What they say goes to `console` (a descriptor; default
+        this process's stderr) and, given `log`, is appended to that file too. Returns the reaper."""
         env = {k: v for k, v in os.environ.items() if k not in (MARKER_ENV, TEMP_ENV)}
         me = os.getpid()
         cmd = [sys.executable, "-m", "vlmrun.cluster.reaper", "--pid", str(me), "--marker", self.marker]
         cmd += ["--pid-start", str(start_time(me)), "--temp-root", str(self.temp_root)]
         if run_dir is not None and job_id is not None:
             cmd += ["--run-dir", str(run_dir), "--job-id", job_id]
+        if log is not None:
+            cmd += ["--log", str(log)]
         start = dict(stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, env=env, start_new_session=True)
+        if console is not None:
+            start["stderr"] = console
         reaper = subprocess.Popen(cmd, **start)
         subprocess.Popen([*cmd, "--after", str(reaper.pid)], **start)
         return reaper
@@ -198,6 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--run-dir", type=Path)
     p.add_argument("--job-id")
     p.add_argument("--after", type=int, help="the guard of this reaper: sweep after it ended (module doc, 4)")
+    p.add_argument("--log", type=Path, help="the attempt's log: what the reaper says is appended to it too")
     args = p.parse_args(argv)
     for s in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR2, signal.SIGHUP):
         signal.signal(s, signal.SIG_IGN)
@@ -211,13 +224,26 @@ def main(argv: list[str] | None = None) -> int:
     recorded = args.run_dir is not None and _record_kill(args.run_dir, args.job_id, args.pid)
     if killed or recorded:
         who = "vlmrun reaper" + (f" (guard of reaper {args.after}, which died with the node)" if args.after else "")
-        print(
+        _say(
             f"{who}: the node process {args.pid} ended; killed {killed} process(es) of its attempt "
             f"in {time.monotonic() - t0:.1f}s" + (f"; recorded job {args.job_id} KILLED" if recorded else ""),
-            file=sys.stderr,
-            flush=True,
+            args.log,
         )
     return 0
+
+
+def _say(line: str, log: Path | None) -> None:
+    """`line` on stderr and at the end of `log` (either may be gone: the reaper's work is done by now)."""
+    if log is not None:
+        try:
+            with open(log, "a") as f:
+                f.write(line + "\n")
+        except OSError:
+            pass
+    try:
+        print(line, file=sys.stderr, flush=True)
+    except OSError:
+        pass
 
 
 def _pidfd(pid: int) -> int | None:

@@ -333,8 +333,9 @@ def val_batches(recipe, *, processor_dir: str, samples: int, batch_size: int) ->
     Loss batches hold full conversations with labels; prompt batches the same samples' prompts,
     left-padded, with the reference answers. Corrupt samples are skipped (up to the tolerance), and
     samples that do not fit `data.max_seq_len` follow `data.on_bad_sample` (`SampleRefused`, or
-    skipped); `dropped` counts the samples skipped before the last one used. A GRPO run's
-    conversations may be `grpo.max_new_tokens` longer than its prompts (its answers are responses).
+    skipped); `dropped` counts the samples skipped before the last one used, or every one skipped
+    when the split ran out before `samples` were found. A GRPO run's conversations may be
+    `grpo.max_new_tokens` longer than its prompts (its answers are responses).
     """
     from megatron.energon import WorkerConfig, get_val_dataset
     from megatron.energon.savable_loader import BasicDataLoader  # `get_loader`, less its gc wrapper (item 6)
@@ -371,13 +372,15 @@ def val_batches(recipe, *, processor_dir: str, samples: int, batch_size: int) ->
             pairs.extend(group)
             if len(pairs) >= samples:
                 break
+    # the split ran out: the samples skipped after the last one used were left out too
+    after_last = budget.take_skipped() if len(pairs) < samples else 0
     pairs = pairs[:samples]
     encoder = task_encoder.encoder
     chunks = [pairs[i : i + batch_size] for i in range(0, len(pairs), batch_size)]
     return ValidationSet(
         [encoder.collate([s.encoded for s in c]) for c in chunks],
         [encoder.collate_prompts([s.prompt for s in c]) for c in chunks],
-        sum(s.dropped_before for s in pairs),
+        sum(s.dropped_before for s in pairs) + after_last,
     )
 
 

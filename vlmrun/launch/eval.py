@@ -202,9 +202,8 @@ def score_model(recipe, model_dir: Path, *, samples: int, threads: int = 1) -> d
     finally:
         engine.shutdown()
         policy.shutdown()
-    row = validation_row(
-        sum(scores, ValidationScore()), [a for b in val.prompt_batches for a in b.answers], dropped=val.dropped
-    )
+    references = [a for b in val.prompt_batches for a in b.answers]
+    row = validation_row(sum(scores, ValidationScore()), references, dropped=val.dropped, requested=samples)
     return {
         "family": recipe.family,
         "data": str(Path(recipe.data.path)),

@@ -7,8 +7,9 @@ lost) and inherits the run lock, which the caller took before its first write in
 begins its attempt only once we have recorded the job in job.json (a pipe we close then).
 
 With `wait`, the child dies with us (PR_SET_PDEATHSIG) and we pass SIGINT/SIGTERM/SIGUSR2 on to it:
-the first Ctrl-C stops the run at a checkpoint, a second one kills it hard. Without `wait`, it runs
-detached and logs to the run dir.
+the first Ctrl-C stops the run at a checkpoint, a second one kills it hard (saying, and recording in
+job.json, whether that checkpoint was sealed already). Without `wait`, it runs detached and logs to the
+run dir.
 
 `LocalExecutor` is this machine as an executor (launch/executor.py): the job is the node process,
 found as the run lock's live holder or the RUNNING attempt of job.json, by pid and start time; cancel
@@ -38,7 +39,7 @@ from vlmrun.run import job as job_record
 from vlmrun.run.directory import RunDirectory, dump_recipe
 from vlmrun.run.job import JobRecord
 from vlmrun.run.lock import FD_ENV, Holder, RunLock, RunLocked, live_holder
-from vlmrun.run.process import process_alive
+from vlmrun.run.process import local_job_id, process_alive, start_time
 from vlmrun.run.requests import CANCEL_REQUEST, write_request
 from vlmrun.run.state import EXIT_COMPLETED, EXIT_FAILED, EXIT_STOPPED, State
 
@@ -133,7 +134,7 @@ def running_node(rd: RunDirectory, job: JobRecord | None) -> RunningNode | None:
     """The local attempt that runs in `rd` now: the run lock's live holder (also before it recorded its
     attempt), or an attempt job.json records RUNNING on this host whose process still runs."""
     if (holder := live_holder(rd.path)) is not None:
-        return RunningNode(holder.pid, holder.start, holder.job_id or f"local-{holder.pid}")
+        return RunningNode(holder.pid, holder.start, holder.job_id or local_job_id(holder.pid, holder.start))
     attempt = job_record.running_attempt(job) if job else None
     return RunningNode(attempt.pid, attempt.pid_start, attempt.job_id) if attempt else None
 
@@ -153,13 +154,13 @@ def start_local(
             return SubmitResult(rd.path, LocalExecutor.cluster, False, job_id=job_id, state=State.RUNNING.value)
         if echo:
             echo(f"run dir {rd.path}")
-        with _forwarding_signals() as forward:
+        with _forwarding_signals(rd, recipe) as forward:
             # The job's output goes to our stderr: stdout stays clean for `--json`.
             tee = {"VLMRUN_TEE_LOG": str(rd.attempt_log(attempt))}
             proc, job_id = _start_node(rd, recipe, lock, attached=True, stdout=sys.stderr.fileno(), env=tee)
             lock.release()  # the node holds the run now; our copy would keep it locked after a kill
             code = forward.attach(proc).wait()
-    return _result(rd, job_id, code, forward.killed, echo)
+    return _result(rd, job_id, code, forward.kill_reason, echo)
 
 
 def _start_node(rd: RunDirectory, recipe, lock: RunLock, *, attached: bool, stdout, env: dict[str, str]):
@@ -186,10 +187,10 @@ def _start_node(rd: RunDirectory, recipe, lock: RunLock, *, attached: bool, stdo
     finally:
         os.close(recorded_r)
     try:
-        job_id = f"local-{proc.pid}"
+        job_id = local_job_id(proc.pid, start_time(proc.pid))  # the node names itself the same way
         lock.describe(Holder.of(proc.pid, job_id))
         job_record.add_job(rd, job_id, LocalExecutor.cluster, recipe.name)
-        register_job(job_id, rd.path)  # so `vlmrun status|logs|requeue local-<pid>` find the run
+        register_job(job_id, rd.path)  # so `vlmrun status|logs|requeue <job id>` find the run
     except BaseException:
         proc.kill()  # it waits for the pipe below: a job we could not record never begins
         proc.wait()
@@ -200,13 +201,15 @@ def _start_node(rd: RunDirectory, recipe, lock: RunLock, *, attached: bool, stdo
 
 
 class _Forwarder:
-    """Passes the stop signals on to the node; a second SIGINT kills it hard."""
+    """Passes the stop signals on to the node; a second SIGINT kills it hard, saying whether the stop
+    checkpoint the first one asked for is already sealed (`kill_reason`: what job.json then records)."""
 
-    def __init__(self) -> None:
+    def __init__(self, rd: RunDirectory, recipe) -> None:
+        self.rd, self.recipe = rd, recipe
         self.proc: subprocess.Popen | None = None
         self.early: list[int] = []  # signals that came while the node was being started
         self.interrupts = 0
-        self.killed = False
+        self.kill_reason: str | None = None  # set once the node was killed hard
 
     def attach(self, proc: subprocess.Popen) -> subprocess.Popen:
         self.proc = proc
@@ -221,8 +224,8 @@ class _Forwarder:
         if signum == signal.SIGINT:
             self.interrupts += 1
             if self.interrupts > 1:
-                _say(f"second interrupt: killing the job (pid {self.proc.pid}) hard, without a checkpoint")
-                self.killed = True
+                said, self.kill_reason = _hard_kill_words(self.rd, self.recipe)
+                _say(f"second interrupt: killing the job (pid {self.proc.pid}) hard, {said}")
                 signum = signal.SIGKILL
             else:
                 _say("interrupt: the job stops at a checkpoint after the step in flight (Ctrl-C again kills it)")
@@ -230,9 +233,34 @@ class _Forwarder:
             self.proc.send_signal(signum)
 
 
+def _hard_kill_words(rd: RunDirectory, recipe) -> tuple[str, str]:
+    """(what the console says, what job.json records) of a kill by a second Ctrl-C: whether the run's
+    last trained step is in a sealed checkpoint (the first Ctrl-C's stop got that far), or where a
+    resume starts instead."""
+    from vlmrun.algorithms.common.checkpoint_store import run_checkpoints
+    from vlmrun.run.metrics import last_metrics
+
+    try:
+        sealed = [step for step, _ in run_checkpoints(rd, recipe, assign=False).complete()]
+        last = last_metrics(rd, recipe)["last_step"] or 0
+    except (InputError, OSError):  # a damaged metrics file or an unreadable folder: say what is sure
+        sealed, last = [], None
+    newest = sealed[-1] if sealed else 0
+    if sealed and last is not None and newest >= last:
+        return (
+            f"after its checkpoint of step {newest} (its last step) was sealed: `vlmrun resume` continues from it",
+            f"killed by a second Ctrl-C (SIGKILL) after its checkpoint of step {newest} (its last step) was sealed",
+        )
+    start = f"step {newest}, its newest checkpoint" if sealed else "step 0 (no checkpoint)"
+    return (
+        f"without a checkpoint of its last step: `vlmrun resume` starts from {start}",
+        f"killed by a second Ctrl-C (SIGKILL) before it checkpointed its last step; a resume starts from {start}",
+    )
+
+
 @contextlib.contextmanager
-def _forwarding_signals():
-    forwarder = _Forwarder()
+def _forwarding_signals(rd: RunDirectory, recipe):
+    forwarder = _Forwarder(rd, recipe)
     previous = {s: signal.signal(s, forwarder.handle) for s in STOP_SIGNALS}
     try:
         yield forwarder
@@ -241,19 +269,20 @@ def _forwarding_signals():
             signal.signal(s, handler)
 
 
-def _result(rd: RunDirectory, job_id: str, code: int, killed: bool, echo) -> SubmitResult:
-    """The outcome job.json records; a node that died without recording one is recorded KILLED here."""
+def _result(rd: RunDirectory, job_id: str, code: int, kill_reason: str | None, echo) -> SubmitResult:
+    """The outcome job.json records; a node that died without recording one is recorded KILLED here
+    (with `kill_reason` when a second Ctrl-C killed it)."""
     if code not in (EXIT_COMPLETED, EXIT_STOPPED, EXIT_BAD_INPUT):
         try:
             with contextlib.suppress(RunLocked), RunLock.acquire(rd.path):  # no attempt begins while we record
-                job_record.mark_killed(rd, job_id)
+                job_record.mark_killed(rd, job_id, **({"reason": kill_reason} if kill_reason else {}))
         except OSError as e:  # a full disk, say: the run dir and what the job wrote stay as they are
             _say(f"could not record the end of {job_id} in {rd.job_file}: {failure_reason(e)}")
     job = job_record.read_job(rd)
     state = job.state if job is not None else State.FAILED
     if echo and state is State.STOPPED:
         echo(f"stopped at a checkpoint; continue with: vlmrun resume {rd.path} --wait")
-    if killed:
+    if kill_reason is not None:
         exit_code = EXIT_INTERRUPTED
     elif code in (EXIT_COMPLETED, EXIT_STOPPED, EXIT_BAD_INPUT):
         exit_code = code

@@ -19,6 +19,7 @@ class SubmitResult:
     state: str | None = None
     exit_code: int = 0
     memory: MemoryFit | None = None  # submit's memory estimate (models/fit.py)
+    changes: list[str] | None = None  # what a resume changed: `field: old -> new` each
 
     def summary(self) -> dict:
         out = {"run_dir": str(self.run_dir), "cluster": self.cluster, "dry_run": self.dry_run}
@@ -28,6 +29,8 @@ class SubmitResult:
             out["state"] = self.state
         if self.memory is not None:
             out["memory_estimate"] = self.memory.to_json()
+        if self.changes:
+            out["changes"] = self.changes
         if self.dry_run:
             out["recipe"] = self.rendered
             if self.script:

@@ -1,8 +1,10 @@
 """`vlmrun resume`: continue an ended run from its newest complete checkpoint, as a new attempt.
 
 1. `--set` may change only RESUMABLE fields (step budget, validation and checkpoint cadence, where the
-   checkpoints are, cluster, logger); anything else is refused before anything starts, naming the
-   field. checkpoint.dir takes a folder of this run's checkpoints (moved, or copied for a copied run
+   checkpoints are, cluster, logger, the memory knobs of generation, and the recovery steps for bad
+   samples); anything else is refused before anything starts, naming the field and why. What a resume
+   changes is said and recorded: the attempt it starts lists it in job.json (`resumed_with`).
+   checkpoint.dir takes a folder of this run's checkpoints (moved, or copied for a copied run
    directory: vlmrun/checkpoint/copies.py); one without any trains from step 0. With
    `--restart-data-order`, parallel.dp too: the job then takes the model, optimizer and counters from
    a checkpoint of another dp (DCP reshards a sharded one) and starts the data order over.
@@ -37,21 +39,36 @@ from vlmrun.run.directory import check_recipe, dump_recipe, write_atomic
 from vlmrun.run.lock import RunLock, RunLocked, live_holder
 from vlmrun.run.state import State
 
-# Fields a resume may change: none of them changes which samples a step sees or where ranks sit.
-RESUMABLE = (
-    "train.max_steps",
-    "train.epochs",
-    "train.val_period",
-    "train.val_samples",
-    "train.stop_after",
-    "checkpoint.dir",
-    "checkpoint.save_period",
-    "checkpoint.keep",
-    "checkpoint.requeue",
-    "checkpoint.async_save",
-    "cluster",
-    "logger",
-)
+#: Fields a resume may change, and what a change does: none changes which samples a step sees or where
+#: ranks sit (a recovery step at most skips a sample the run could not train on, and counts it).
+#: `vlmrun resume --help` and the README list them.
+RESUMABLE = {
+    "train.max_steps": "how far the run trains",
+    "train.epochs": "how far the run trains",
+    "train.val_period": "how often it validates",
+    "train.val_samples": "how many val samples a validation scores",
+    "train.stop_after": "where this attempt stops (at a checkpoint)",
+    "checkpoint.dir": "where its checkpoints are: a folder of this run's own (moved, or copied for a copied run "
+    "directory); one without any trains from step 0",
+    "checkpoint.save_period": "how often it checkpoints",
+    "checkpoint.keep": "how many checkpoints it keeps",
+    "checkpoint.requeue": "its requeue budget",
+    "checkpoint.async_save": "whether a checkpoint is written behind the next steps",
+    "cluster": "where and with which resources it runs",
+    "logger": "where its metrics are mirrored",
+    "data.on_bad_sample": "a recovery step: with drop, the sample that stopped the run (and any other the run "
+    "cannot train on) is skipped and counted in dropped_samples; the samples before it were all trained",
+    "data.error_tolerance": "a recovery step: how many bad samples a loader shard skips before the run fails",
+    "data.check_at_submit": "whether `vlmrun submit` checks the data set (a resume never does)",
+    "generation.refit_bucket_mb": "the memory a refit takes beyond the engine's weights; no number changes",
+    "generation.release_weights": "whether the engine's weights are freed between uses; no number changes",
+}
+#: Fields a resume refuses for a reason worth more than "it would change the sample stream".
+REFUSED_BECAUSE = {
+    "data.num_workers": "each loader worker reads its own slices of the split with its own seed and the shard "
+    "takes their groups in turn, so another worker count is another sample order, and Energon's saved "
+    "position (one entry per worker) restores only at the count it was saved with",
+}
 
 
 def resume_run(
@@ -73,30 +90,17 @@ def resume_run(
     raw = rd.recipe_data()
     stopped_after = (raw.get("train") or {}).get("stop_after")
     was_restarting = bool((raw.get("checkpoint") or {}).get("restart_data_order", False))
-    resumable = RESUMABLE + (RESHARDABLE if restart_data_order else ())
     set_dotted(raw, "train.stop_after", None)  # for one attempt only: this one stops where its --set says
     for item in overrides:
         key, value = parse_override(item)
-        if key in RESHARDABLE and not restart_data_order:
-            raise InputError(
-                key,
-                value,
-                message=f"{key}: {value}: a resume at another dp would {RESHARD_TERMS}; "
-                "pass --restart-data-order to accept that",
-            )
-        if not any(key == p or key.startswith(p + ".") for p in resumable):
-            raise InputError(
-                key,
-                value,
-                "changing it would change the sample stream or placement the checkpoint "
-                f"belongs to; a resume may change {', '.join(resumable)}",
-            )
+        check_resumable_field(key, value, restart_data_order)
         if key == "checkpoint.dir" and isinstance(value, str):  # as submit has it: absolute
             value = str(Path(value).expanduser().resolve())
         set_dotted(raw, key, value)
     set_dotted(raw, "checkpoint.restart_data_order", restart_data_order)  # for this attempt only
     recipe = validate(raw)
     check_recipe(recipe)
+    changes = changed_settings(_stored_recipe(rd), recipe, [parse_override(item)[0] for item in overrides])
     check_resumable(rd, recipe)
     if job is not None and job.state is State.COMPLETED and (done := _nothing_left(rd, recipe)) is not None:
         if echo:
@@ -110,10 +114,70 @@ def resume_run(
     try:
         if overrides or restart_data_order != was_restarting or stopped_after is not None:
             write_atomic(rd.recipe_file, dump_recipe(recipe))
-        return executor.resume(rd, recipe, wait=wait, lock=lock, echo=echo)
+        job_record.set_resume_changes(rd, changes, cluster=executor.cluster, name=recipe.name)
+        for change in changes if echo else ():
+            echo(f"this resume changes {change}: {_what_it_does(change.split(':', 1)[0])}")
+        result = executor.resume(rd, recipe, wait=wait, lock=lock, echo=echo)
     except BaseException:
         lock.release()
         raise
+    result.changes = changes
+    return result
+
+
+def check_resumable_field(key: str, value, restart_data_order: bool) -> None:
+    """Refuse (InputError, exit 2) a `--set key=value` that a resume may not make (RESUMABLE; with
+    `restart_data_order`, RESHARDABLE too), saying why and what it may change."""
+    if key in RESHARDABLE and not restart_data_order:
+        raise InputError(
+            key,
+            value,
+            message=f"{key}: {value}: a resume at another dp would {RESHARD_TERMS}; "
+            "pass --restart-data-order to accept that",
+        )
+    resumable = (*RESUMABLE, *(RESHARDABLE if restart_data_order else ()))
+    if not any(key == p or key.startswith(p + ".") for p in resumable):
+        why = REFUSED_BECAUSE.get(
+            key, "changing it would change the sample stream or placement the checkpoint belongs to"
+        )
+        raise InputError(key, value, f"{why}; a resume may change {', '.join(resumable)}")
+
+
+def changed_settings(before, after, keys: list[str]) -> list[str]:
+    """`field: old -> new` for each of `keys` (a resume's --set fields) whose value differs between the
+    recipes `before` (None: recipe.yaml was no valid recipe, its values unknown) and `after`, in order."""
+    changes = []
+    for key in dict.fromkeys(keys):
+        old, new = _dotted(before, key) if before is not None else "?", _dotted(after, key)
+        if old != new:
+            changes.append(f"{key}: {old if before is None else _shown(old)} -> {_shown(new)}")
+    return changes
+
+
+def _stored_recipe(rd):
+    """The run's recipe as recipe.yaml holds it, or None when it is no valid recipe (a --set may mend it)."""
+    try:
+        return rd.load_recipe()
+    except InputError:
+        return None
+
+
+def _what_it_does(key: str) -> str:
+    """What a resume's change of `key` does, in RESUMABLE's words (RESHARD_TERMS' for a new dp)."""
+    does = {**RESUMABLE, **dict.fromkeys(RESHARDABLE, RESHARD_TERMS)}
+    return next((d for p, d in does.items() if key == p or key.startswith(p + ".")), "")
+
+
+def _dotted(recipe, key: str):
+    value = recipe
+    for part in key.split("."):
+        value = getattr(value, part, None)
+    return value.model_dump(mode="json") if hasattr(value, "model_dump") else value
+
+
+def _shown(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def _unsubmitted_executor(rd):

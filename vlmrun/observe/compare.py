@@ -5,17 +5,21 @@ run advances its two runs in alternating parts, launch/compare.py), parts are pu
 ran, and every two neighbouring parts of different runs give one ratio of their median rates. The
 median of those ratios, with their spread, is what the table and `throughput_ratio` report: two runs
 taken one after the other give one ratio, and the spread says how far to trust it.
+
+A verdict "diverged" always comes with its `reasons`. A run whose metrics end in a torn last line (a
+killed writer's half row) is compared on its whole rows: the torn row is named under `skipped`, and its
+step, when the other run has it, is compared on neither side rather than counted as a divergence.
 """
 
 from __future__ import annotations
 
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from vlmrun.errors import InputError
 from vlmrun.observe.ratios import ratio_spread
-from vlmrun.run.metrics import history
+from vlmrun.run.metrics import TornRow, history
 
 METRICS = ("loss", "grad_norm")
 
@@ -25,6 +29,7 @@ class Side:
     label: str
     run_dir: Path
     rows: dict[int, dict]
+    torn: list[TornRow] = field(default_factory=list)  # the torn last line its reader skipped, if any
 
 
 def load_side(label: str, run_dir: Path, metrics_file: str = "metrics.jsonl") -> Side:
@@ -32,16 +37,18 @@ def load_side(label: str, run_dir: Path, metrics_file: str = "metrics.jsonl") ->
     path = Path(run_dir) / metrics_file
     if not path.is_file():
         raise InputError("RUN", str(run_dir), message=f"{run_dir}: no {metrics_file} (is it a vlmrun run directory?)")
-    rows = history(path)
+    torn: list[TornRow] = []
+    rows = history(path, torn)
     if not rows:
         raise InputError("RUN", str(run_dir), message=f"{path}: no step rows yet")
-    return Side(label, Path(run_dir), rows)
+    return Side(label, Path(run_dir), rows, torn)
 
 
 def compare_sides(a: Side, b: Side, *, rtol: float = 0.0, out_dir: Path | None = None) -> dict:
     """The comparison as a JSON-able dict; `verdict` is "match" when every metric is within `rtol`."""
     steps = sorted(set(a.rows) & set(b.rows))
-    only = sorted(set(a.rows) ^ set(b.rows))
+    unknown = {t.step for s in (a, b) for t in s.torn if t.step is not None and t.step not in s.rows}
+    only = sorted((set(a.rows) ^ set(b.rows)) - unknown)
     max_abs, max_rel, first_diff = {}, {}, {}
     for m in METRICS:
         diffs = []
@@ -57,9 +64,11 @@ def compare_sides(a: Side, b: Side, *, rtol: float = 0.0, out_dir: Path | None =
         if over:
             first_diff[m] = over[0]
     id_mismatch = [s for s in steps if a.rows[s].get("sample_ids") != b.rows[s].get("sample_ids")]
-    match = bool(steps) and not only and not first_diff and not id_mismatch
+    reasons = _reasons(a, b, steps, only, first_diff, id_mismatch, rtol)
     result = {
-        "verdict": "match" if match else "diverged",
+        "verdict": "diverged" if reasons else "match",
+        "reasons": reasons,
+        "skipped": [t.describe() for s in (a, b) for t in s.torn],
         "runs": {a.label: str(a.run_dir), b.label: str(b.run_dir)},
         "steps_compared": len(steps),
         "steps_only_in_one": only[:20],
@@ -77,6 +86,31 @@ def compare_sides(a: Side, b: Side, *, rtol: float = 0.0, out_dir: Path | None =
     if out_dir is not None:
         result["plot"] = str(plot(a, b, Path(out_dir) / f"compare-{a.label}-vs-{b.label}.png"))
     return result
+
+
+def _reasons(a: Side, b: Side, steps: list, only: list, first_diff: dict, id_mismatch: list, rtol: float) -> list:
+    """Why the runs diverged, one line each (none: they match)."""
+    reasons = [] if steps else ["no step in common"]
+    for side in (a, b):
+        mine = [s for s in only if s in side.rows]
+        if mine:
+            reasons.append(f"{len(mine)} step(s) only in {side.label}: {_spans(mine)}")
+    bound = f"more than rtol {rtol:g}" if rtol > 0 else "not bitwise equal"
+    reasons += [f"{m} {bound} from step {s}" for m, s in first_diff.items()]
+    if id_mismatch:
+        reasons.append(f"sample ids differ from step {id_mismatch[0]}")
+    return reasons
+
+
+def _spans(steps: list[int]) -> str:
+    """'3, 7-9' of sorted steps."""
+    spans: list[list[int]] = []
+    for s in steps:
+        if spans and s == spans[-1][1] + 1:
+            spans[-1][1] = s
+        else:
+            spans.append([s, s])
+    return ", ".join(str(x) if x == y else f"{x}-{y}" for x, y in spans)
 
 
 def _throughput(side: Side) -> dict:

@@ -57,7 +57,23 @@ class ProgressLine:
             loss = "none (no token scored)" if row.get("val_loss") is None else f"{row['val_loss']:.4f}"
             acc = "none" if row["val_accuracy"] is None else f"{row['val_accuracy']:.3f}"
             text += f" | val_loss {loss} val_acc {acc} (majority baseline {row['val_majority_baseline']:.3f})"
+            if _short(row):
+                text += f" on {val_scored(row)}"
         return text
+
+
+def val_scored(row: dict) -> str:
+    """How many val samples a validation row scored: 'N val samples', or 'N of M val samples asked for
+    (D dropped)' when the val split ran out before M usable ones were found."""
+    scored = f"{row['val_samples']} val samples"
+    if not _short(row):
+        return scored
+    dropped = row.get("val_dropped_samples", 0)
+    return f"{row['val_samples']} of {row['val_samples_requested']} val samples asked for ({dropped} dropped)"
+
+
+def _short(row: dict) -> bool:
+    return row.get("val_samples", 0) < row.get("val_samples_requested", 0)
 
 
 def _fmt(seconds: float) -> str:

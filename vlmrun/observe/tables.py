@@ -96,7 +96,7 @@ def print_eval(result: dict) -> None:
     from rich.table import Table
 
     pair = [result["a"], result["b"]] if "a" in result else [result]
-    keys = ("val_loss", "val_accuracy", "val_majority_baseline", "val_samples", "val_tokens")
+    keys = ("val_loss", "val_accuracy", "val_majority_baseline", "val_samples", "val_samples_requested", "val_tokens")
     table = Table(title=f"{pair[0]['split']} of {pair[0]['data']}")
     table.add_column("")
     for r in pair:
@@ -165,8 +165,15 @@ def print_comparison(result: dict) -> None:
     console.print(f"{ratio['runs']} {ratio['of'].replace('_per_s', '/s')}: {describe_spread(ratio)}")
     if result.get("plot"):
         console.print(f"plot: {result['plot']}")
+    for line in result.get("skipped", []):
+        console.print(f"warning: {line}", markup=False)
+    from rich.markup import escape
+
     verdict = result["verdict"]
-    console.print(f"verdict: [bold {'green' if verdict == 'match' else 'red'}]{verdict}[/] (rtol {result['rtol']})")
+    why = f": {'; '.join(result['reasons'])}" if result.get("reasons") else ""
+    console.print(
+        f"verdict: [bold {'green' if verdict == 'match' else 'red'}]{verdict}[/] (rtol {result['rtol']}){escape(why)}"
+    )
 
 
 def print_bench(result: dict) -> None:

@@ -1,8 +1,9 @@
 """job.json: the lineage of a run (every job id, every attempt, the final state and why).
 
 1. This module is the one place that reads and writes job.json: `read_job` / `write_job`, and the
-   transitions `add_job` (submit), `begin_attempt` / `end_attempt` / `fail_attempt` (the node),
-   `mark_killed` (whoever finds a job dead that never recorded its end: the reaper, cancel, the launcher).
+   transitions `add_job` (submit), `set_resume_changes` (resume), `begin_attempt` / `end_attempt` /
+   `fail_attempt` (the node), `mark_killed` (whoever finds a job dead that never recorded its end: the
+   reaper, cancel, the launcher).
    Others read the typed `JobRecord`, change fields and write it back with `write_job`.
 2. Written atomically (temp file + rename). The JSON keeps the key names and state strings users'
    scripts read (`job_ids`, `state`, `attempts[].restart_count`, ...); fields that are None are left
@@ -83,6 +84,7 @@ class Attempt(_Record):
     policy_layout: str | None = None
     policy_load: str | None = None
     notice: str | None = None  # what the user must know about how it started (no valid checkpoint left, ...)
+    resumed_with: list[str] | None = None  # what the `vlmrun resume` that started it changed: `field: old -> new`
 
 
 class Fork(_Record):
@@ -120,6 +122,7 @@ class JobRecord(_Record):
     submits: list[Submit] = Field(default_factory=list)
     reason: str | None = None
     forks: list[Fork] | None = None  # this run directory copied from another, gone on as a fork
+    resume_changes: list[str] | None = None  # set by `vlmrun resume`, taken by the attempt it starts
 
 
 def read_job(rd: RunDirectory) -> JobRecord | None:
@@ -211,7 +214,9 @@ def begin_attempt(rd: RunDirectory, job_id: str, restart_count: int, pid: int | 
         host=os.uname().nodename,
         started=now(),
         state=State.RUNNING,
+        resumed_with=job.resume_changes,
     )
+    job.resume_changes = None
     job.attempts.append(attempt)
     if job_id not in job.job_ids:
         job.job_ids.append(job_id)
@@ -284,6 +289,18 @@ def began_unrecorded(job: JobRecord, job_id: str) -> bool:
 def _unrecorded(a: Attempt, reason: str | None) -> bool:
     """RUNNING, or KILLED with the generic reason (`reason`, when it says more, may replace it)."""
     return a.state is State.RUNNING or (a.state is State.KILLED and a.reason == KILLED_REASON and reason != a.reason)
+
+
+def set_resume_changes(rd: RunDirectory, changes: list[str], *, cluster: Literal["local", "slurm"], name: str) -> None:
+    """Record what a `vlmrun resume` changes (`field: old -> new`, may be empty) for the attempt it
+    starts: the next `begin_attempt` takes it into that attempt's `resumed_with`."""
+    job = read_job(rd)
+    if job is None and not changes:
+        return
+    job = job or JobRecord(cluster=cluster, name=name)
+    if job.resume_changes != (changes or None):
+        job.resume_changes = changes or None
+        write_job(rd, job)
 
 
 def note_attempt(rd: RunDirectory, index: int, notice: str) -> None:

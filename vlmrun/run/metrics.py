@@ -5,8 +5,9 @@ A resumed attempt appends rows; readers take, for each step, the row of the late
 Readers (`history`, `last_metrics`) refuse a damaged file with an InputError naming the file, the
 line and what is wrong (not UTF-8, not JSON, no whole-number step, a metric that is not a number),
 so the CLI prints one line instead of a traceback. One thing is not damage: an unterminated last
-line is a row a killed writer left half-written; readers skip it and the next writer drops it.
-`RowFollower` only feeds the console progress line, so it skips damaged rows instead of ending a run.
+line is a row a killed writer left half-written; readers skip it (and tell a caller who asks: `TornRow`)
+and the next writer drops it. `RowFollower` only feeds the console progress line, so it skips damaged
+rows instead of ending a run.
 """
 
 from __future__ import annotations
@@ -14,7 +15,9 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 from vlmrun.errors import InputError, short_repr
@@ -22,6 +25,22 @@ from vlmrun.run.directory import RunDirectory
 from vlmrun.run.rows import NUMBER_KEYS, StepRow
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class TornRow:
+    """An unterminated last line a reader skipped: a row a killed writer left half-written."""
+
+    path: Path
+    line: int
+    step: int | None  # the step it names, when the writer got that far
+
+    def describe(self) -> str:
+        of = f" (step {self.step})" if self.step is not None else ""
+        return f"{self.path}: line {self.line}{of} is a row a killed writer left half-written: skipped"
+
+
+_STEP = re.compile(rb'"step"\s*:\s*(\d+)\s*[,}]')
 
 
 class MetricsLog:
@@ -50,23 +69,23 @@ def _drop_torn_tail(path: Path) -> None:
         f.truncate(data.rfind(b"\n") + 1)
 
 
-def read_rows(path: Path) -> list[dict]:
+def read_rows(path: Path, torn: list[TornRow] | None = None) -> list[dict]:
     """Every row, in file order; [] when there is no file. Raises InputError naming the file and line
-    for a damaged row; an unterminated last line (a killed writer's) is skipped."""
+    for a damaged row; an unterminated last line (a killed writer's) is skipped, and added to `torn`."""
     p = Path(path)
     if not p.exists():
         return []
     try:
         with open(p, "rb") as f:
-            return list(_rows(f, p))
+            return list(_rows(f, p, torn if torn is not None else []))
     except OSError as e:
         raise InputError("metrics", str(p), message=f"{p}: cannot read it: {e.strerror or e}") from None
 
 
-def history(path: Path) -> dict[int, dict]:
-    """step -> the row of the latest attempt that wrote that step (InputError as `read_rows`)."""
+def history(path: Path, torn: list[TornRow] | None = None) -> dict[int, dict]:
+    """step -> the row of the latest attempt that wrote that step (InputError and `torn` as `read_rows`)."""
     out: dict[int, dict] = {}
-    for row in read_rows(path):
+    for row in read_rows(path, torn):
         prev = out.get(row["step"])
         if prev is None or row.get("attempt", 0) >= prev.get("attempt", 0):
             out[row["step"]] = row
@@ -123,13 +142,14 @@ class RowFollower:
         return rows
 
 
-def _rows(f, path: Path) -> Iterator[dict]:
+def _rows(f, path: Path, torn: list[TornRow]) -> Iterator[dict]:
     for lineno, line in enumerate(f, start=1):
         if not line.endswith(b"\n"):  # the writer was killed mid-row: skip it unless it is whole
             try:
                 yield _row(line, path, f"line {lineno}")
             except InputError:
-                pass
+                step = _STEP.search(line)
+                torn.append(TornRow(path, lineno, int(step.group(1)) if step else None))
             return
         if line.strip():
             yield _row(line, path, f"line {lineno}")

@@ -9,6 +9,8 @@
 3. Linux, this host only: a pid recorded on another host says nothing here (callers compare hosts).
    Where /proc cannot be read (mounted with hidepid, or absent) the answer falls back to
    `kill(pid, 0)`, which cannot tell a reused pid apart.
+4. For the same reason a local job is named by pid and start time (`local_job_id`): after the pids
+   wrap, a new job's node may get an old one's pid, never its id.
 
 Standard library only: the reaper (cluster/reaper.py) imports this before anything else.
 """
@@ -37,6 +39,12 @@ def start_time(pid: int) -> int | None:
     except OSError:
         return None
     return stat[1] if stat is not None else None
+
+
+def local_job_id(pid: int, start: int | None) -> str:
+    """The job id of a local run's node process `pid` that started at `start` (`start_time(pid)`):
+    `local-<pid>-<start>`, unique on this host; `local-<pid>` where /proc cannot tell the start."""
+    return f"local-{pid}-{start}" if start is not None else f"local-{pid}"
 
 
 def process_alive(pid: int | None, start: int | None = None) -> bool:

@@ -21,10 +21,11 @@ class Validation:
 
     val_loss: float | None  # summed NLL / val_tokens; None when the pass scored no token
     val_accuracy: float | None  # exact-match rate of the greedy answers; None when nothing was answered
-    val_samples: int  # answered prompts
+    val_samples: int  # answered prompts: every one asked for, unless the val split ran out first
     val_tokens: int  # label tokens the NLL summed over (0: no token was scored, e.g. every label cut away)
     val_majority_baseline: float  # accuracy of always giving the most common answer
     val_dropped_samples: int = 0  # val samples left out (unfit under data.on_bad_sample: drop)
+    val_samples_requested: int = 0  # train.val_samples (or eval's --samples): more than val_samples when short
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -36,7 +36,7 @@ import time
 
 from vlmrun.algorithms.common.shards import open_train_shard
 from vlmrun.algorithms.common.steps import plan_steps
-from vlmrun.algorithms.common.validation import ValidationScore, ValidationSet, validation_row
+from vlmrun.algorithms.common.validation import ValidationScore, ValidationSet
 from vlmrun.checkpoint.manifest import RunAtSave
 from vlmrun.checkpoint.read import Checkpoint
 from vlmrun.checkpoint.saving import Saves
@@ -361,7 +361,7 @@ class StepLoop:
             )
         val: ValidationSet = self._val
         scores = self.group.per_rank("validate", lambda rank: {"share": val.shares[rank]})
-        validation = validation_row(sum(scores, ValidationScore()), val.answers, dropped=val.dropped)
+        validation = val.row(sum(scores, ValidationScore()))
         if validation.val_loss is None:
             log.warning(
                 "validation at step %d scored no token of %d val samples (every label cut away? data.max_seq_len "

@@ -43,11 +43,17 @@ class ValidationShare:
 @dataclass(frozen=True)
 class ValidationSet:
     """A run's val set as the controller holds it: every rank's share (in rank order; a reference to it in
-    Ray's object store), every prompt's reference answer, and the val samples the loader left out."""
+    Ray's object store), every prompt's reference answer, the val samples the loader left out, and how
+    many were asked for (the split may run out first)."""
 
     shares: list
     answers: list[str]
     dropped: int = 0
+    requested: int = 0
+
+    def row(self, score: ValidationScore) -> Validation:
+        """The metrics row's validation keys of a pass over this set that scored `score`."""
+        return validation_row(score, self.answers, dropped=self.dropped, requested=self.requested)
 
 
 @dataclass(frozen=True)
@@ -123,9 +129,9 @@ def response_texts(tokenizer, rollouts) -> list[str]:
     )
 
 
-def validation_row(score: ValidationScore, answers: list[str], *, dropped: int = 0) -> Validation:
+def validation_row(score: ValidationScore, answers: list[str], *, dropped: int = 0, requested: int = 0) -> Validation:
     """The metrics row's validation keys of a whole pass; `answers` are every prompt's reference answer,
-    `dropped` the val samples the loader left out."""
+    `dropped` the val samples the loader left out, `requested` how many were asked for."""
     return Validation(
         val_loss=score.nll / score.tokens if score.tokens else None,
         val_accuracy=score.correct / score.answered if score.answered else None,
@@ -133,6 +139,7 @@ def validation_row(score: ValidationScore, answers: list[str], *, dropped: int =
         val_tokens=score.tokens,
         val_majority_baseline=majority_share(answers),
         val_dropped_samples=dropped,
+        val_samples_requested=requested,
     )
 
 

@@ -150,7 +150,7 @@ class RankWorker(RankActor):
             self.recipe, processor_dir=self.model_dir, samples=samples, batch_size=batch_size
         )
         shares = [ray.put(share) for share in validation_shares(loss, prompts, ranks)]
-        return ValidationSet(shares, [a for b in prompts for a in b.answers], dropped)
+        return ValidationSet(shares, [a for b in prompts for a in b.answers], dropped, samples)
 
     def validate(self, share: ValidationShare) -> ValidationScore:
         """This rank's score of its share of the val batches (collective: every rank calls it)."""
