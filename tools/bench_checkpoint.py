@@ -1,6 +1,6 @@
 """Checkpoint save cost: the sharded path (every rank writes its DCP shard, hashed as it is written;
 then the checkpoint is sealed: manifest, fsync, rename, which the step loop runs behind the next steps,
-algorithms/common/saving.py) against a plain `torch.save` of the same tensors (each rank its own
+vlmrun/checkpoint/saving.py) against a plain `torch.save` of the same tensors (each rank its own
 shard's), measured side by side in interleaved rounds in one run.
 
     .venv/bin/python tools/bench_checkpoint.py --mb 512 --ranks 2 --rounds 5 --json

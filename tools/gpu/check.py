@@ -16,7 +16,7 @@ Sections, in order; each is {"ok": true, "seconds": ..., ...} or {"ok": false, "
 
 Every section past the first two runs vlmrun's own code: the `hf` policy from `vlmrun.policy.open_policy`
 (a `ModelSpec` of the config: random init on the meta device, FSDP2 on one rank), its `train_step`,
-`logprobs` and checkpoint state, and `vlmrun.algorithms.common.checkpoint.CheckpointStore`. What that
+`logprobs` and checkpoint state, and `vlmrun.checkpoint.store.CheckpointStore`. What that
 imports is the standard library, torch, numpy and transformers: no pydantic, no Ray, no network, no
 install. vlmrun comes from the repository: on a machine where it is not installed run the check from
 the repository root as `PYTHONPATH=. python tools/gpu/check.py`. No weights are downloaded. Each policy

@@ -89,6 +89,7 @@ def resume(
     what it changed, and job.json's new attempt lists it under resumed_with):
       train.max_steps, train.epochs, train.val_period, train.val_samples, train.stop_after,
       checkpoint.save_period, checkpoint.keep, checkpoint.requeue, checkpoint.async_save,
+      checkpoint.dir (a folder of this run's own checkpoints: moved, or copied with a copied run dir),
       cluster.*, logger.*, data.check_at_submit,
       generation.refit_bucket_mb, generation.release_weights (memory only: no number changes),
       data.on_bad_sample, data.error_tolerance (recovery: a run stopped by a sample it cannot train

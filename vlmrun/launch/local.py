@@ -237,7 +237,7 @@ def _hard_kill_words(rd: RunDirectory, recipe) -> tuple[str, str]:
     """(what the console says, what job.json records) of a kill by a second Ctrl-C: whether the run's
     last trained step is in a sealed checkpoint (the first Ctrl-C's stop got that far), or where a
     resume starts instead."""
-    from vlmrun.algorithms.common.checkpoint_store import run_checkpoints
+    from vlmrun.checkpoint.store import run_checkpoints
     from vlmrun.run.metrics import last_metrics
 
     try:
