@@ -34,6 +34,17 @@ class InputError(VlmrunError):
                 message += f"; {allowed}"
         super().__init__(message)
 
+    def __reduce__(self):
+        # pickled into another process (a Ray actor's error): rebuilt as it is, its message kept
+        return _rebuilt, (type(self), self.args, dict(self.__dict__))
+
+
+def _rebuilt(cls: type, args: tuple, state: dict) -> Exception:
+    error = cls.__new__(cls)
+    Exception.__init__(error, *args)
+    error.__dict__.update(state)
+    return error
+
 
 class CheckFailed(VlmrunError):
     """The thing checked is not so (exit 1): a comparison diverged, a job failed."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from vlmrun.models.fit import MemoryFit
 
@@ -19,6 +20,7 @@ class SubmitResult:
     state: str | None = None
     exit_code: int = 0
     memory: MemoryFit | None = None  # submit's memory estimate (models/fit.py)
+    steps: Any = None  # submit's StepPlan (algorithms/common/steps.py), None where the split is not here
 
     def summary(self) -> dict:
         out = {"run_dir": str(self.run_dir), "cluster": self.cluster, "dry_run": self.dry_run}
@@ -28,6 +30,10 @@ class SubmitResult:
             out["state"] = self.state
         if self.memory is not None:
             out["memory_estimate"] = self.memory.to_json()
+        if self.steps is not None:
+            out["steps"] = {"max_steps": self.steps.max_steps, "steps_per_epoch": self.steps.steps_per_epoch}
+            if self.steps.capped:
+                out["steps"]["capped_by"] = self.steps.cap_advice()
         if self.dry_run:
             out["recipe"] = self.rendered
             if self.script:
