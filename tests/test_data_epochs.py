@@ -7,14 +7,17 @@ default buffer of 64 drew 56 samples in "epoch 0", 39 of them unique."""
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 
 import pytest
 from data_samples import flat, make_recipe, same_batches
+from vlmrun_cli import TINY, sets, vlmrun
 
 from vlmrun.algorithms.common.steps import plan_steps
 from vlmrun.data.epochs import epoch_layout, is_filler, real_ids
 from vlmrun.data.loader import open_loader_shard
+from vlmrun.run.metrics import history
 
 ODD = 62  # samples in the odd set's train split: no layout below divides it
 HANG_S = 180
@@ -139,3 +142,22 @@ def test_a_shard_restored_anywhere_in_an_epoch_goes_on_exactly(odd_set, tiny_dir
     for e in range(2):  # 16 micro-batches of 2 an epoch: the shard's 31 samples and a filler
         epoch = ids[32 * e : 32 * (e + 1)]
         assert len(set(real_ids(epoch))) == len(real_ids(epoch)) == 31 and sum(map(is_filler, epoch)) == 1
+
+
+@pytest.mark.slow  # one real run through the CLI
+def test_a_run_of_one_epoch_trains_each_sample_once_and_says_what_capped_it(tmp_path):
+    """The issue's run: 62 samples, dp=2, `--set train.max_steps=20` under train.epochs: 1."""
+    run = tmp_path / "run"
+    data = sets(f"data.path={tmp_path / 'data'}", f"data.synthetic={{train: {ODD}, val: 8, image_size: 64}}")
+    more = sets("train.max_steps=20", "train.val_samples=0", "logger.wandb_mode=disabled")
+    out = vlmrun("submit", TINY, "--cluster", "local", "--run-dir", str(run), *data, *more, "--wait")
+    said = out.stdout + out.stderr
+    assert out.returncode == 0, said[-3000:]
+    assert "note: train.epochs: 1 caps train.max_steps=20 to 8 steps" in said
+    assert "step 8/8 (train.epochs: 1 caps train.max_steps=20)" in said
+    rows = history(run / "metrics.jsonl")
+    assert sorted(rows) == list(range(1, 9)) and {r["epoch"] for r in rows.values()} == {0}
+    ids = [i for r in rows.values() for i in r["sample_ids"]]
+    assert sorted(ids) == [f"train-{i:07d}" for i in range(ODD)] and rows[8]["consumed_samples"] == ODD
+    reason = json.loads((run / "job.json").read_text())["reason"]
+    assert reason.startswith("finished at step 8 of 8 (train.epochs: 1 caps train.max_steps=20)"), reason
