@@ -7,12 +7,15 @@ from __future__ import annotations
 import io
 import json
 import math
+import signal
+import subprocess
 import tarfile
+import time
 from pathlib import Path
 
 import pytest
 from PIL import Image
-from vlmrun_cli import TINY, refused, rows, sealed, sets, vlmrun
+from vlmrun_cli import ENV, TINY, command, refused, rows, sealed, sets, vlmrun
 
 from vlmrun.data.cookers import cook_conversation, media_pixels
 from vlmrun.datasets.user_data import BadRowBudget, prepare_user_data, read_prepared, split_of
@@ -552,3 +555,37 @@ def test_the_tiny_recipe_trains_on_a_prepared_parquet_set(tmp_path):
     steps = rows(run)
     assert [r["step"] for r in steps] == [1, 2, 3, 4] and all(math.isfinite(r["loss"]) for r in steps)
     assert math.isfinite(steps[-1]["val_loss"]) and sealed(run)[-1] == 4
+
+
+# ---------------------------------------------------------------- signals
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP], ids=["int", "term", "hup"])
+def test_a_signal_mid_conversion_leaves_no_partial_folder(tmp_path, signum):
+    """Ctrl-C, `kill` and a closed terminal all stop `data prepare` with its half-written folder removed."""
+    images = tmp_path / "images"
+    images.mkdir()
+    draw(images / "a.png", (64, 64), 1)
+    many = [
+        {"id": f"r{i}", "image": "images/a.png", "conversations": turns("<image> How many?", "2")} for i in range(20000)
+    ]
+    (tmp_path / "chat.json").write_text(json.dumps(many))
+    out = tmp_path / "set"
+    proc = subprocess.Popen(
+        command(
+            "data", "prepare", str(tmp_path / "chat.json"), str(out), "--format", "llava", "--samples-per-shard", "64"
+        ),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=ENV,
+    )
+    deadline = time.monotonic() + 120
+    while not any(tmp_path.glob(".set.partial-*/train-*.tar")):  # writing its shards
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.05)
+    proc.send_signal(signum)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signum, err[-2000:]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["chat.json", "images"], err[-2000:]
+    assert "Traceback" not in err and signal.Signals(signum).name in err

@@ -8,6 +8,7 @@ message in one or two lines and exits 2, with no traceback. `CheckFailed` is a c
 from __future__ import annotations
 
 import reprlib
+import signal
 from typing import Any
 
 EXIT_OK = 0
@@ -44,6 +45,16 @@ def _rebuilt(cls: type, args: tuple, state: dict) -> Exception:
     Exception.__init__(error, *args)
     error.__dict__.update(state)
     return error
+
+
+class StopSignalled(BaseException):
+    """SIGINT, SIGTERM or SIGHUP to a command that writes files, raised from its signal handler: like
+    Ctrl-C's KeyboardInterrupt no `except Exception` takes it, so every clean-up on the way out runs; the
+    CLI exits 128 + `signum`."""
+
+    def __init__(self, signum: int):
+        self.signum = signum
+        super().__init__(signal.Signals(signum).name)
 
 
 class CheckFailed(VlmrunError):

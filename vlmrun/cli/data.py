@@ -2,12 +2,31 @@
 
 from __future__ import annotations
 
+import contextlib
+import signal
 from pathlib import Path
 
 import typer
 
 from vlmrun.cli.output import JsonOpt, SetOpt, print_json, print_result
-from vlmrun.errors import InputError
+from vlmrun.errors import InputError, StopSignalled
+
+
+@contextlib.contextmanager
+def _stopped_by_signals():
+    """SIGINT, SIGTERM and SIGHUP stop the command as Ctrl-C does: what it was writing (a staging folder)
+    is removed on the way out, and the CLI exits 128 + the signal's number (cli/exits.py)."""
+
+    def stop(signum, _frame):
+        raise StopSignalled(signum)
+
+    previous = {s: signal.signal(s, stop) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
 
 data_app = typer.Typer(
     help="Make data sets: a synthetic one (clevr), or yours converted (prepare); check one against a recipe "
@@ -35,7 +54,7 @@ def data_clevr(
 
     if image_format not in ("jpg", "png"):
         raise InputError("--format", image_format, "use jpg or png")
-    with progress_bar("drawing scenes", enabled=not json_out) as progress:
+    with _stopped_by_signals(), progress_bar("drawing scenes", enabled=not json_out) as progress:
         summary = generate_clevr(
             out, train=train, val=val, image_size=image_size, seed=seed, image_format=image_format, progress=progress
         )
@@ -131,7 +150,7 @@ def data_prepare(
         split_column=split_column,
     )
     budget = BadRowBudget.parse(max_bad_rows)
-    with progress_bar("converting rows", enabled=not json_out) as progress:
+    with _stopped_by_signals(), progress_bar("converting rows", enabled=not json_out) as progress:
         summary = prepare_user_data(
             spec,
             out,
