@@ -119,6 +119,14 @@ def test_a_longer_max_seq_len_fits_the_long_rows_but_not_a_spelled_placeholder(p
     assert result.splits[0].bad == {"media_mismatch": 2} and result.splits[0].truncated == 0
 
 
+def test_a_missing_validation_split_is_named_as_data_val_split(planted_set):
+    args = ("data", "check", str(planted_set), "--recipe", TINY)
+    refused(
+        vlmrun(*args, *sets("data.val_split=test")), "data.val_split", "'test'", "train, val", "train.val_samples=0"
+    )
+    refused(vlmrun(*args, *sets("data.split=test")), "data.split", "'test'", "train, val")
+
+
 @pytest.mark.slow
 def test_the_cli_names_the_samples_and_exits_1_then_0_with_drop(planted_set):
     args = ("data", "check", str(planted_set), "--recipe", TINY, *sets(f"data.max_seq_len={MAX_SEQ_LEN}"))

@@ -75,7 +75,10 @@ def data_prepare(
     out: Path = typer.Argument(..., help="new folder for the Energon data set (missing or empty; see --overwrite)"),
     source_format: str = typer.Option(..., "--format", help="what SRC is: llava, parquet or webdataset"),
     image_root: Path | None = typer.Option(
-        None, "--image-root", help="folder that relative image paths start from (default: SRC's folder)"
+        None,
+        "--image-root",
+        help="folder that relative image paths start from and every image path must stay inside (default: SRC's "
+        "folder)",
     ),
     image_column: str | None = typer.Option(
         None,
@@ -121,11 +124,13 @@ def data_prepare(
 
     LLaVA rows are {"id", "image": a path or a list of paths (none: text only), "conversations": [{"from":
     "human" | "gpt" | "system", "value"}]} with one <image> placeholder per image in the human text (a row
-    without placeholders gets its images before the first human text). Images are stored as they are,
-    after a check that they decode; a URL is never downloaded. Rows that cannot be used (missing or
-    undecodable image, URL, no gpt answer, placeholders that do not match the images, empty text) are
-    skipped, counted and named, up to --max-bad-rows. Train with: vlmrun submit recipes/tiny-clevr-cpu.yaml
-    --set data.path=OUT
+    without placeholders gets its images before the first human text); chat rows {"messages": [{"role",
+    "content"}], "images"} are read too. Images are stored as they are, after a check that they decode; a
+    URL is never downloaded, and a path that leads out of --image-root is never read. Text must be UTF-8
+    (no encoding is guessed). Rows that cannot be used (missing or undecodable image, URL, image outside
+    --image-root, text that is not UTF-8, no gpt answer, placeholders that do not match the images, empty
+    text) are skipped, counted and named, up to --max-bad-rows. Train with: vlmrun submit
+    recipes/tiny-clevr-cpu.yaml --set data.path=OUT
 
     \b
     Examples:
@@ -188,7 +193,7 @@ def data_check(
       vlmrun data check data/my-set --recipe recipes/tiny-clevr-cpu.yaml --set data.max_seq_len=512 --json
     """
     from vlmrun.config.load import load_recipe
-    from vlmrun.data.check import check_data, write_cache
+    from vlmrun.data.check import check_data, read_splits, write_cache
     from vlmrun.launch.data_check import processor_dir_for
     from vlmrun.observe.progress import progress_bar
 
@@ -199,6 +204,7 @@ def data_check(
             str(data),
             message=f"data: {data} is not an Energon data set (no .nv-meta/); make one with `vlmrun data prepare`",
         )
+    read_splits(loaded)  # a split it lacks is named before a processor is built
     processor_dir = processor_dir_for(loaded)
     if processor_dir is None:
         raise InputError(

@@ -352,7 +352,7 @@ def val_batches(recipe, *, processor_dir: str, samples: int, batch_size: int) ->
     if samples <= 0:
         return ValidationSet([], [])
     check_components(recipe)
-    split_size(d.path, d.val_split)
+    split_size(d.path, d.val_split, field="data.val_split")
     processor = load_processor(processor_dir, recipe.family)
     budget = ErrorBudget(
         shard=0, num_shards=1, split=d.val_split, tolerance=d.error_tolerance, on_bad_sample=d.on_bad_sample
