@@ -6,9 +6,8 @@
 2. `state_dict()` is plain data (`torch.load(weights_only=True)` reads it) and carries the shard's
    identity fingerprint (`vlmrun.data.fingerprint`); `load_state_dict()` refuses another identity,
    or any state once the first batch was taken (Energon restores only before iterating).
-3. The stream is infinite: exact epochs, each ending at a step (`vlmrun.data.epochs`); with
-   `data.virtual_epoch_length` the shard ends an epoch every that many samples (rounded down to whole
-   transfer groups) and starts the next.
+3. The stream is infinite, in exact epochs that end at a step (`vlmrun.data.epochs`); `data.virtual_epoch_length`
+   ends one every that many samples (rounded down to whole transfer groups) and starts the next.
    Energon batches `transfer_group` micro-batches at a time into one shared-memory block
    (`vlmrun.data.transport`); the shard hands them out one by one. A state saved in the middle of
    a group records the group's restore key and how many micro-batches were taken.
@@ -157,8 +156,7 @@ class LoaderShard:
         self._batches = 0
         self._counts = SampleCounts()
         self._closed = False
-        self._num_workers = d.num_workers
-        self._restart_data = recipe.checkpoint.restart_data_order
+        self._num_workers, self._restart_data = d.num_workers, recipe.checkpoint.restart_data_order
         self._started_from: list | None = None  # the loaded state's worker checkpoints (None: not loaded)
         self._handed_out: set[int] = set()  # Energon workers that gave this shard a group
 
