@@ -18,8 +18,8 @@ TRAIN, VAL, SIZE, PER_SHARD = 96, 24, 64, 32  # the session's CLEVR set (conftes
 FAMILIES = tuple(FAMILY_REGISTRY)
 
 
-def make_recipe(data_path: Path | str, *, family: str = "qwen2_5_vl", train: dict | None = None, **data):
-    """A validated tiny recipe over `data_path`; keyword arguments override `data.*`."""
+def make_recipe(data_path: Path | str, *, family: str = "qwen2_5_vl", train: dict | None = None, dp: int = 1, **data):
+    """A validated tiny recipe over `data_path` at `dp` replicas; keyword arguments override `data.*`."""
     from vlmrun.config.load import validate
 
     raw = {
@@ -34,7 +34,7 @@ def make_recipe(data_path: Path | str, *, family: str = "qwen2_5_vl", train: dic
             **data,
         },
         "train": {"micro_batch_size": 2, "global_batch_size": 2, "seed": 1234, **(train or {})},
-        "parallel": {"dp": 1},
+        "parallel": {"dp": dp},
         "cluster": {"nodes": 1, "gpus_per_node": 0, "cpus_per_node": 2},
     }
     return validate(raw)

@@ -286,7 +286,7 @@ def test_7_the_resumed_run_equals_the_uninterrupted_one_step_for_step(chain, sft
 
 
 def epoch_ids(run: Path) -> dict[int, Counter]:
-    """epoch -> how often each sample id was trained on in it (the shuffle buffer spans epoch ends)."""
+    """epoch -> how often each sample id was trained on in it (each once: vlmrun.data.epochs)."""
     out: dict[int, Counter] = {}
     for row in history(run / "metrics.jsonl").values():
         out.setdefault(row["epoch"], Counter()).update(row["sample_ids"])

@@ -97,6 +97,21 @@ def test_dry_run_json_names_run_dir_and_starts_nothing(tmp_path):
     assert not (tmp_path / "r").exists()
 
 
+def test_submit_says_when_train_epochs_caps_train_max_steps(tmp_path):
+    """The issue's case: 62 samples, 8 a step at dp=2, train.epochs: 1 and --set train.max_steps=20."""
+    odd = ["--set", f"data.path={tmp_path / 'none'}", "--set", "data.synthetic={train: 62, val: 8}"]
+    out = vlmrun("submit", TINY, "--dry-run", "--cluster", "local", *odd, "--set", "train.max_steps=20")
+    assert out.returncode == 0, out.stderr
+    assert (
+        "note: train.epochs: 1 caps train.max_steps=20 to 8 steps (8 per epoch over the 62 samples of the split); "
+        "--set train.epochs=3 trains all 20"
+    ) in out.stdout
+    out = vlmrun("submit", TINY, "--dry-run", "--cluster", "local", *odd, "--set", "train.max_steps=20", "--json")
+    assert json.loads(out.stdout)["steps"]["max_steps"] == 8
+    out = vlmrun("submit", TINY, "--dry-run", "--cluster", "local", *odd, "--set", "train.max_steps=8")
+    assert out.returncode == 0 and "caps" not in out.stdout + out.stderr
+
+
 @pytest.mark.parametrize(
     "args, field",
     [

@@ -4,10 +4,12 @@ with the fields the CLI prints, as plain JSON."""
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
 from data_samples import SIZE, TRAIN, VAL, make_recipe, read_raw_samples
+from vlmrun_cli import TINY, sets, vlmrun
 
 from vlmrun.bench.reference import reference_loader
 from vlmrun.config.families import family_spec
@@ -77,3 +79,26 @@ def test_bench_reports_every_loader_kind(clevr_set, tiny_dirs):
         best = {k: rows[(k, result["best"][k]["num_workers"])]["chunk_samples_per_s"] for k in ("energon", kind)}
         per_round = sorted(e / o for e, o in zip(best["energon"], best[kind], strict=True))
         assert spread["min"] == round(per_round[0], 3) and spread["max"] == round(per_round[-1], 3)
+
+
+@pytest.mark.slow  # a short bench-loader run through the CLI
+def test_bench_loader_writes_nothing_beside_the_user_s_data_set(clevr_set, tmp_path):
+    """Its tiny model goes to the user cache ($XDG_CACHE_HOME/vlmrun), not into a folder next to the data."""
+    mine = tmp_path / "mine"
+    shutil.copytree(clevr_set, mine / "set")
+    cache = tmp_path / "cache"
+    more = sets(f"data.path={mine / 'set'}", "data.synthetic=null")
+    out = vlmrun(
+        "bench-loader",
+        TINY,
+        "--workers",
+        "0",
+        "--batches",
+        "2",
+        *more,
+        "--json",
+        env={"XDG_CACHE_HOME": str(cache), "VLMRUN_TINY_MODELS": ""},
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert sorted(p.name for p in mine.iterdir()) == ["set"]
+    assert any((cache / "vlmrun" / "models").iterdir())

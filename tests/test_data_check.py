@@ -14,6 +14,7 @@ from vlmrun_cli import TINY, refused, rows, sets, vlmrun
 
 from vlmrun.config.load import load_recipe
 from vlmrun.data.check import check_data
+from vlmrun.data.epochs import real_ids
 
 MAX_SEQ_LEN = 96
 LONG = " ".join(["how many objects are in this picture"] * 12)  # ~100 tokens: past MAX_SEQ_LEN on its own
@@ -119,6 +120,14 @@ def test_a_longer_max_seq_len_fits_the_long_rows_but_not_a_spelled_placeholder(p
     assert result.splits[0].bad == {"media_mismatch": 2} and result.splits[0].truncated == 0
 
 
+def test_a_missing_validation_split_is_named_as_data_val_split(planted_set):
+    args = ("data", "check", str(planted_set), "--recipe", TINY)
+    refused(
+        vlmrun(*args, *sets("data.val_split=test")), "data.val_split", "'test'", "train, val", "train.val_samples=0"
+    )
+    refused(vlmrun(*args, *sets("data.split=test")), "data.split", "'test'", "train, val")
+
+
 @pytest.mark.slow
 def test_the_cli_names_the_samples_and_exits_1_then_0_with_drop(planted_set):
     args = ("data", "check", str(planted_set), "--recipe", TINY, *sets(f"data.max_seq_len={MAX_SEQ_LEN}"))
@@ -197,7 +206,7 @@ def test_the_loader_refuses_or_drops_what_the_check_finds(planted_set, tiny_dirs
     refusing.close()
     assert "\n" not in str(err.value) and "vlmrun data check" in str(err.value)
     dropping = shard("data.on_bad_sample=drop")
-    ids = [k for _ in range(60) for k in dropping.next_batch().sample_ids]
+    ids = real_ids(k for _ in range(60) for k in dropping.next_batch().sample_ids)  # fillers take the drops' places
     dropped = dropping.counts().dropped
     dropping.close()
     assert dropped >= len(PLANTED) and len(set(ids)) == GOOD - 8 + 8 + 1

@@ -7,12 +7,15 @@ from __future__ import annotations
 import io
 import json
 import math
+import signal
+import subprocess
 import tarfile
+import time
 from pathlib import Path
 
 import pytest
 from PIL import Image
-from vlmrun_cli import TINY, refused, rows, sealed, sets, vlmrun
+from vlmrun_cli import ENV, TINY, command, refused, rows, sealed, sets, vlmrun
 
 from vlmrun.data.cookers import cook_conversation, media_pixels
 from vlmrun.datasets.user_data import BadRowBudget, prepare_user_data, read_prepared, split_of
@@ -552,3 +555,126 @@ def test_the_tiny_recipe_trains_on_a_prepared_parquet_set(tmp_path):
     steps = rows(run)
     assert [r["step"] for r in steps] == [1, 2, 3, 4] and all(math.isfinite(r["loss"]) for r in steps)
     assert math.isfinite(steps[-1]["val_loss"]) and sealed(run)[-1] == 4
+
+
+# ---------------------------------------------------------------- signals
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP], ids=["int", "term", "hup"])
+def test_a_signal_mid_conversion_leaves_no_partial_folder(tmp_path, signum):
+    """Ctrl-C, `kill` and a closed terminal all stop `data prepare` with its half-written folder removed."""
+    images = tmp_path / "images"
+    images.mkdir()
+    draw(images / "a.png", (64, 64), 1)
+    many = [
+        {"id": f"r{i}", "image": "images/a.png", "conversations": turns("<image> How many?", "2")} for i in range(20000)
+    ]
+    (tmp_path / "chat.json").write_text(json.dumps(many))
+    out = tmp_path / "set"
+    proc = subprocess.Popen(
+        command(
+            "data", "prepare", str(tmp_path / "chat.json"), str(out), "--format", "llava", "--samples-per-shard", "64"
+        ),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=ENV,
+    )
+    deadline = time.monotonic() + 120
+    while not any(tmp_path.glob(".set.partial-*/train-*.tar")):  # writing its shards
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.05)
+    proc.send_signal(signum)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signum, err[-2000:]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["chat.json", "images"], err[-2000:]
+    assert "Traceback" not in err and signal.Signals(signum).name in err
+
+
+# ---------------------------------------------------------------- the report's rows (issue 43, 9)
+
+
+def test_an_integer_answer_column_is_written_as_its_digits_and_another_type_is_refused_naming_it(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"q": ["How many?", "And now?"], "a": [3, 12]}), tmp_path / "ints.parquet")
+    spec = SourceSpec(format="parquet", path=tmp_path / "ints.parquet", question_column="q", answer_column="a")
+    summary = prepare_user_data(spec, tmp_path / "set", val_ratio=0, budget=BadRowBudget.parse("0")).to_json()
+    assert (summary["train"], summary["bad_rows"]) == (2, 0)
+    answers = [
+        json.loads(s["json"])["messages"][1]["content"] for s in read_samples(tmp_path / "set", "train").values()
+    ]
+    assert answers == [[{"type": "text", "text": "3"}], [{"type": "text", "text": "12"}]]
+    pq.write_table(pa.table({"q": ["How many?"], "a": [2.5]}), tmp_path / "floats.parquet")
+    spec = SourceSpec(format="parquet", path=tmp_path / "floats.parquet", question_column="q", answer_column="a")
+    with pytest.raises(InputError) as caught:
+        prepare_user_data(spec, tmp_path / "other", budget=BadRowBudget.parse("0"))
+    assert caught.value.field == "--answer-column" and "'a'" in str(caught.value) and "double" in str(caught.value)
+    assert not (tmp_path / "other").exists()
+
+
+LATIN1 = "Combien de pièces ?".encode("latin-1")
+
+
+def test_text_that_is_not_utf8_is_refused_by_every_reader_naming_where(tmp_path):
+    (tmp_path / "wds").mkdir()
+    shard = {"s0": {"txt": b"How many?", "answer.txt": b"2"}, "s1": {"txt": LATIN1, "answer.txt": b"3"}}
+    write_shard(tmp_path / "wds" / "part-0.tar", shard)
+    spec = SourceSpec(format="webdataset", path=tmp_path / "wds", fields={"question": "txt", "answer": "answer.txt"})
+    summary = prepare_user_data(spec, tmp_path / "w", val_ratio=0, budget=BadRowBudget.parse("1")).to_json()
+    bad = summary["bad_rows_by_reason"]["not_utf8"]
+    assert summary["train"] == 1 and bad["rows"] == ["s1"] and "s1.txt" in bad["first"] and "UTF-8" in bad["first"]
+    chat = [{"id": "r0", "conversations": turns("Combien de pièces ?", "2")}]
+    (tmp_path / "chat.json").write_bytes(json.dumps(chat, ensure_ascii=False).encode("latin-1"))
+    with pytest.raises(InputError) as caught:
+        prepare_user_data(
+            SourceSpec(format="llava", path=tmp_path / "chat.json"), tmp_path / "l", budget=BadRowBudget.parse("0")
+        )
+    assert caught.value.field == "src" and "not UTF-8" in str(caught.value) and "line 1" in str(caught.value)
+
+
+def test_rows_in_the_chat_messages_format_are_read(tmp_path):
+    (tmp_path / "images").mkdir()
+    draw(tmp_path / "images" / "a.jpg", (40, 40), 1)
+    rows_ = [
+        {
+            "id": "m0",
+            "messages": [{"role": "user", "content": "<image> How many?"}, {"role": "assistant", "content": "2"}],
+            "images": ["images/a.jpg"],
+        },
+        {
+            "id": "m1",
+            "messages": [
+                {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Color?"}]},
+                {"role": "assistant", "content": "red"},
+            ],
+            "image": "images/a.jpg",
+        },
+        {"id": "m2", "turns": [{"role": "user", "content": "Hi"}]},
+    ]
+    summary = prepare(tmp_path, rows_, val_ratio=0)
+    assert (summary["train"], summary["images"]) == (2, 2)
+    bad = summary["bad_rows_by_reason"]["malformed"]
+    assert bad["rows"] == ["m2"] and "'conversations'" in bad["first"] and "'messages'" in bad["first"]
+    assert "turns" in bad["first"]  # the keys the row has
+
+
+def test_an_image_path_outside_the_image_root_is_refused_naming_the_row_and_path(tmp_path):
+    src = tmp_path / "src"
+    (src / "images").mkdir(parents=True)
+    draw(src / "images" / "in.jpg", (40, 40), 1)
+    draw(tmp_path / "secret.jpg", (40, 40), 2)
+    rows_ = [
+        {"id": "inside", "image": "images/in.jpg", "conversations": turns("<image> ?", "1")},
+        {"id": "climbs", "image": "images/../../secret.jpg", "conversations": turns("<image> ?", "1")},
+        {"id": "absolute", "image": str(tmp_path / "secret.jpg"), "conversations": turns("<image> ?", "1")},
+        {"id": "absolute-inside", "image": str(src / "images" / "in.jpg"), "conversations": turns("<image> ?", "1")},
+    ]
+    summary = prepare(src, rows_, val_ratio=0)
+    bad = summary["bad_rows_by_reason"]["image_outside_root"]
+    assert summary["train"] == 2 and bad["rows"] == ["climbs", "absolute"]
+    assert "images/../../secret.jpg" in bad["first"] and str(src) in bad["first"]
+    (src / "abs.json").write_text(json.dumps(rows_[2:]))  # the absolute paths, under a wider --image-root
+    wider = SourceSpec(format="llava", path=src / "abs.json", image_root=tmp_path)
+    assert prepare_user_data(wider, tmp_path / "all", val_ratio=0, budget=BadRowBudget.parse("0")).data["train"] == 2

@@ -3,6 +3,7 @@ sample ids and columns of a rollout, the micro-batches built from them, and the 
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -40,6 +41,7 @@ from vlmrun.algorithms.grpo.rollout_rows import (
 from vlmrun.config.grpo import GrpoConfig
 from vlmrun.config.load import load_recipe
 from vlmrun.data.batch import IGNORE_INDEX, Batch, PromptBatch
+from vlmrun.data.epochs import filler_id
 from vlmrun.errors import InputError
 from vlmrun.generation.rollouts import Rollouts
 from vlmrun.plane.fields import Stage
@@ -155,6 +157,18 @@ def test_rollout_columns_unpad_prompts_and_cut_responses_at_their_end():
     assert [x.tolist() for x in rows["response_ids"]] == [[3, 9], [4, 4, 4], [9], [2, 9]]
     assert rows["generation_logprobs"][1].tolist() == [-3.0, -4.0, -5.0]
     assert [float(x) for x in rows["rewards"]] == [1.0, 0.0, 0.0, 0.0]
+
+
+def test_a_filler_prompt_s_responses_train_no_token():
+    """An epoch's filler prompt (vlmrun.data.epochs) is generated for like any, but trains nothing."""
+    q = filler_id("q", 1)
+    r = dataclasses.replace(text_rollouts(), sample_ids=["p", "p", q, q])
+    written = rollout_columns(r, [clevr_exact("", "1", True, 0.0)] * 4, family="qwen2_5_vl", image_token_id=None)
+    rows = join(written.prompts, written.responses)
+    assert rows.sample_ids == ["p#0", "p#1", f"{q}#0", f"{q}#1"]
+    assert [m.tolist() for m in rows["response_mask"]] == [[True, True], [True] * 3, [False], [False, False]]
+    (b,) = model_batches(rows, 4, family="qwen2_5_vl", pad_token_id=0, pixel_dtype=None)
+    assert (b.labels[2:] == IGNORE_INDEX).all() and (b.labels[:2] != IGNORE_INDEX).sum() == 5
 
 
 def test_prompt_samples_known_before_generation_are_the_ones_the_rollout_gives():

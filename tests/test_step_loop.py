@@ -167,6 +167,16 @@ def test_a_run_writes_a_row_per_step_and_checkpoints_by_period_keeping_the_newes
     assert loop.group.calls == ["freeze_heap", *["save"] * 3, "shutdown"] and loop.started_from is None
 
 
+def test_a_run_that_its_epochs_end_says_so_where_it_finishes(tmp_path, clevr_set):
+    """train.epochs: 1 over 96 samples, 8 a step: 12 steps, and the finish line says what cut train.max_steps."""
+    rd = make_run(tmp_path / "run", clevr_set, "train.max_steps=20", "checkpoint.save_period=0")
+    _, outcome = run_loop(rd)
+    assert (outcome.state, outcome.last_step, outcome.max_steps) == (State.COMPLETED, 12, 12)
+    assert outcome.reason == (
+        "finished at step 12 of 12 (train.epochs: 1 caps train.max_steps=20); 12 step(s) in this attempt"
+    )
+
+
 def test_a_resume_continues_the_numbers_of_the_uninterrupted_run(tmp_path, clevr_set):
     straight = make_run(tmp_path / "straight", clevr_set)
     run_loop(straight)

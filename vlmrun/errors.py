@@ -13,6 +13,7 @@ import errno
 import os
 import reprlib
 import shutil
+import signal
 from typing import Any
 
 EXIT_OK = 0
@@ -38,6 +39,27 @@ class InputError(VlmrunError):
             if allowed:
                 message += f"; {allowed}"
         super().__init__(message)
+
+    def __reduce__(self):
+        # pickled into another process (a Ray actor's error): rebuilt as it is, its message kept
+        return _rebuilt, (type(self), self.args, dict(self.__dict__))
+
+
+def _rebuilt(cls: type, args: tuple, state: dict) -> Exception:
+    error = cls.__new__(cls)
+    Exception.__init__(error, *args)
+    error.__dict__.update(state)
+    return error
+
+
+class StopSignalled(BaseException):
+    """SIGINT, SIGTERM or SIGHUP to a command that writes files, raised from its signal handler: like
+    Ctrl-C's KeyboardInterrupt no `except Exception` takes it, so every clean-up on the way out runs; the
+    CLI exits 128 + `signum`."""
+
+    def __init__(self, signum: int):
+        self.signum = signum
+        super().__init__(signal.Signals(signum).name)
 
 
 class CheckFailed(VlmrunError):

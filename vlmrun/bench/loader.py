@@ -77,7 +77,7 @@ def run_bench(
     (default: one per ~60 batches). Before each timed chunk a row first takes the micro-batches its
     workers prefetched while it was not measured. The data set is the recipe's, regenerated at
     `image_size` (default 224) next to it when it is synthetic. `processor_dir` defaults to the
-    recipe's model (a tiny one is built into a cache next to the data). `progress(done, total)` is
+    recipe's model (a tiny one is built in the user cache, $XDG_CACHE_HOME/vlmrun). `progress(done, total)` is
     called after each timed chunk. Raises `InputError` for a bad worker list or batch count.
     """
     workers = sorted(set(workers))
@@ -146,10 +146,11 @@ def bench_dataset(recipe, image_size: int | None) -> tuple[Path, int | None]:
 
 
 def _processor_dir(recipe) -> str:
+    """The recipe's model directory; a tiny one is built in the user cache, never beside the user's data."""
+    from vlmrun.data.check import cache_dir
     from vlmrun.models.source import ensure_model
 
-    cache = Path(recipe.data.path).parent / ".vlmrun-cache"
-    return str(ensure_model(recipe.model, cache, recipe.train.seed))
+    return str(ensure_model(recipe.model, cache_dir(), recipe.train.seed))
 
 
 def _open_runners(recipe, processor_dir: str, workers: list[int]) -> list:

@@ -2,12 +2,31 @@
 
 from __future__ import annotations
 
+import contextlib
+import signal
 from pathlib import Path
 
 import typer
 
 from vlmrun.cli.output import JsonOpt, SetOpt, print_json, print_result
-from vlmrun.errors import InputError
+from vlmrun.errors import InputError, StopSignalled
+
+
+@contextlib.contextmanager
+def _stopped_by_signals():
+    """SIGINT, SIGTERM and SIGHUP stop the command as Ctrl-C does: what it was writing (a staging folder)
+    is removed on the way out, and the CLI exits 128 + the signal's number (cli/exits.py)."""
+
+    def stop(signum, _frame):
+        raise StopSignalled(signum)
+
+    previous = {s: signal.signal(s, stop) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
 
 data_app = typer.Typer(
     help="Make data sets: a synthetic one (clevr), or yours converted (prepare); check one against a recipe "
@@ -35,7 +54,7 @@ def data_clevr(
 
     if image_format not in ("jpg", "png"):
         raise InputError("--format", image_format, "use jpg or png")
-    with progress_bar("drawing scenes", enabled=not json_out) as progress:
+    with _stopped_by_signals(), progress_bar("drawing scenes", enabled=not json_out) as progress:
         summary = generate_clevr(
             out, train=train, val=val, image_size=image_size, seed=seed, image_format=image_format, progress=progress
         )
@@ -56,7 +75,10 @@ def data_prepare(
     out: Path = typer.Argument(..., help="new folder for the Energon data set (missing or empty; see --overwrite)"),
     source_format: str = typer.Option(..., "--format", help="what SRC is: llava, parquet or webdataset"),
     image_root: Path | None = typer.Option(
-        None, "--image-root", help="folder that relative image paths start from (default: SRC's folder)"
+        None,
+        "--image-root",
+        help="folder that relative image paths start from and every image path must stay inside (default: SRC's "
+        "folder)",
     ),
     image_column: str | None = typer.Option(
         None,
@@ -102,11 +124,13 @@ def data_prepare(
 
     LLaVA rows are {"id", "image": a path or a list of paths (none: text only), "conversations": [{"from":
     "human" | "gpt" | "system", "value"}]} with one <image> placeholder per image in the human text (a row
-    without placeholders gets its images before the first human text). Images are stored as they are,
-    after a check that they decode; a URL is never downloaded. Rows that cannot be used (missing or
-    undecodable image, URL, no gpt answer, placeholders that do not match the images, empty text) are
-    skipped, counted and named, up to --max-bad-rows. Train with: vlmrun submit recipes/tiny-clevr-cpu.yaml
-    --set data.path=OUT
+    without placeholders gets its images before the first human text); chat rows {"messages": [{"role",
+    "content"}], "images"} are read too. Images are stored as they are, after a check that they decode; a
+    URL is never downloaded, and a path that leads out of --image-root is never read. Text must be UTF-8
+    (no encoding is guessed). Rows that cannot be used (missing or undecodable image, URL, image outside
+    --image-root, text that is not UTF-8, no gpt answer, placeholders that do not match the images, empty
+    text) are skipped, counted and named, up to --max-bad-rows. Train with: vlmrun submit
+    recipes/tiny-clevr-cpu.yaml --set data.path=OUT
 
     \b
     Examples:
@@ -131,7 +155,7 @@ def data_prepare(
         split_column=split_column,
     )
     budget = BadRowBudget.parse(max_bad_rows)
-    with progress_bar("converting rows", enabled=not json_out) as progress:
+    with _stopped_by_signals(), progress_bar("converting rows", enabled=not json_out) as progress:
         summary = prepare_user_data(
             spec,
             out,
@@ -169,7 +193,7 @@ def data_check(
       vlmrun data check data/my-set --recipe recipes/tiny-clevr-cpu.yaml --set data.max_seq_len=512 --json
     """
     from vlmrun.config.load import load_recipe
-    from vlmrun.data.check import check_data, write_cache
+    from vlmrun.data.check import check_data, read_splits, write_cache
     from vlmrun.launch.data_check import processor_dir_for
     from vlmrun.observe.progress import progress_bar
 
@@ -180,6 +204,7 @@ def data_check(
             str(data),
             message=f"data: {data} is not an Energon data set (no .nv-meta/); make one with `vlmrun data prepare`",
         )
+    read_splits(loaded)  # a split it lacks is named before a processor is built
     processor_dir = processor_dir_for(loaded)
     if processor_dir is None:
         raise InputError(

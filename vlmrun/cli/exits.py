@@ -4,19 +4,21 @@ User mistakes print one or two lines and exit 2; a failed check exits 1; our bug
 tracebacks. With `--json` (on a command that has it) every error also comes as one JSON object on
 stdout, and nothing else does (whatever else prints goes to stderr while the command runs):
 {"error": message, "kind": ..., "exit_code": N[, "field": ..., "value": ...]} with the same exit code
-(kinds: bad_input 2, check_failed 1, internal 1 (our bug: the traceback goes to stderr), interrupted 130).
+(kinds: bad_input 2, check_failed 1, internal 1 (our bug: the traceback goes to stderr), interrupted 130,
+or 128 + the signal that stopped a command that writes files).
 """
 
 from __future__ import annotations
 
 import contextlib
+import signal
 import sys
 import traceback
 
 import typer
 
 from vlmrun.cli.output import json_stdout, print_json
-from vlmrun.errors import EXIT_BAD_INPUT, InputError, VlmrunError, short_repr
+from vlmrun.errors import EXIT_BAD_INPUT, InputError, StopSignalled, VlmrunError, short_repr
 
 
 def run(app: typer.Typer) -> None:
@@ -36,6 +38,9 @@ def _run(app: typer.Typer, as_json: bool) -> None:
         kind = "bad_input" if e.exit_code == EXIT_BAD_INPUT else "check_failed"
         where = {"field": e.field, "value": _plain(e.value)} if isinstance(e, InputError) else {}
         _fail(str(e), e.exit_code, kind, as_json, **where)
+    except StopSignalled as e:  # a signal stopped a command that writes files (cli/data.py)
+        name = signal.Signals(e.signum).name
+        _fail(f"stopped by {name}; what it was writing is removed", 128 + e.signum, "interrupted", as_json)
     except typer.Exit as e:
         sys.exit(e.exit_code)
     except typer.Abort:

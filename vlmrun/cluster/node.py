@@ -242,7 +242,8 @@ def _run(rd: RunDirectory, attempt: int, job_id: str, started_at: float, alloc, 
         from vlmrun.data.splits import split_size
 
         # The same step count the controller uses (train.max_steps capped by epochs), so the ETA is right.
-        progress = ProgressLine(plan_steps(recipe, split_size(recipe.data.path, recipe.data.split)).max_steps)
+        plan = plan_steps(recipe, split_size(recipe.data.path, recipe.data.split))
+        progress = ProgressLine(plan.max_steps, cap=plan.cap())
         run = dict(attempt=attempt, model_dir=model_dir, stop=stop, started_at=started_at, chosen=chosen)
         run["verdict"] = verdict
         run["on_row"] = lambda row: log.info("%s", progress(row))

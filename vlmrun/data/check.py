@@ -119,13 +119,13 @@ class DataCheck:
 def check_data(recipe, *, processor_dir: str, progress: Callable[[int, int], None] | None = None) -> DataCheck:
     """Sort every sample of the splits `recipe` reads (module doc, 1) and judge them (2).
 
-    Raises InputError (data.path, data.split, model.family) where the data set or processor cannot be read.
+    Raises InputError (data.path, data.split, data.val_split, model.family) where the data set or processor
+    cannot be read.
     """
     from vlmrun.data.loader import load_processor
 
     d = recipe.data
-    roles = [("train", d.split)] + ([("val", d.val_split)] if recipe.train.val_samples > 0 else [])
-    shards = {split: split_shards(d.path, split) for _, split in roles}
+    roles, shards = read_splits(recipe)
     total = sum(n for split in shards.values() for _, n in split)
     processor = load_processor(processor_dir, recipe.family)
     done, splits = 0, []
@@ -278,6 +278,18 @@ def write_cache(recipe, processor_dir: str, result: DataCheck) -> None:
         logger.info("data check: result not cached in %s (%s)", folder, e)
 
 
+#: The recipe field that names the split of each role (what a missing split's message names).
+_FIELDS = {"train": "data.split", "val": "data.val_split"}
+
+
+def read_splits(recipe) -> tuple[list[tuple[str, str]], dict[str, list[tuple[str, int]]]]:
+    """The (role, split) pairs `recipe` reads (train; val when train.val_samples > 0) and each split's
+    shards; InputError naming data.split or data.val_split for a split the data set lacks."""
+    d = recipe.data
+    roles = [("train", d.split)] + ([("val", d.val_split)] if recipe.train.val_samples > 0 else [])
+    return roles, {split: split_shards(d.path, split, field=_FIELDS[role]) for role, split in roles}
+
+
 def cache_dir() -> Path:
     """The user's vlmrun cache: $XDG_CACHE_HOME/vlmrun (default ~/.cache/vlmrun)."""
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "vlmrun"
@@ -287,8 +299,9 @@ def _cache_key(recipe, processor_dir: str) -> str:
     d, t = recipe.data, recipe.train
     meta = Path(d.path) / ".nv-meta"
     files = {}
-    for split in dict.fromkeys([d.split] + ([d.val_split] if t.val_samples > 0 else [])):
-        for name, count in split_shards(d.path, split):
+    roles = {d.split: "train"} | ({d.val_split: "val"} if t.val_samples > 0 and d.val_split != d.split else {})
+    for split, role in roles.items():
+        for name, count in split_shards(d.path, split, field=_FIELDS[role]):
             st = (Path(d.path) / name).stat()
             files[name] = [count, st.st_size, st.st_mtime_ns]
     import megatron.energon

@@ -13,13 +13,18 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 from pathlib import Path
 
-from vlmrun.data.splits import split_shards
+from vlmrun.data.epochs import epoch_layout
+from vlmrun.data.splits import split_shards, split_size
 from vlmrun.errors import InputError
 
-#: Bump when the loader's state layout or sample order changes for the same settings.
-LOADER_FORMAT = 1
+log = logging.getLogger(__name__)
+
+#: Bump when the loader's state layout or sample order changes for the same settings. 2: exact epochs
+#: (vlmrun.data.epochs): the shuffle buffer no longer mixes an epoch's tail with the next one's head.
+LOADER_FORMAT = 2
 
 # Files of a HF model directory that decide what the processor makes of a sample.
 _PROCESSOR_FILES = (
@@ -72,6 +77,8 @@ def loader_fingerprint(
         "train.seed": t.seed,
         "train.micro_batch_size": t.micro_batch_size,
         "loader.transfer_group": transfer_group(t.micro_batch_size, d.transfer_samples),
+        # each loader worker's epoch, fillers included (vlmrun.data.epochs)
+        "loader.epoch_samples": epoch_layout(recipe, split_size(d.path, split), shards=num_shards).worker_samples,
         "processor.config": processor_config_hash(processor_dir),
         "processor.chat_template": _sha(chat_template or ""),
         "versions.energon": megatron.energon.__version__,
@@ -91,11 +98,34 @@ def check_same_identity(saved: dict[str, object], current: dict[str, object], *,
     ]
     if changes:
         fields = ", ".join(c.split(":", 1)[0] for c in changes)
+        advice = "Resume with the settings it was saved with."
+        if other_software(saved, current):
+            advice = (
+                "Another version of the loader (vlmrun's loader format, or Energon) wrote it, and this one cannot "
+                "continue its stream: finish the run with the version that wrote it, or `vlmrun resume "
+                "--restart-data-order` to keep the model, optimizer state and counters and start the data order over."
+            )
         raise LoaderStateRefused(
             fields,
             message=f"loader shard {shard}: the saved loader state belongs to another data stream; "
-            f"changed: {'; '.join(changes)}. Resume with the settings it was saved with.",
+            f"changed: {'; '.join(changes)}. {advice}",
         )
+
+
+def other_software(saved: dict[str, object], current: dict[str, object]) -> bool:
+    """Whether another loader format or Energon version wrote the fingerprint `saved`."""
+    return any(saved.get(k) != current.get(k) for k in current if k.startswith("versions."))
+
+
+def continues(saved: dict[str, object], current: dict[str, object], *, shard: int, restart: bool) -> bool:
+    """True when a state of fingerprint `saved` continues in the shard of fingerprint `current`; False
+    when another loader version wrote it and `restart` (checkpoint.restart_data_order) starts the data
+    order over; else `check_same_identity` refuses it."""
+    if restart and other_software(saved, current):
+        log.warning("loader shard %d: another loader version wrote its state: the data order starts over", shard)
+        return False
+    check_same_identity(saved, current, shard=shard)
+    return True
 
 
 def dataset_content_hash(path: str | Path, split: str) -> str:

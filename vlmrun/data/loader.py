@@ -6,8 +6,8 @@
 2. `state_dict()` is plain data (`torch.load(weights_only=True)` reads it) and carries the shard's
    identity fingerprint (`vlmrun.data.fingerprint`); `load_state_dict()` refuses another identity,
    or any state once the first batch was taken (Energon restores only before iterating).
-3. The stream is infinite: Energon repeats the split; with `data.virtual_epoch_length` the shard
-   ends an epoch every that many samples (rounded down to whole transfer groups) and starts the next.
+3. The stream is infinite, in exact epochs that end at a step (`vlmrun.data.epochs`); `data.virtual_epoch_length`
+   ends one every that many samples (rounded down to whole transfer groups) and starts the next.
    Energon batches `transfer_group` micro-batches at a time into one shared-memory block
    (`vlmrun.data.transport`); the shard hands them out one by one. A state saved in the middle of
    a group records the group's restore key and how many micro-batches were taken.
@@ -37,8 +37,9 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from vlmrun.data.batch import Batch, PromptBatch, SampleCounts
+from vlmrun.data.epochs import epoch_layout
 from vlmrun.data.error_budget import CorruptDataError, ErrorBudget, SampleRefused
-from vlmrun.data.fingerprint import LOADER_FORMAT, LoaderStateRefused, check_same_identity, loader_fingerprint
+from vlmrun.data.fingerprint import LOADER_FORMAT, LoaderStateRefused, continues, loader_fingerprint
 from vlmrun.data.malloc import retain_freed_memory
 from vlmrun.data.splits import split_size
 from vlmrun.data.transport import SlotPool, transfer_group
@@ -97,7 +98,7 @@ class LoaderShard:
         d, t = recipe.data, recipe.train
         self.shard, self.num_shards, self.split = shard, num_shards, split
         self.micro_batch_size = t.micro_batch_size
-        split_size(d.path, split)  # refuses a missing dataset or split with an InputError
+        self.epochs = epoch_layout(recipe, split_size(d.path, split), shards=num_shards)  # InputError: no such split
         processor = load_processor(processor_dir, recipe.family)
         self.fingerprint = loader_fingerprint(
             recipe,
@@ -129,6 +130,7 @@ class LoaderShard:
         )
         self._pool = task_encoder.slot_pool = SlotPool(num_workers=d.num_workers)
         task_encoder.budget = self._budget
+        task_encoder.epoch_samples = self.epochs.worker_samples
         retain_freed_memory()  # in this process and the workers it forks (see vlmrun.data.malloc)
         group_samples = t.micro_batch_size * transfer_group(t.micro_batch_size, d.transfer_samples)
         epoch_groups = max(1, d.virtual_epoch_length // group_samples) if d.virtual_epoch_length else 0
@@ -154,7 +156,7 @@ class LoaderShard:
         self._batches = 0
         self._counts = SampleCounts()
         self._closed = False
-        self._num_workers = d.num_workers
+        self._num_workers, self._restart_data = d.num_workers, recipe.checkpoint.restart_data_order
         self._started_from: list | None = None  # the loaded state's worker checkpoints (None: not loaded)
         self._handed_out: set[int] = set()  # Energon workers that gave this shard a group
 
@@ -264,7 +266,7 @@ class LoaderShard:
 
     def load_state_dict(self, state: dict) -> None:
         """Continue from `state`; refused (`LoaderStateRefused`) after the first batch or on any
-        identity change, before anything is restored."""
+        identity change, before anything is restored (but see fingerprint.continues)."""
         from vlmrun.data.loader_state import from_plain
 
         if self._closed:
@@ -281,14 +283,16 @@ class LoaderShard:
                 message=f"loader shard {self.shard}: not a loader state "
                 f"(keys: {sorted(state) if isinstance(state, dict) else type(state).__name__})",
             )
-        check_same_identity(state["fingerprint"], self.fingerprint, shard=self.shard)
+        goes_on = continues(state["fingerprint"], self.fingerprint, shard=self.shard, restart=self._restart_data)
+        self._batches = int(state.get("batches", 0))
+        self._counts = SampleCounts(int(state.get("dropped_samples", 0)), int(state.get("truncated_samples", 0)))
+        self._budget.reset(list(state.get("corrupt_keys") or ()))
+        if not goes_on:  # another loader version's state, and checkpoint.restart_data_order: a fresh stream
+            return
         energon = from_plain(state["energon"])
         if energon is not None and self._num_workers:
             self._started_from = copy.deepcopy(energon.worker_states)  # Energon's restore scales offsets in place
         self._loader.restore_state_rank(energon)
-        self._batches = int(state.get("batches", 0))
-        self._counts = SampleCounts(int(state.get("dropped_samples", 0)), int(state.get("truncated_samples", 0)))
-        self._budget.reset(list(state.get("corrupt_keys") or ()))
         # Energon's state sits after the groups the saved shard was in the middle of; they are
         # rebuilt from their restore keys (every stage is stateless) when iteration starts.
         self._to_rebuild = [dict(entry) for entry in state.get("pending_groups") or ()]
@@ -347,7 +351,7 @@ def val_batches(recipe, *, processor_dir: str, samples: int, batch_size: int) ->
     if samples <= 0:
         return ValidationSet([], [])
     check_components(recipe)
-    split_size(d.path, d.val_split)
+    split_size(d.path, d.val_split, field="data.val_split")
     processor = load_processor(processor_dir, recipe.family)
     budget = ErrorBudget(
         shard=0, num_shards=1, split=d.val_split, tolerance=d.error_tolerance, on_bad_sample=d.on_bad_sample

@@ -10,17 +10,21 @@ from vlmrun.errors import InputError, short_repr
 _META = ".nv-meta"
 
 
-def split_shards(path: str | Path, split: str) -> list[tuple[str, int]]:
+def split_shards(path: str | Path, split: str, *, field: str = "data.split") -> list[tuple[str, int]]:
     """(tar name, sample count) of each shard of `split`, read from `.nv-meta` (no tar is opened).
 
     Raises `InputError` on `data.path` for a folder Energon has not prepared (or whose .nv-meta is
-    damaged, naming the file), on `data.split` for a split it does not have.
+    damaged, naming the file), on `field` (the recipe field that names `split`: data.split or
+    data.val_split) for a split it does not have.
     """
     import braceexpand
 
     counts, parts, exclude = _read_meta(Path(path) / _META, path)
     if split not in parts:
-        raise InputError("data.split", split, f"{path} has the splits: {', '.join(parts) or 'none'}")
+        allowed = f"{path} has the splits: {', '.join(parts) or 'none'}"
+        if field == "data.val_split":
+            allowed += " (train.val_samples=0 validates on nothing)"
+        raise InputError(field, split, allowed)
     excluded = {name for pattern in exclude for name in braceexpand.braceexpand(pattern)}
     names = [n for pattern in parts[split] for n in braceexpand.braceexpand(pattern) if n not in excluded]
     missing = next((n for n in names if n not in counts), None)
@@ -67,6 +71,7 @@ def _damaged(file: Path, what: str) -> InputError:
     return InputError("data.path", str(file), message=f"data.path: {file} {what} (a damaged Energon .nv-meta)")
 
 
-def split_size(path: str, split: str) -> int:
-    """Number of samples in `split` of the Energon dataset at `path`, from `.nv-meta` (fast)."""
-    return sum(count for _, count in split_shards(path, split))
+def split_size(path: str, split: str, *, field: str = "data.split") -> int:
+    """Number of samples in `split` of the Energon dataset at `path`, from `.nv-meta` (fast); `field` as
+    `split_shards`."""
+    return sum(count for _, count in split_shards(path, split, field=field))

@@ -18,12 +18,17 @@ processor then rescales again: ~45% of the loader's time, docs/measurements.md).
 
 from __future__ import annotations
 
+import dataclasses
+
+import torch
 from megatron.energon import DefaultTaskEncoder, Sample, edataclass, stateless
 
 from vlmrun.config.families import family_spec
-from vlmrun.data.batch import SampleCounts
+from vlmrun.data.batch import IGNORE_INDEX, SampleCounts
 from vlmrun.data.chat_encoding import ConversationEncoder, Encoded, EncodedPrompt
 from vlmrun.data.cookers import Conversation, decode_media, energon_cookers
+from vlmrun.data.epoch_stages import build_exact_epochs
+from vlmrun.data.epochs import filler_id
 from vlmrun.data.error_budget import ErrorBudget
 from vlmrun.data.transport import PackedBatches, PromptGroup, SlotPool, collate_packed
 
@@ -67,6 +72,8 @@ class ChatSftTaskEncoder(DefaultTaskEncoder):
         self.slot_pool: SlotPool | None = None
         #: The shard's error handler, set by the loader: the batcher takes its count of skipped samples.
         self.budget: ErrorBudget | None = None
+        #: Samples of each loader worker's epoch, fillers included (vlmrun.data.epochs), set by the loader.
+        self.epoch_samples: int | None = None
         self.cookers = energon_cookers(cookers)
         self.encoder = ConversationEncoder(
             processor, family_spec(family), max_seq_len, answer_room=answer_room, pack_tokens=pack_tokens
@@ -75,6 +82,28 @@ class ChatSftTaskEncoder(DefaultTaskEncoder):
     @stateless
     def encode_sample(self, sample: Conversation) -> EncodedSample:
         return EncodedSample.derive_from(sample, encoded=self.encoder.encode(sample))
+
+    def filler(self, sample: EncodedSample, n: int) -> EncodedSample:
+        """The n-th filler of an epoch (vlmrun.data.epochs): `sample` again with no labelled token."""
+        key = filler_id(sample.encoded.key, n)
+        labels = torch.full_like(sample.encoded.labels, IGNORE_INDEX)
+        encoded = dataclasses.replace(sample.encoded, key=key, labels=labels, truncated=False)
+        return EncodedSample.derive_from(sample, __key__=key, encoded=encoded)
+
+    def build_train_datasets(self, *, datasets, worker_config, batch_size, virtual_epoch_length=0, **kwargs):
+        """Energon's training pipeline with exact epochs (vlmrun.data.epoch_stages); `get_train_dataset`
+        calls it. Needs `epoch_samples`."""
+        if self.epoch_samples is None:
+            raise ValueError("the loader sets epoch_samples before it builds the training dataset")
+        return build_exact_epochs(
+            self,
+            datasets=datasets,
+            worker_config=worker_config,
+            batch_size=batch_size,
+            shuffle_buffer_size=kwargs.get("shuffle_buffer_size"),
+            virtual_epoch_length=virtual_epoch_length,
+            epoch_samples=self.epoch_samples,
+        )
 
     @stateless
     def batch(self, samples: list[EncodedSample]) -> PackedBatches:
@@ -121,6 +150,11 @@ class ChatGrpoTaskEncoder(ChatSftTaskEncoder):
     @stateless
     def encode_sample(self, sample: Conversation) -> EncodedPromptSample:
         return EncodedPromptSample.derive_from(sample, prompt=self.encoder.encode_prompt(sample))
+
+    def filler(self, sample: EncodedPromptSample, n: int) -> EncodedPromptSample:
+        """The n-th filler of an epoch: the prompt again, under an id whose responses count for nothing."""
+        key = filler_id(sample.prompt.key, n)
+        return EncodedPromptSample.derive_from(sample, __key__=key, prompt=dataclasses.replace(sample.prompt, key=key))
 
     @stateless
     def batch(self, samples: list[EncodedPromptSample]) -> PromptGroup:

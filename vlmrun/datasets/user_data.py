@@ -18,7 +18,8 @@ On disk (`out/`), laid out as `vlmrun data clevr` lays out its set:
    few ids; past the budget (`BadRowBudget`, like the loader's `data.error_tolerance`) the conversion
    stops with an InputError naming the count and the first rows.
 4. Everything is written into a hidden sibling of `out` that is renamed to `out` at the end, so a
-   failure or Ctrl-C leaves `out` as it was, and a folder with `prepare.json` is a complete set.
+   failure, Ctrl-C, SIGTERM or SIGHUP (the CLI turns them into an exception: cli/data.py) leaves `out`
+   as it was and the sibling removed, and a folder with `prepare.json` is a complete set.
    The same source and arguments give byte-identical shards (fixed tar headers; Energon's
    `.nv-meta/index.uuid` is random).
 """

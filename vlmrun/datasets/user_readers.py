@@ -4,6 +4,12 @@
 flag) and returns a `RowSource`: how many rows to expect (None when only reading tells) and an iterator
 of `Row`s and `BadRow`s in the source's order. A row's id is its own (`id` field, `--id-column`, the
 WebDataset key) or, where it has none, its position (`#17`, `file.parquet#17`).
+
+A LLaVA row's turns are its `conversations` (`{"from", "value"}`), or its `messages` (`{"role",
+"content"}`, the chat format of OpenAI and TRL, images under `images`). Text is UTF-8 in every format:
+a LLaVA file that is not is refused naming its line, a WebDataset member makes its row bad naming the
+member (parquet strings are UTF-8 by the format). A parquet question or answer column holds text, or
+integers, written as their digits; any other type is refused naming the column and the type.
 """
 
 from __future__ import annotations
@@ -98,9 +104,13 @@ def _llava(spec: SourceSpec) -> RowSource:
     if not spec.path.is_file():
         raise _bad_src(spec, "is not a file: --format llava reads one .json (a list of rows) or .jsonl file")
     try:
-        text = spec.path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        raise InputError("src", str(spec.path), message=f"src: cannot read {spec.path} as UTF-8 text: {e}") from None
+        data = spec.path.read_bytes()
+    except OSError as e:
+        raise InputError("src", str(spec.path), message=f"src: cannot read {spec.path}: {e}") from None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise InputError("src", str(spec.path), message=f"src: {spec.path} {_not_utf8(data, e)}") from None
     if text.lstrip().startswith("["):
         try:
             items = json.loads(text)
@@ -142,7 +152,18 @@ def _llava_rows(spec: SourceSpec, items, jsonl: bool = False) -> Iterator[Row | 
             continue
         row_id = str(item["id"]) if item.get("id") is not None else fallback
         split = item.get(spec.split_column) if spec.split_column else None
-        yield _row(row_id, item.get("conversations"), item.get("image"), spec.root, split)
+        if "conversations" not in item and "messages" not in item:
+            keys = ", ".join(repr(k) for k in list(item)[:8]) or "none"
+            yield BadRow(
+                "malformed",
+                f"no turns: a row has 'conversations' (LLaVA's from/value turns) or "
+                f"'messages' (role/content turns); this one has {keys}",
+                row_id,
+            )
+            continue
+        turns = item["conversations"] if "conversations" in item else item["messages"]
+        images = item["image"] if "image" in item else item.get("images")
+        yield _row(row_id, turns, images, spec.root, split)
 
 
 def _row(row_id: str, turns: Any, images: Any, root: Path, split: Any = None) -> Row | BadRow:
@@ -175,6 +196,8 @@ def _parquet(spec: SourceSpec) -> RowSource:
         for flag, column in wanted.items():
             if column not in names:
                 raise InputError(flag, column, f"{file.name} has the columns: {', '.join(sorted(names))}")
+            if flag in ("--question-column", "--answer-column"):
+                _check_text_column(flag, column, meta.schema_arrow.field(column).type, file)
         total += meta.metadata.num_rows
     return RowSource(total, _parquet_rows(spec, files, list(dict.fromkeys(wanted.values()))))
 
@@ -187,6 +210,19 @@ def _parquet_file(file: Path):
         return pq.ParquetFile(file)
     except (pa.ArrowException, OSError) as e:
         raise InputError("src", str(file), message=f"src: {file} is not a parquet file Arrow can read: {e}") from None
+
+
+def _check_text_column(flag: str, column: str, kind, file: Path) -> None:
+    """A question or answer column holds text, or integers (written as their digits: lossless)."""
+    import pyarrow as pa
+
+    if not (pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_integer(kind)):
+        raise InputError(
+            flag,
+            column,
+            message=f"{flag}: column {column!r} of {file.name} holds {kind}, not text: give a text column (or "
+            "integers, which are written as their digits), e.g. cast it to string first",
+        )
 
 
 def _parquet_columns(spec: SourceSpec) -> dict[str, str]:
@@ -219,8 +255,8 @@ def _parquet_rows(spec: SourceSpec, files: list[Path], columns: list[str]) -> It
 def _parquet_turns(spec: SourceSpec, item: dict) -> Any:
     if spec.messages_column is None:
         return [
-            {"role": "user", "content": item[spec.question_column]},
-            {"role": "assistant", "content": item[spec.answer_column]},
+            {"role": "user", "content": _digits(item[spec.question_column])},
+            {"role": "assistant", "content": _digits(item[spec.answer_column])},
         ]
     turns = item[spec.messages_column]
     if isinstance(turns, str):  # messages stored as a JSON string
@@ -229,6 +265,11 @@ def _parquet_turns(spec: SourceSpec, item: dict) -> Any:
         except ValueError:
             return None
     return turns
+
+
+def _digits(value: Any) -> Any:
+    """An integer of a question or answer column as its digits (`_check_text_column`); text as it is."""
+    return str(value) if isinstance(value, int) and not isinstance(value, bool) else value
 
 
 # ---------------------------------------------------------------- WebDataset shards
@@ -254,19 +295,29 @@ def _webdataset(spec: SourceSpec) -> RowSource:
 
 
 def _webdataset_rows(spec: SourceSpec, shards: list[Path]) -> Iterator[Row | BadRow]:
-    fields = spec.fields
-    images = [ext.strip() for ext in fields.get("image", "").split(",") if ext.strip()]
+    images = [ext.strip() for ext in spec.fields.get("image", "").split(",") if ext.strip()]
     for shard in shards:
         for key, members in _samples(shard):
-            row_id = _text(members.get(fields["id"])) if "id" in fields and fields["id"] in members else key
-            split = _text(members.get(spec.split_column)) if spec.split_column else None
-            found = [members[ext] for ext in images if ext in members]
-            if "conversations" in fields:
-                turns = _conversations(members.get(fields["conversations"]))
-            else:
-                q, a = (_text(members.get(fields[name])) for name in ("question", "answer"))
-                turns = [{"role": "user", "content": q}, {"role": "assistant", "content": a}]
-            yield _row(row_id, turns, found, spec.root, split)
+            yield _webdataset_row(spec, shard, key, members, images)
+
+
+def _webdataset_row(spec: SourceSpec, shard: Path, key: str, members: dict, images: list[str]) -> Row | BadRow:
+    fields = spec.fields
+
+    def text(ext: str | None) -> str | None:
+        return _text(members.get(ext), f"member {key}.{ext} of {shard.name}")
+
+    try:
+        row_id = text(fields["id"]) if "id" in fields and fields["id"] in members else key
+        split = text(spec.split_column) if spec.split_column else None
+        if "conversations" in fields:
+            turns = _conversations(text(fields["conversations"]))
+        else:
+            q, a = (text(fields[name]) for name in ("question", "answer"))
+            turns = [{"role": "user", "content": q}, {"role": "assistant", "content": a}]
+    except BadRow as bad:
+        return bad.of(key)
+    return _row(row_id, turns, [members[ext] for ext in images if ext in members], spec.root, split)
 
 
 def _samples(shard: Path) -> Iterator[tuple[str, dict[str, bytes]]]:
@@ -292,14 +343,30 @@ def _samples(shard: Path) -> Iterator[tuple[str, dict[str, bytes]]]:
         yield key, members
 
 
-def _text(data: bytes | None) -> str | None:
-    return None if data is None else data.decode("utf-8", "replace")
+def _text(data: bytes | None, where: str) -> str | None:
+    """A member's text; `BadRow` (not_utf8) naming `where` when it is not UTF-8 (module doc)."""
+    if data is None:
+        return None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise BadRow("not_utf8", f"{where} {_not_utf8(data, e)}") from None
 
 
-def _conversations(data: bytes | None) -> Any:
+def _not_utf8(data: bytes, e: UnicodeDecodeError) -> str:
+    """Where `data` stops being UTF-8, and what to do: vlmrun never guesses an encoding."""
+    line = data.count(b"\n", 0, e.start) + 1
+    column = e.start - (data.rfind(b"\n", 0, e.start) + 1) + 1
+    return (
+        f"is not UTF-8 text (byte 0x{data[e.start]:02x} at line {line}, column {column}): vlmrun reads text as "
+        "UTF-8 and never guesses an encoding; convert it first (e.g. iconv -f latin1 -t utf-8)"
+    )
+
+
+def _conversations(text: str | None) -> Any:
     """The turns of a JSON member: a list of turns, or an object with `conversations` or `messages`."""
     try:
-        value = json.loads(data) if data is not None else None
+        value = json.loads(text) if text is not None else None
     except ValueError:
         return None
     if isinstance(value, dict):

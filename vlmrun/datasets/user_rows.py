@@ -10,12 +10,16 @@ found (`{"from", "value"}` as LLaVA writes them, or `{"role", "content"}`) and i
    must match the images one to one, in order; a row with images and no placeholder gets them before
    the first user text, as LLaVA does. Text around a placeholder is stripped; empty pieces are dropped.
 3. Images stay sources (`ImageSource`: bytes in hand or a file to read); they are never fetched: a URL
-   (`http://`, `s3://`, ...) makes the row bad. The writer decodes them, so a missing or undecodable
-   file is found there, as a `BadRow` too.
+   (`http://`, `s3://`, ...) makes the row bad, and so does a path that leads out of the image root
+   (`--image-root`, default SRC's folder: `../..`, or an absolute path elsewhere; judged on the path as
+   written, so a link the user placed inside the root is followed). The writer decodes them, so a
+   missing or undecodable file is found there, as a `BadRow` too.
+4. Text is UTF-8: a reader refuses other bytes naming where they are, and never guesses an encoding.
 """
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,6 +32,8 @@ REASONS = {
     "missing_image": "image file not found",
     "undecodable_image": "image that Pillow cannot decode",
     "url_image": "image given as a URL (never downloaded)",
+    "image_outside_root": "image path outside --image-root (never read)",
+    "not_utf8": "text that is not UTF-8 (no encoding is guessed)",
     "no_assistant_turn": "no assistant (gpt) answer at the end",
     "placeholder_mismatch": "<image> placeholders that do not match the images",
     "empty_text": "a turn with neither text nor image",
@@ -120,7 +126,20 @@ def _image_source(item: Any, image_root: Path) -> ImageSource:
     if _URL.match(item.strip()):
         raise BadRow("url_image", f"image {item.strip()[:120]} is a URL; vlmrun never downloads: give a local file")
     path = Path(item.strip()).expanduser()
-    return ImageSource(path=path if path.is_absolute() else image_root / path)
+    return ImageSource(path=_inside(path if path.is_absolute() else image_root / path, item.strip(), image_root))
+
+
+def _inside(path: Path, written: str, image_root: Path) -> Path:
+    """`path` when, as written, it stays inside `image_root`; `BadRow` (image_outside_root) otherwise."""
+    root = os.path.normpath(os.path.abspath(image_root))
+    full = os.path.normpath(os.path.abspath(path))
+    if os.path.commonpath([root, full]) != root:
+        raise BadRow(
+            "image_outside_root",
+            f"image {written[:200]} is outside --image-root {root} (it leads to {full}); give an --image-root "
+            "that holds the images",
+        )
+    return path
 
 
 def _messages(turns: Any, images: int) -> list[dict]:

@@ -19,6 +19,7 @@ from vlmrun.cluster.preflight import preflight_run
 from vlmrun.errors import InputError
 from vlmrun.launch.data_check import check_data_at_submit
 from vlmrun.launch.result import SubmitResult
+from vlmrun.launch.step_plan import plan_at_submit
 from vlmrun.launch.targets import resolve_cluster
 from vlmrun.models.fit import check_memory_fit
 from vlmrun.run.directory import RunDirectory, check_recipe, default_run_dir
@@ -63,6 +64,9 @@ def submit_run(
     memory = check_memory_fit(recipe)  # before preflight: a layout that cannot fit, wherever the weights are
     preflight_run(recipe, runs_here=executor.runs_here, dry_run=dry_run)  # a submit's errors (weights aside)
     check_data_at_submit(recipe, echo=echo)  # a prepared set's samples against the recipe (cached)
+    steps = plan_at_submit(recipe)
+    if steps is not None and steps.capped and echo is not None:
+        echo(f"note: {steps.cap_advice()}")
     checkpoints = run_checkpoints(rd, recipe)  # with the id this submit gives the run
     checkpoints.check_owner()
     if dry_run:
@@ -72,7 +76,7 @@ def submit_run(
             echo(f"warning: {memory.warning}")
         with _claimed(checkpoints, rd, explicit=recipe.checkpoint.dir is not None), _undone_unless_recorded(rd):
             result = executor.submit(rd, recipe, wait=wait, echo=echo)
-    result.memory = memory
+    result.memory, result.steps = memory, steps
     return result
 
 

@@ -37,8 +37,11 @@ def progress_bar(description: str, *, enabled: bool = True) -> Iterator[Callable
 class ProgressLine:
     """Formats one console line per step: step, loss, tokens/s, ETA (and GRPO's reward and accuracy)."""
 
-    def __init__(self, max_steps: int):
+    def __init__(self, max_steps: int, cap: str = ""):
+        """`cap`: what caps the run below train.max_steps ("train.epochs: 1 caps train.max_steps=20"), said
+        beside the step count."""
         self.max_steps, self.t0, self.first = max_steps, time.time(), None
+        self.of = f"{max_steps} ({cap})" if cap else str(max_steps)
 
     def __call__(self, row: dict) -> str:
         step = row["step"]
@@ -48,7 +51,7 @@ class ProgressLine:
         rate = (time.time() - self.t0) / done if done > 0 else row.get("step_time_s", 0.0)
         eta = max(0.0, (self.max_steps - step) * rate)
         text = (
-            f"step {step}/{self.max_steps} | loss {row['loss']:.4f} | grad_norm {row['grad_norm']:.3f} | "
+            f"step {step}/{self.of} | loss {row['loss']:.4f} | grad_norm {row['grad_norm']:.3f} | "
             f"{row.get('tokens_per_s', 0):.0f} tok/s | ETA {_fmt(eta)}"
         )
         if "reward" in row:

@@ -248,8 +248,8 @@ class StepLoop:
         self.saves.settle(wait=True)
         if self._stop.is_set() and step < self.steps.max_steps:
             return self._outcome(State.STOPPED, step, self._stopped_at(step), notes)
-        planned = self.steps.max_steps
-        where = f"of {planned}" if step <= planned else f"(its checkpoint was past the {planned} steps planned)"
+        planned, cap = self.steps.max_steps, f" ({self.steps.cap()})" if self.steps.capped else ""
+        where = f"of {planned}{cap}" if step <= planned else f"(its checkpoint was past the {planned} steps planned)"
         trained = f"{step - start_step} step(s) in this attempt" + (
             f", resumed at step {start_step}" if start_step else ""
         )

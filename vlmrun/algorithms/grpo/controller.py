@@ -67,7 +67,7 @@ class GrpoController(StepLoop):
         t0 = time.perf_counter()
         record = self.stages.run(step)
         dt = time.perf_counter() - t0
-        counters["consumed_samples"] += self.steps.global_batch_size
+        counters["consumed_samples"] += sum(len(r.prompts) for r in record.rollouts)  # fillers left out
         owned = [loader.counts() for loader in self.loaders.values()]
         counts = SampleCounts.total([r.loader_counts for r in record.rollouts] + owned)
         row = step_row(

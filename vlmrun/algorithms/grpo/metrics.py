@@ -22,6 +22,7 @@ plane's time is the sum over stages of the slowest rank's plane time, plus what 
 step waited for: the advantage stage runs beside the ranks' logprob compute (stages.py), so only what
 outlasts the slowest rank's compute and reads counts.
 `loss` and `grad_norm` are the means over the inner steps, `lr` the first's, `valid_tokens` the sum.
+A filler prompt (data/epochs.py) and its responses count in none of them (its responses train no token).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from collections import defaultdict
 from vlmrun.algorithms.grpo.loss import SUMMED
 from vlmrun.algorithms.grpo.stages import StepRecord
 from vlmrun.data.batch import SampleCounts
+from vlmrun.data.epochs import is_filler
 from vlmrun.policy.interface import StepResult
 from vlmrun.run.rows import GrpoStats, StepRow
 
@@ -72,19 +74,21 @@ def _stats(record: StepRecord, results: list[StepResult], tokens: int, step_s: f
     means = {_mean_name(k): stats[k] / max(tokens, 1) for k in SUMMED}
     plane_s, plane_bytes, plane_stages = _plane(record)
     slowest = {k: max(r.times[k] for r in record.rollouts) for k in ("generation", "refit", "reward")}
+    advantages = _real_advantages(record)
+    n = max(1, len(rewards))  # a step of fillers alone (data/epochs.py) has no response to count
     return GrpoStats(
-        reward=sum(rewards) / len(rewards),
-        accuracy=sum(correct) / len(correct),
-        format_rate=sum(x for r in record.rollouts for x in r.well_formed) / len(rewards),
+        reward=sum(rewards) / n,
+        accuracy=sum(correct) / n,
+        format_rate=sum(x for r in record.rollouts for x in r.well_formed) / n,
         accuracy_by_template=_by_template(record),
         probs_ratio_min=stats["probs_ratio_min"],
         probs_ratio_max=stats["probs_ratio_max"],
         **means,
-        advantage_mean=float(record.advantages.mean()),
-        advantage_min=float(record.advantages.min()),
-        advantage_max=float(record.advantages.max()),
-        response_length_mean=sum(lengths) / len(lengths),
-        response_length_max=max(lengths),
+        advantage_mean=float(advantages.mean()),
+        advantage_min=float(advantages.min()),
+        advantage_max=float(advantages.max()),
+        response_length_mean=sum(lengths) / n,
+        response_length_max=max(lengths, default=0),
         time_rollout_s=round(record.walls["rollout"], 4),
         **{f"time_{k}_s": round(v, 4) for k, v in slowest.items()},
         time_logprob_s=round(record.walls["logprob"], 4),
@@ -97,6 +101,12 @@ def _stats(record: StepRecord, results: list[StepResult], tokens: int, step_s: f
         generation_tokens_per_s=round(sum(r.generated_tokens for r in record.rollouts) / max(gen_s, 1e-9), 1),
         reward_parts=_reward_parts(record),
     )
+
+
+def _real_advantages(record: StepRecord):
+    """The step's advantages (response order, replica by replica) less the fillers' (all where only fillers)."""
+    real = [not is_filler(i) for r in record.rollouts for i in r.sample_ids]
+    return record.advantages[real] if any(real) else record.advantages
 
 
 def _reward_parts(record: StepRecord) -> dict[str, float]:
@@ -120,6 +130,8 @@ def _inner_stats(results: list[StepResult]) -> dict[str, float]:
 def _by_template(record: StepRecord) -> dict[str, float]:
     hits: dict[str, list[bool]] = defaultdict(list)
     for r in record.rollouts:
+        if not r.prompts:  # a replica that drew fillers alone (data/epochs.py)
+            continue
         group = len(r.correct) // len(r.prompts)
         for i, ok in enumerate(r.correct):
             hits[r.templates[i // group] or "none"].append(ok)

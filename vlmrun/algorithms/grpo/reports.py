@@ -18,7 +18,8 @@ from vlmrun.policy.interface import StepResult
 class RolloutReport:
     """Stage 1 on a replica's owner rank: its prompts and every response's score."""
 
-    prompts: list[str]  # prompt sample ids
+    prompts: list[str]  # prompt sample ids; this and every per-prompt or per-response list below but
+    # sample_ids leave out the fillers (data/epochs.py), which count in no metric
     templates: list[str]  # each prompt's question template ("" where none)
     sample_ids: list[str]  # response sample ids, prompt-major
     rewards: list[float]
@@ -31,6 +32,11 @@ class RolloutReport:
     plane: dict[str, float] = field(default_factory=dict)
     rows: RolloutRows | None = None  # the driver path: the rollout itself
     reward_parts: list[dict[str, float]] = field(default_factory=list)  # each response's terms (grpo.rewards)
+
+
+def kept(values: list, keep: list[bool]) -> list:
+    """The `values` whose `keep` is True, in order (a rollout report leaves fillers out: data/epochs.py)."""
+    return [v for v, k in zip(values, keep, strict=True) if k]
 
 
 @dataclass

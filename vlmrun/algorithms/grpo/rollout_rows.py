@@ -23,6 +23,7 @@ import torch
 
 from vlmrun.config.families import family_spec
 from vlmrun.data.batch import PromptBatch
+from vlmrun.data.epochs import is_filler
 from vlmrun.generation.prompts import prompt_media
 from vlmrun.generation.rollouts import Rollouts
 from vlmrun.plane.interface import SampleBatch
@@ -83,15 +84,19 @@ def prompt_columns(batch: PromptBatch, *, family: str, image_token_id: int | Non
 
 def response_columns(rollouts: Rollouts, scored: Sequence[Scored], prompt_ids: Sequence[str]) -> SampleBatch:
     """The response samples of `rollouts` (module doc, 1), rewards from `scored` (row order); `prompt_ids`
-    are their prompts' sample ids (`prompt_columns`)."""
+    are their prompts' sample ids (`prompt_columns`). A filler prompt's responses (vlmrun.data.epochs)
+    have no token that counts in the loss."""
     lengths = response_lengths(rollouts)
+    ids = response_sample_ids(prompt_ids, rollouts.group_size)
     columns = {
         "response_ids": [rollouts.response_ids[i, :n].clone() for i, n in enumerate(lengths)],
-        "response_mask": [torch.ones(n, dtype=torch.bool) for n in lengths],
+        "response_mask": [
+            torch.full((n,), not is_filler(i), dtype=torch.bool) for i, n in zip(ids, lengths, strict=True)
+        ],
         "generation_logprobs": [rollouts.logprobs[i, :n].float().clone() for i, n in enumerate(lengths)],
         "rewards": [torch.tensor(s.reward, dtype=torch.float32) for s in scored],
     }
-    return SampleBatch(sample_ids=response_sample_ids(prompt_ids, rollouts.group_size), columns=columns)
+    return SampleBatch(sample_ids=ids, columns=columns)
 
 
 def rollout_columns(

@@ -42,7 +42,7 @@ from vlmrun.algorithms.grpo.partition import (
     split_fields,
     stage_fields,
 )
-from vlmrun.algorithms.grpo.reports import RolloutReport, ScoreReport, TrainReport
+from vlmrun.algorithms.grpo.reports import RolloutReport, ScoreReport, TrainReport, kept
 from vlmrun.algorithms.grpo.rollout_rows import (
     RolloutRows,
     ended_with,
@@ -56,6 +56,7 @@ from vlmrun.checkpoint.parts import MODEL_PART, OPTIMIZER_PART
 from vlmrun.checkpoint.read import Checkpoint
 from vlmrun.checkpoint.write import PendingCheckpoint
 from vlmrun.config.dtype import torch_dtype
+from vlmrun.data.epochs import is_filler
 from vlmrun.data.packing import rows_in_order
 from vlmrun.distributed.worker_group import StepGate, side_call
 from vlmrun.generation.interface import SamplingParams
@@ -121,15 +122,17 @@ class GrpoWorker(RankWorker):
         scored = self._score(rollouts)
         responses = response_columns(rollouts, scored, prompt_rows.sample_ids)
         times["reward"] = time.perf_counter() - t0
+        real = [not is_filler(i) for i in responses.sample_ids]  # fillers (data/epochs.py) count in no metric
+        real_prompts = [not is_filler(i) for i in batch.sample_ids]
         report = RolloutReport(
-            prompts=list(batch.sample_ids),
-            templates=list(batch.templates) or [""] * len(batch),
+            prompts=kept(batch.sample_ids, real_prompts),
+            templates=kept(list(batch.templates) or [""] * len(batch), real_prompts),
             sample_ids=responses.sample_ids,
-            rewards=[s.reward for s in scored],
-            correct=[s.correct for s in scored],
-            well_formed=[s.well_formed for s in scored],
-            reward_parts=[s.parts for s in scored],
-            lengths=response_lengths(rollouts),
+            rewards=kept([s.reward for s in scored], real),
+            correct=kept([s.correct for s in scored], real),
+            well_formed=kept([s.well_formed for s in scored], real),
+            reward_parts=kept([s.parts for s in scored], real),
+            lengths=kept(response_lengths(rollouts), real),
             generated_tokens=rollouts.response_ids.numel(),
             times=times,
             loader_counts=self.loader.counts() if self.loader is not None else None,

@@ -21,6 +21,7 @@ from vlmrun.algorithms.common.loop import StepLoop
 from vlmrun.algorithms.sft.worker import SftWorker
 from vlmrun.checkpoint.read import Checkpoint
 from vlmrun.data.batch import SampleCounts
+from vlmrun.data.epochs import is_filler
 from vlmrun.distributed.worker_group import gather
 from vlmrun.run.rows import StepRow
 
@@ -54,7 +55,9 @@ class SftController(StepLoop):
             loader_s = max(r.loader_s for r in reports)
         dt = time.perf_counter() - t0
         head = reports[0].result  # identical on every rank
-        samples = self.steps.global_batch_size
+        ids = [i for r in reports for i in r.sample_ids]
+        fillers = {i for i in ids if is_filler(i)}  # vlmrun.data.epochs: repeats that train nothing
+        samples = self.steps.global_batch_size - len(fillers)
         counters["consumed_samples"] += samples
         counters["total_valid_tokens"] += head.valid_tokens
         owned = [loader.counts() for loader in self.loaders.values()]
@@ -70,7 +73,7 @@ class SftController(StepLoop):
             consumed_samples=counters["consumed_samples"],
             dropped_samples=counts.dropped,
             truncated_samples=counts.truncated,
-            sample_ids=[i for r in reports for i in r.sample_ids],
+            sample_ids=[i for i in ids if i not in fillers],
             step_time_s=round(dt, 4),
             loader_latency_max_s=round(loader_s, 4),
             tokens_per_s=round(head.valid_tokens / dt, 2),
