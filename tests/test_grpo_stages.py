@@ -75,7 +75,7 @@ class Ranks:
     """A worker group of dp=2 ranks answering in this process; records every stage call and its kwargs."""
 
     def __init__(self, recipe, rows_of=None):
-        self.plan = plan_placement(recipe.parallel)
+        self.plan = plan_placement(recipe.parallel.layout)
         self.calls: list[tuple[str, int, dict]] = []
         self.rows_of = rows_of  # the driver path: shard -> the rollout's rows
 

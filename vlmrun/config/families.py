@@ -5,7 +5,10 @@ login node. A `FamilySpec` names the processor class a model directory must carr
 `model_type` its config.json says (checked at submit: models/source.py), and sorts the processor's
 outputs: per-token inputs (padded with the batch, e.g. Qwen's `mm_token_type_ids`, without which
 Qwen2.5-VL silently falls back to 1-D positions and Qwen2-VL and Qwen3-VL refuse images) and packed
-media (rows of all images concatenated, plus their grid sizes). `Family` is the recipe's type; tests
+media (rows of all images concatenated, plus their grid sizes). Its `capabilities` say what vlmrun
+runs the family's models with beyond what every family has (SFT, GRPO, the hf backends, the chat
+data components): packed micro-batches (`data.pack_tokens`) and the vllm generation engine, each
+with the reason where it cannot, for the recipe check to name. `Family` is the recipe's type; tests
 check it lists the same names, in the same order. Qwen3-VL is the dense model (`qwen3_vl`), not its
 MoE sibling (`qwen3_vl_moe`).
 """
@@ -19,6 +22,19 @@ from typing import Literal
 from vlmrun.errors import InputError
 
 Family = Literal["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "nemotron_omni"]
+#: The fields of `Capabilities`.
+Capability = Literal["packing", "vllm"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Capabilities:
+    """What vlmrun runs a family's models with, each None where it can, else why it cannot (in the
+    words the recipe check gives): `packing` data.pack_tokens (models/packing.py); `vllm`
+    generation.backend: vllm (vLLM's class of the family takes the policy's names and the embeddings
+    of our processor's pixels: tests/test_vllm_classes.py, vlmrun/generation/vllm.py)."""
+
+    packing: str | None = None
+    vllm: str | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -30,6 +46,7 @@ class FamilySpec:
     model_types: tuple[str, ...]
     token_keys: tuple[str, ...]
     media_keys: tuple[str, ...]
+    capabilities: Capabilities = Capabilities()
 
 
 _QWEN_TOKEN_KEYS = ("mm_token_type_ids",)
@@ -57,6 +74,10 @@ FAMILIES = MappingProxyType(
             model_types=("qwen3_vl",),
             token_keys=_QWEN_TOKEN_KEYS,
             media_keys=_QWEN_MEDIA_KEYS,
+            capabilities=Capabilities(
+                vllm="not checked yet: its vision tower also feeds deepstack features to the decoder, which the "
+                "image-embeddings route must carry"
+            ),
         ),
         "nemotron_omni": FamilySpec(
             name="nemotron_omni",
@@ -64,6 +85,12 @@ FAMILIES = MappingProxyType(
             model_types=("nemotron_h_omni",),
             token_keys=(),
             media_keys=("pixel_values", "image_grid_hw"),
+            capabilities=Capabilities(
+                packing="its Mamba layers carry their state along the row (transformers' path has no reset at a "
+                "sequence's start), so a packed sequence would start from the previous one's state",
+                vllm="vLLM names its class NemotronH_Nano_Omni_Reasoning_V3, needs the MoE kernels, and at 30B "
+                "an engine over several GPUs: tensor parallel, not built",
+            ),
         ),
     }
 )
@@ -82,10 +109,6 @@ def family_of_model_type(model_type: str) -> str | None:
     return next((name for name, spec in FAMILIES.items() if model_type in spec.model_types), None)
 
 
-#: Families whose micro-batches cannot be packed (data.pack_tokens), and why, in words an error gives.
-PACKING_REFUSED = {
-    "nemotron_omni": (
-        "its Mamba layers carry their state along the row (transformers' path has no reset at a "
-        "sequence's start), so a packed sequence would start from the previous one's state"
-    ),
-}
+def families_that(capability: Capability) -> tuple[str, ...]:
+    """The families whose `capabilities.<capability>` has no refusal, in registry order."""
+    return tuple(name for name, spec in FAMILIES.items() if getattr(spec.capabilities, capability) is None)

@@ -192,7 +192,7 @@ class StepLoop:
     # ---- the run ---------------------------------------------------------------------------------
     def run(self) -> RunOutcome:
         r = self.recipe
-        self.plan = plan_placement(r.parallel)
+        self.plan = plan_placement(r.parallel.layout)
         from vlmrun.data.splits import split_size
 
         self.steps = plan_steps(r, split_size(r.data.path, r.data.split))
