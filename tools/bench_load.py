@@ -62,13 +62,13 @@ def _rank(
 ) -> None:
     import os
 
-    import vlmrun.policy.hf as hf
+    from vlmrun.models import sharded_load
     from vlmrun.models.spec import ModelSpec
     from vlmrun.policy import open_policy
 
     torch.set_num_threads(1)
     if variant == "whole":  # the product's fallback: every rank loads the whole model, then shards it
-        hf.plan_load = lambda model, directory: (None, "bench_load: the whole load")
+        sharded_load.plan_load = lambda model, directory: (None, "bench_load: the whole load")
     parallel = sharded_parallel()
     policy = open_policy(
         "hf", model=ModelSpec(directory=model_dir), rank=rank, world_size=world, train=TRAIN, parallel=parallel

@@ -119,7 +119,7 @@ def measure(recipe, family: str, rounds: int, prompts: int, work: Path, tower: s
     from vlmrun.algorithms.grpo.micro_batches import batch_response_values, model_batches, pg_micro_batches
     from vlmrun.algorithms.grpo.rollout_rows import join, rollout_columns
     from vlmrun.config.dtype import torch_dtype
-    from vlmrun.generation.hf import HfGenerator
+    from vlmrun.generation import open_generator
     from vlmrun.generation.interface import SamplingParams
     from vlmrun.models.fit import training_shape
     from vlmrun.models.source import ensure_model
@@ -137,7 +137,7 @@ def measure(recipe, family: str, rounds: int, prompts: int, work: Path, tower: s
         model_dir = str(with_tower(Path(model_dir), TOWERS[tower], work / "model"))
     spec = ModelSpec(directory=model_dir, dtype=recipe.model.dtype)
     batch = prompt_batch(family, Path(model_dir), work, prompts, image_size=shape.image_size)
-    generator = HfGenerator(model=spec)
+    generator = open_generator("hf", model=spec)
     generator.setup()
     policy = open_policy(
         recipe.model.backend, model=spec, rank=0, world_size=1, train=recipe.train, parallel=recipe.parallel

@@ -35,9 +35,9 @@ import torch.distributed as dist
 from vlmrun.checkpoint.parts import MODEL_PART, OPTIMIZER_PART, POLICY_PARTS, PolicyState, Storage
 from vlmrun.config.dtype import torch_dtype
 from vlmrun.config.layout import RankLayout
+from vlmrun.models import sharded_load
 from vlmrun.models.build import build_model, materialize, materialize_buffers
 from vlmrun.models.packing import packed_inputs
-from vlmrun.models.sharded_load import plan_load
 from vlmrun.models.shared_images import vision_once
 from vlmrun.models.spec import ModelSpec
 from vlmrun.policy import rng
@@ -133,7 +133,7 @@ class HfPolicy(PolicyBackend):
         if self.spec.random_init:
             load = f"random init (seed {self.spec.seed})" + (", each rank its own shards" if on_meta else "")
         elif on_meta:
-            plan, why = plan_load(model, self.spec.directory)
+            plan, why = sharded_load.plan_load(model, self.spec.directory)
             load = "each rank read only its own rows of the weights' files"
             if plan is None:  # the reader cannot map these files: load it whole, as unsharded
                 model, on_meta, load = build_model(self.spec, device=self.device), False, f"whole on every rank: {why}"
