@@ -32,7 +32,6 @@ from typing import Any
 import torch
 
 from vlmrun.algorithms.grpo.rollout_rows import join, prompt_of
-from vlmrun.distributed.worker_group import gather
 from vlmrun.plane.fields import FIELDS, Alignment, Stage
 from vlmrun.plane.interface import DataPlane, Get, PartitionSpec, Put, SampleBatch
 
@@ -268,7 +267,8 @@ class ReplicaPlanes:
         if self.shared is not None:
             return self.shared.get_many([Get(p, ids, fields) for p, ids in zip(partitions, sample_ids, strict=True)])
         got = self._through_owners(
-            "plane_get", [(p, ids, fields) for p, ids in zip(partitions, sample_ids, strict=True)]
+            "plane_get",
+            [{"partition": p, "sample_ids": ids, "fields": fields} for p, ids in zip(partitions, sample_ids, strict=True)],
         )
         self._bytes += sum(value_bytes(g.columns) for g in got)
         return got
@@ -279,13 +279,15 @@ class ReplicaPlanes:
         if self.shared is not None:
             self.shared.put_many([Put(p, ids, cols) for p, ids, cols in requests])
             return
-        self._through_owners("plane_put", requests)
+        self._through_owners(
+            "plane_put", [{"partition": p, "sample_ids": ids, "columns": cols} for p, ids, cols in requests]
+        )
         self._bytes += sum(value_bytes(cols) for _, _, cols in requests)
 
-    def _through_owners(self, method: str, requests: list[tuple]) -> list:
+    def _through_owners(self, method: str, requests: list[dict]) -> list:
+        """`method(**requests[r])` on replica r's owner rank, for every replica r; results in replica order."""
         t0 = time.perf_counter()
-        owners = [self.group.workers[s.owner_rank] for s in self.group.plan.shards]
-        out = gather([getattr(o, method).remote(*args) for o, args in zip(owners, requests, strict=True)])
+        out = self.group.replica_owners(method, lambda shard: requests[shard])
         self._seconds += time.perf_counter() - t0
         return out
 
