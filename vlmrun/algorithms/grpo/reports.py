@@ -34,7 +34,7 @@ class RolloutReport:
 
 
 @dataclass
-class ScoreReport:
+class LogprobReport:
     """Stage 2 on a rank: how long the logprobs took; on the driver path the columns themselves."""
 
     times: dict[str, float]  # logprob
