@@ -39,7 +39,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch
 from measure_generation import prompt_batch
-from measure_memory import _free_port
+from measure_memory import rank_policy
 
 from vlmrun.observe.ratios import ratio_spread, round_ratios
 
@@ -125,7 +125,6 @@ def measure(recipe, family: str, rounds: int, prompts: int, work: Path, tower: s
     from vlmrun.models.source import ensure_model
     from vlmrun.models.spec import ModelSpec
     from vlmrun.plane.interface import SampleBatch
-    from vlmrun.policy import open_policy
     from vlmrun.rewards.builtin import Scored
 
     train = recipe.train.model_copy(update={"lr": 0.0})
@@ -139,10 +138,7 @@ def measure(recipe, family: str, rounds: int, prompts: int, work: Path, tower: s
     batch = prompt_batch(family, Path(model_dir), work, prompts, image_size=shape.image_size)
     generator = open_generator("hf", model=spec)
     generator.setup()
-    policy = open_policy(
-        recipe.model.backend, model=spec, rank=0, world_size=1, train=recipe.train, parallel=recipe.parallel
-    )
-    policy.setup(master_addr="127.0.0.1", master_port=_free_port(), max_steps=1 + 2 * rounds)
+    policy = rank_policy(recipe, model_dir, max_steps=1 + 2 * rounds)
     sampling = SamplingParams(
         temperature=g.temperature, top_p=g.top_p, max_new_tokens=g.max_new_tokens, seed=recipe.train.seed
     )

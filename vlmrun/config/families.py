@@ -49,51 +49,44 @@ class FamilySpec:
     capabilities: Capabilities = Capabilities()
 
 
-_QWEN_TOKEN_KEYS = ("mm_token_type_ids",)
-_QWEN_MEDIA_KEYS = ("pixel_values", "image_grid_thw")
+def _qwen(name: str, processor_class: str, capabilities: Capabilities = Capabilities()) -> FamilySpec:
+    """A Qwen-VL family: its model_type is its name; per-token `mm_token_type_ids`, packed pixels and grids."""
+    return FamilySpec(
+        name=name,
+        processor_class=processor_class,
+        model_types=(name,),
+        token_keys=("mm_token_type_ids",),
+        media_keys=("pixel_values", "image_grid_thw"),
+        capabilities=capabilities,
+    )
 
-FAMILIES = MappingProxyType(
-    {
-        "qwen2_vl": FamilySpec(
-            name="qwen2_vl",
-            processor_class="Qwen2VLProcessor",
-            model_types=("qwen2_vl",),
-            token_keys=_QWEN_TOKEN_KEYS,
-            media_keys=_QWEN_MEDIA_KEYS,
+
+_SPECS = (
+    _qwen("qwen2_vl", "Qwen2VLProcessor"),
+    _qwen("qwen2_5_vl", "Qwen2_5_VLProcessor"),
+    _qwen(
+        "qwen3_vl",
+        "Qwen3VLProcessor",
+        Capabilities(
+            vllm="not checked yet: its vision tower also feeds deepstack features to the decoder, which the "
+            "image-embeddings route must carry"
         ),
-        "qwen2_5_vl": FamilySpec(
-            name="qwen2_5_vl",
-            processor_class="Qwen2_5_VLProcessor",
-            model_types=("qwen2_5_vl",),
-            token_keys=_QWEN_TOKEN_KEYS,
-            media_keys=_QWEN_MEDIA_KEYS,
+    ),
+    FamilySpec(
+        name="nemotron_omni",
+        processor_class="NemotronH_Omni_Reasoning_V3Processor",
+        model_types=("nemotron_h_omni",),
+        token_keys=(),
+        media_keys=("pixel_values", "image_grid_hw"),
+        capabilities=Capabilities(
+            packing="its Mamba layers carry their state along the row (transformers' path has no reset at a "
+            "sequence's start), so a packed sequence would start from the previous one's state",
+            vllm="vLLM names its class NemotronH_Nano_Omni_Reasoning_V3, needs the MoE kernels, and at 30B "
+            "an engine over several GPUs: tensor parallel, not built",
         ),
-        "qwen3_vl": FamilySpec(
-            name="qwen3_vl",
-            processor_class="Qwen3VLProcessor",
-            model_types=("qwen3_vl",),
-            token_keys=_QWEN_TOKEN_KEYS,
-            media_keys=_QWEN_MEDIA_KEYS,
-            capabilities=Capabilities(
-                vllm="not checked yet: its vision tower also feeds deepstack features to the decoder, which the "
-                "image-embeddings route must carry"
-            ),
-        ),
-        "nemotron_omni": FamilySpec(
-            name="nemotron_omni",
-            processor_class="NemotronH_Omni_Reasoning_V3Processor",
-            model_types=("nemotron_h_omni",),
-            token_keys=(),
-            media_keys=("pixel_values", "image_grid_hw"),
-            capabilities=Capabilities(
-                packing="its Mamba layers carry their state along the row (transformers' path has no reset at a "
-                "sequence's start), so a packed sequence would start from the previous one's state",
-                vllm="vLLM names its class NemotronH_Nano_Omni_Reasoning_V3, needs the MoE kernels, and at 30B "
-                "an engine over several GPUs: tensor parallel, not built",
-            ),
-        ),
-    }
+    ),
 )
+FAMILIES = MappingProxyType({spec.name: spec for spec in _SPECS})
 
 
 def family_spec(family: str) -> FamilySpec:

@@ -57,57 +57,35 @@ class FieldSpec:
 
 
 def _grpo_fields() -> list[FieldSpec]:
+    prompt, response, sample = Alignment.PROMPT_TOKEN, Alignment.RESPONSE_TOKEN, Alignment.SAMPLE
+    fields = (  # name, alignment, dtype, what it holds
+        ("prompt_ids", prompt, "int64", "the prompt's token ids (chat template, image placeholders expanded)"),
+        ("response_ids", response, "int64", "the generated token ids"),
+        ("response_mask", response, "bool", "the token mask of the response: True where a token counts in the loss"),
+        (
+            "generation_logprobs",
+            response,
+            "float32",
+            "logprobs of the response tokens from the generation backend (token_mult_prob_error)",
+        ),
+        (
+            "prev_logprobs",
+            response,
+            "float32",
+            "logprobs of the response tokens under the policy before this step's update",
+        ),
+        (
+            "ref_logprobs",
+            response,
+            "float32",
+            "logprobs of the response tokens under the reference policy (KL penalty)",
+        ),
+        ("rewards", sample, "float32", "the reward of the response"),
+        ("advantages", sample, "float32", "the group-normalized advantage of the response"),
+    )
     return [
-        FieldSpec(
-            name="prompt_ids",
-            alignment=Alignment.PROMPT_TOKEN,
-            dtype="int64",
-            doc="the prompt's token ids (chat template, image placeholders expanded)",
-        ),
-        FieldSpec(
-            name="response_ids",
-            alignment=Alignment.RESPONSE_TOKEN,
-            dtype="int64",
-            doc="the generated token ids",
-        ),
-        FieldSpec(
-            name="response_mask",
-            alignment=Alignment.RESPONSE_TOKEN,
-            dtype="bool",
-            doc="the token mask of the response: True where a token counts in the loss",
-        ),
-        FieldSpec(
-            name="generation_logprobs",
-            alignment=Alignment.RESPONSE_TOKEN,
-            dtype="float32",
-            doc="logprobs of the response tokens from the generation backend (token_mult_prob_error)",
-        ),
-        FieldSpec(
-            name="prev_logprobs",
-            alignment=Alignment.RESPONSE_TOKEN,
-            dtype="float32",
-            doc="logprobs of the response tokens under the policy before this step's update",
-        ),
-        FieldSpec(
-            name="ref_logprobs",
-            alignment=Alignment.RESPONSE_TOKEN,
-            dtype="float32",
-            doc="logprobs of the response tokens under the reference policy (KL penalty)",
-        ),
-        FieldSpec(
-            name="rewards",
-            alignment=Alignment.SAMPLE,
-            dtype="float32",
-            ndim=0,
-            doc="the reward of the response",
-        ),
-        FieldSpec(
-            name="advantages",
-            alignment=Alignment.SAMPLE,
-            dtype="float32",
-            ndim=0,
-            doc="the group-normalized advantage of the response",
-        ),
+        FieldSpec(name=name, alignment=kind, dtype=dtype, doc=doc, ndim=0 if kind is sample else None)
+        for name, kind, dtype, doc in fields
     ]
 
 

@@ -22,7 +22,9 @@ Both return a `StepRecord` for metrics.py.
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -50,6 +52,14 @@ class StepRecord:
     loader_s: float = 0.0
 
 
+@contextlib.contextmanager
+def _timed(walls: dict[GrpoStage, float], stage: GrpoStage) -> Iterator[None]:
+    """The block's wall seconds as `walls[stage]` (the stage as the controller sees it)."""
+    t0 = time.perf_counter()
+    yield
+    walls[stage] = time.perf_counter() - t0
+
+
 class PlaneStages:
     def __init__(self, recipe, group, planes: ReplicaPlanes, micro_batches_per_replica: int):
         self.recipe, self.group, self.planes = recipe, group, planes
@@ -57,9 +67,8 @@ class PlaneStages:
 
     def run(self, step: int) -> StepRecord:
         walls: dict[GrpoStage, float] = {}
-        t0 = time.perf_counter()
-        rollouts = self.group.replica_owners("rollout", lambda shard: {"step": step, "n_micro": self.n_micro})
-        walls[GrpoStage.ROLLOUT] = time.perf_counter() - t0
+        with _timed(walls, GrpoStage.ROLLOUT):
+            rollouts = self.group.replica_owners("rollout", lambda shard: {"step": step, "n_micro": self.n_micro})
         ids = [r.sample_ids for r in rollouts]
         parts = [partition_name(step, shard) for shard in range(len(ids))]
         t0 = time.perf_counter()
@@ -78,9 +87,8 @@ class PlaneStages:
         waited = min(plane["seconds"], max(0.0, beside_s - slowest))
         walls[GrpoStage.LOGPROB] = time.perf_counter() - t0
         walls[GrpoStage.ADVANTAGE] = beside_s
-        t0 = time.perf_counter()
-        trains = self.group.by_dp("train", [{"step": step, "sample_ids": i} for i in ids])
-        walls[GrpoStage.TRAIN] = time.perf_counter() - t0
+        with _timed(walls, GrpoStage.TRAIN):
+            trains = self.group.by_dp("train", [{"step": step, "sample_ids": i} for i in ids])
         return StepRecord(
             rollouts=rollouts,
             logprobs=logprobs,
@@ -110,30 +118,26 @@ class DriverStages:
         g = self.recipe.grpo
         walls: dict[GrpoStage, float] = {}
         loader_s = [0.0]
-        t0 = time.perf_counter()
-        refs = self.group.submit_replica_owners(
-            "rollout", lambda shard: {"step": step, "prompts": self._prompts(shard, loader_s)}
-        )
-        rollouts = gather(refs)
-        walls[GrpoStage.ROLLOUT] = time.perf_counter() - t0
+        with _timed(walls, GrpoStage.ROLLOUT):
+            refs = self.group.submit_replica_owners(
+                "rollout", lambda shard: {"step": step, "prompts": self._prompts(shard, loader_s)}
+            )
+            rollouts = gather(refs)
         rows: list[RolloutRows] = [r.rows for r in rollouts]
         for r in rollouts:  # the record keeps the reports, not the rollout itself
             r.rows = None
-        t0 = time.perf_counter()
-        logprobs = self.group.by_dp("logprob", [self._stage_kwargs(step, r, GrpoStage.LOGPROB) for r in rows])
-        walls[GrpoStage.LOGPROB] = time.perf_counter() - t0
+        with _timed(walls, GrpoStage.LOGPROB):
+            logprobs = self.group.by_dp("logprob", [self._stage_kwargs(step, r, GrpoStage.LOGPROB) for r in rows])
         for shard, r in enumerate(rows):
             r.responses.columns.update(self._replica_results(logprobs, shard).columns)
-        t0 = time.perf_counter()
         advantages = []
-        for r in rows:
-            adv = group_advantages(r.responses.stack("rewards"), g.num_generations, normalize_std=g.normalize_std)
-            r.responses.columns["advantages"] = list(adv)
-            advantages.append(adv)
-        walls[GrpoStage.ADVANTAGE] = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        trains = self.group.by_dp("train", [self._stage_kwargs(step, r, GrpoStage.TRAIN) for r in rows])
-        walls[GrpoStage.TRAIN] = time.perf_counter() - t0
+        with _timed(walls, GrpoStage.ADVANTAGE):
+            for r in rows:
+                adv = group_advantages(r.responses.stack("rewards"), g.num_generations, normalize_std=g.normalize_std)
+                r.responses.columns["advantages"] = list(adv)
+                advantages.append(adv)
+        with _timed(walls, GrpoStage.TRAIN):
+            trains = self.group.by_dp("train", [self._stage_kwargs(step, r, GrpoStage.TRAIN) for r in rows])
         return StepRecord(
             rollouts=rollouts,
             logprobs=logprobs,
