@@ -85,3 +85,27 @@ def test_registry_import_stays_light():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.split() == ["False", "False"]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_familys_capabilities_decide_what_its_recipe_may_ask(family):
+    """Packing and the vllm engine are refused exactly for the families whose registry entry says why."""
+    from pathlib import Path
+
+    from vlmrun.config.families import FAMILIES as REGISTRY
+    from vlmrun.config.load import load_recipe
+
+    recipes = Path(__file__).resolve().parents[1] / "recipes"
+    asks = {
+        "packing": (recipes / "tiny-clevr-cpu.yaml", ["data.pack_tokens=512"], "data.pack_tokens"),
+        "vllm": (recipes / "tiny-grpo-cpu.yaml", ["generation.backend=vllm", "cluster.gpus_per_node=2"], "generation"),
+    }
+    for capability, (recipe, sets, field) in asks.items():
+        why = getattr(REGISTRY[family].capabilities, capability)
+        overrides = [f"model.family={family}", *sets]
+        if why is None:
+            load_recipe(recipe, overrides)
+            continue
+        with pytest.raises(InputError) as err:
+            load_recipe(recipe, overrides)
+        assert err.value.field.startswith(field) and why in str(err.value)

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+from data_samples import read_raw_samples as read_samples
 from PIL import Image
 from vlmrun_cli import ENV, TINY, command, refused, rows, sealed, sets, vlmrun
 
@@ -71,17 +72,6 @@ def llava_rows(folder: Path) -> list[dict]:
         {"id": "too-many-placeholders", "image": image, "conversations": turns("<image> <image> Two?", "no")},
     ]
     return out
-
-
-def read_samples(out: Path, split: str) -> dict[str, dict]:
-    """key -> crude sample (bytes per member extension), as Energon hands it to the cooker."""
-    samples: dict[str, dict] = {}
-    for shard in sorted(out.glob(f"{split}-*.tar")):
-        with tarfile.open(shard) as tar:
-            for member in tar:
-                key, _, ext = member.name.partition(".")
-                samples.setdefault(key, {"__key__": key, "__restore_key__": ()})[ext] = tar.extractfile(member).read()
-    return samples
 
 
 @pytest.fixture(scope="module")

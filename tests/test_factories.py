@@ -168,3 +168,24 @@ def test_the_attention_kernel_of_the_spec_is_the_one_the_model_runs(tiny_dirs):
         for attn in ("eager", "sdpa"):
             model = build_model(ModelSpec(**source, attn_implementation=attn))
             assert model.config._attn_implementation == attn, (source.keys(), attn)
+
+
+def test_tools_open_backends_through_the_factories_only():
+    """import-linter sees the package, not tools/: the same forbidden backend modules, checked here."""
+    import ast
+    import tomllib
+
+    root = Path(__file__).resolve().parents[1]
+    contracts = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"]
+    (backends,) = [c["forbidden_modules"] for c in contracts if c["name"].startswith("backends:")]
+    found = []
+    for path in sorted((root / "tools").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module, *(f"{node.module}.{a.name}" for a in node.names)]
+            else:
+                continue
+            found += [f"{path.relative_to(root)}:{node.lineno} {n}" for n in names if n in backends]
+    assert backends and not found, f"tools import backend modules instead of open_policy / open_generator: {found}"

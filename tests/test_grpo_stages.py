@@ -18,15 +18,15 @@ import pytest
 import torch
 
 from vlmrun.algorithms.grpo import stages
+from vlmrun.algorithms.grpo.fields import GrpoStage
 from vlmrun.algorithms.grpo.metrics import step_row
 from vlmrun.algorithms.grpo.partition import split_fields, stage_fields
-from vlmrun.algorithms.grpo.reports import RolloutReport, ScoreReport, TrainReport
+from vlmrun.algorithms.grpo.reports import LogprobReport, RolloutReport, TrainReport
 from vlmrun.algorithms.grpo.rollout_rows import RolloutRows
 from vlmrun.algorithms.grpo.stages import DriverStages, PlaneStages
 from vlmrun.config.load import load_recipe
 from vlmrun.data.batch import SampleCounts
 from vlmrun.distributed.topology import plan_placement
-from vlmrun.plane.fields import Stage
 from vlmrun.plane.interface import SampleBatch
 from vlmrun.policy.interface import StepResult
 from vlmrun.run.rows import NUMBER_KEYS, GrpoStats, StepRow, Validation
@@ -75,7 +75,7 @@ class Ranks:
     """A worker group of dp=2 ranks answering in this process; records every stage call and its kwargs."""
 
     def __init__(self, recipe, rows_of=None):
-        self.plan = plan_placement(recipe.parallel)
+        self.plan = plan_placement(recipe.parallel.layout)
         self.calls: list[tuple[str, int, dict]] = []
         self.rows_of = rows_of  # the driver path: shard -> the rollout's rows
 
@@ -84,9 +84,9 @@ class Ranks:
         shard = next(s.shard for s in self.plan.shards if rank in s.delivery_ranks)
         if method == "rollout":
             return rollout_report(shard, self.rows_of(shard) if self.rows_of else None)
-        if method == "score":
+        if method == "logprob":
             columns = {"prev_logprobs": [torch.full((2,), -float(rank)) for _ in kwargs["sample_ids"]]}
-            return ScoreReport(times={"logprob": 0.2 + rank}, plane={"seconds": 0.1, "bytes": 10}, columns=columns)
+            return LogprobReport(times={"logprob": 0.2 + rank}, plane={"seconds": 0.1, "bytes": 10}, columns=columns)
         if method == "train":
             return TrainReport([result(1.0), result(3.0, lr=0.05, probs_ratio_min=0.9)], {"train": 0.5}, {"bytes": 5})
         return None  # advantages_written
@@ -130,12 +130,12 @@ class Partitions:
 def test_the_plane_way_runs_each_stage_on_its_ranks_and_writes_group_normalized_advantages(recipe):
     ranks, planes = Ranks(recipe), Partitions()
     record = PlaneStages(recipe, ranks, planes, micro_batches_per_replica=2).run(step=7)
-    assert [m for m, _, _ in ranks.calls] == ["rollout"] * 2 + ["score"] * 2 + ["advantages_written"] * 2 + [
+    assert [m for m, _, _ in ranks.calls] == ["rollout"] * 2 + ["logprob"] * 2 + ["advantages_written"] * 2 + [
         "train"
     ] * 2
     assert [rank for rank, _ in ranks.called("rollout")] == [s.owner_rank for s in ranks.plan.shards]
     assert all(kw == {"step": 7, "n_micro": 2} for _, kw in ranks.called("rollout"))
-    for (rank, kw), (_, train) in zip(ranks.called("score"), ranks.called("train"), strict=True):
+    for (rank, kw), (_, train) in zip(ranks.called("logprob"), ranks.called("train"), strict=True):
         assert kw["sample_ids"] == rollout_report(rank).sample_ids == train["sample_ids"]  # each rank its replica's
     assert all(kw == {"step": 7, "ok": True} for _, kw in ranks.called("advantages_written"))
     ((partitions, columns),) = planes.put
@@ -161,7 +161,7 @@ def test_a_failed_advantage_stage_still_tells_the_ranks_and_fails_the_step(recip
 def all_rows(recipe, shard: int) -> RolloutRows:
     """A replica's rollout with a value for every field a stage reads (as the owner rank returns it)."""
     prompt_fields, response_fields = split_fields(
-        sorted({f for s in (Stage.PREV_LOGPROB, Stage.TRAIN) for f in stage_fields(recipe, s)} | {"rewards"})
+        sorted({f for s in (GrpoStage.LOGPROB, GrpoStage.TRAIN) for f in stage_fields(recipe, s)} | {"rewards"})
     )
     report = rollout_report(shard)
     prompts = SampleBatch(report.prompts, {f: [torch.ones(2)] * 2 for f in prompt_fields})
@@ -175,7 +175,7 @@ def test_the_driver_way_hands_each_stage_exactly_its_fields(recipe):
     loaders = {s.shard: FakeLoader() for s in ranks.plan.shards}
     record = DriverStages(recipe, ranks, loaders, micro_batches_per_replica=2).run(step=5)
     assert all(len(kw["prompts"]) == 2 for _, kw in ranks.called("rollout"))  # its shard's micro-batches
-    for stage, method in ((Stage.PREV_LOGPROB, "score"), (Stage.TRAIN, "train")):
+    for stage, method in ((GrpoStage.LOGPROB, "logprob"), (GrpoStage.TRAIN, "train")):
         prompt_fields, response_fields = split_fields(stage_fields(recipe, stage))
         for _, kw in ranks.called(method):
             assert sorted(kw["rows"].prompts.columns) == sorted(prompt_fields), method
@@ -183,7 +183,7 @@ def test_the_driver_way_hands_each_stage_exactly_its_fields(recipe):
     trained = dict(ranks.called("train"))
     owner = ranks.plan.shards[1].owner_rank
     got = trained[owner]["rows"].responses.columns
-    assert all(torch.equal(p, torch.full((2,), -float(owner))) for p in got["prev_logprobs"])  # its replica's score
+    assert all(torch.equal(p, torch.full((2,), -float(owner))) for p in got["prev_logprobs"])  # its replica's logprobs
     assert torch.allclose(torch.stack(got["advantages"]), torch.tensor([0.0, 0.0, 1.0, -1.0]), atol=1e-5)
     assert record.rollouts[0].rows is None  # the record keeps the reports, not the rollout
     assert record.loader_s >= 0 and set(record.walls) == {"rollout", "logprob", "advantage", "train"}

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from vlmrun.algorithms.grpo.advantages import group_advantages
+from vlmrun.algorithms.grpo.fields import GrpoStage
 from vlmrun.algorithms.grpo.loss import ClippedPgLoss, k3
 from vlmrun.algorithms.grpo.micro_batches import (
     PgMicroBatch,
@@ -44,7 +45,6 @@ from vlmrun.data.batch import IGNORE_INDEX, Batch, PromptBatch
 from vlmrun.data.epochs import filler_id
 from vlmrun.errors import InputError
 from vlmrun.generation.rollouts import Rollouts
-from vlmrun.plane.fields import Stage
 from vlmrun.plane.interface import DataPlaneError, Get, PartitionSpec, Put, SampleBatch
 from vlmrun.plane.local import LocalDataPlane
 from vlmrun.policy.loss import token_logprobs
@@ -250,7 +250,7 @@ def test_the_partition_round_trip_is_exact_and_each_stage_reads_its_fields():
     plane.register(part, rollout_spec(recipe, 6))
     plane.put(part, written.prompts.sample_ids, written.prompts.columns)
     plane.put(part, written.responses.sample_ids, written.responses.columns)
-    prompt_fields, response_fields = split_fields(stage_fields(recipe, Stage.PREV_LOGPROB))
+    prompt_fields, response_fields = split_fields(stage_fields(recipe, GrpoStage.LOGPROB))
     assert prompt_fields == ["prompt_ids", "mm_token_type_ids", "pixel_values", "image_grid_thw"]
     ids = written.responses.sample_ids
     got = join(plane.get(part, prompt_of(ids), prompt_fields), plane.get(part, ids, response_fields))
@@ -259,23 +259,23 @@ def test_the_partition_round_trip_is_exact_and_each_stage_reads_its_fields():
     layout = dict(family="qwen2_5_vl", pad_token_id=0, pixel_dtype=None)
     for a, b in zip(model_batches(got, 2, **layout), model_batches(direct, 2, **layout), strict=True):
         assert torch.equal(a.input_ids, b.input_ids) and torch.equal(a.labels, b.labels)
-    assert "ref_logprobs" not in stage_fields(recipe, Stage.TRAIN)  # no KL: nobody writes it
-    assert stage_fields(recipe, Stage.ADVANTAGE) == ("rewards",)
+    assert "ref_logprobs" not in stage_fields(recipe, GrpoStage.TRAIN)  # no KL: nobody writes it
+    assert stage_fields(recipe, GrpoStage.ADVANTAGE) == ("rewards",)
     assert value_bytes({"rewards": written.responses["rewards"]}) == 16
 
 
 def test_a_stage_reads_the_rollout_apart_from_what_was_written_since():
     recipe = load_recipe(GRPO)
     ids = ["grpo-s3-r1-p0#0", "grpo-s3-r1-p0#1"]
-    train = StageGets.of(recipe, "part", ids, Stage.TRAIN)
+    train = StageGets.of(recipe, "part", ids, GrpoStage.TRAIN)
     assert train.rollout.fields == ["response_ids", "response_mask", "generation_logprobs"]
     assert train.later.fields == ["prev_logprobs", "advantages"]  # no KL: no ref_logprobs
     assert train.prompts.sample_ids == prompt_of(ids) and "pixel_values" in train.prompts.fields
-    assert sorted(f for g in train.all() for f in g.fields) == sorted(stage_fields(recipe, Stage.TRAIN))
-    score = StageGets.of(recipe, "part", ids, Stage.PREV_LOGPROB)
-    assert score.later is None and len(score.all()) == 2
+    assert sorted(f for g in train.all() for f in g.fields) == sorted(stage_fields(recipe, GrpoStage.TRAIN))
+    logprob = StageGets.of(recipe, "part", ids, GrpoStage.LOGPROB)
+    assert logprob.later is None and len(logprob.all()) == 2
     kl = StageGets.of(
-        recipe.model_copy(update={"grpo": recipe.grpo.model_copy(update={"kl_coef": 0.1})}), "p", ids, Stage.TRAIN
+        recipe.model_copy(update={"grpo": recipe.grpo.model_copy(update={"kl_coef": 0.1})}), "p", ids, GrpoStage.TRAIN
     )
     assert kl.later.fields == ["prev_logprobs", "ref_logprobs", "advantages"]
     one = [torch.ones(2)] * 2
@@ -293,7 +293,7 @@ def test_a_stage_reads_the_rollout_apart_from_what_was_written_since():
 def test_stage_plane_runs_queued_calls_in_order_and_raises_their_errors_at_the_next_wait():
     plane = StagePlane(LocalDataPlane(), None)
     reward = {"rewards": [torch.tensor(1.0)]}
-    plane.register("p", PartitionSpec.for_stages("qwen2_5_vl", ("advantage",), 4), wait=False)
+    plane.register("p", PartitionSpec.reading({"advantage": ["rewards"]}, 4), wait=False)
     plane.put_many([Put("p", ["a"], reward)], wait=False)  # after the register: in order
     plane.prefetch([Get("p", ["a"], ["rewards"])])
     assert plane.get_many([Get("p", ["a"], ["rewards"])])[0].stack("rewards").tolist() == [1.0]

@@ -17,7 +17,6 @@ import torch
 from hypothesis import given, settings
 from test_plane_mooncake_master import free_blocks
 from test_plane_wire import (
-    GRPO_CONSUMERS,
     HYPOTHESIS,
     assert_same,
     check_put_many_and_get_many,
@@ -25,10 +24,10 @@ from test_plane_wire import (
     ragged_batches,
 )
 
+from vlmrun.algorithms.grpo.fields import GrpoStage, partition_spec
 from vlmrun.cluster.mooncake import mooncake_unavailable
 from vlmrun.cluster.plane_servers import running_plane_servers
-from vlmrun.plane.fields import Stage
-from vlmrun.plane.interface import DataPlaneError, PartitionSpec
+from vlmrun.plane.interface import DataPlaneError
 from vlmrun.plane.transfer_queue.servers import start_transfer_queue
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -50,11 +49,12 @@ class PlaneWorker:
         self.plane = TransferQueuePlane(endpoint, pixel_dtype=torch.bfloat16)
 
     def logprobs(self, partition: str, shard: list[str]) -> dict:
-        """The two logprob stages on `shard`: read their fields, write made-up logprobs back, report what it saw."""
+        """The logprob stage on `shard`, prev then ref: read its fields, write made-up logprobs back, report
+        what it saw."""
         spec = self.plane.spec(partition)
-        got = self.plane.get(partition, shard, spec.stage_fields(Stage.PREV_LOGPROB))
+        got = self.plane.get(partition, shard, spec.stage_fields(GrpoStage.LOGPROB))
         self.plane.put(partition, shard, {"prev_logprobs": [-r.float() / 1000 for r in got["response_ids"]]})
-        ref = self.plane.get(partition, shard, spec.stage_fields(Stage.REF_LOGPROB))
+        ref = self.plane.get(partition, shard, spec.stage_fields(GrpoStage.LOGPROB))
         self.plane.put(partition, shard, {"ref_logprobs": [-r.float() / 500 for r in ref["response_ids"]]})
         return {
             "fields": sorted(got.columns),
@@ -114,7 +114,7 @@ def test_workers_read_their_shard_and_write_logprobs_back(endpoint, planes):
 
     driver = planes[torch.bfloat16]
     ids, rollout = _rollout()
-    driver.register("grpo-step-1", PartitionSpec.for_stages("qwen2_5_vl", GRPO_CONSUMERS, len(ids)))
+    driver.register("grpo-step-1", partition_spec("qwen2_5_vl", kl=True, num_samples=len(ids)))
     driver.put("grpo-step-1", ids, rollout)
     workers = [ray.remote(num_cpus=0)(PlaneWorker).remote(endpoint) for _ in range(2)]
     try:
@@ -137,7 +137,7 @@ def test_workers_read_their_shard_and_write_logprobs_back(endpoint, planes):
             assert_same(lp, -rollout["response_ids"][i].float() / 1000)
         rewards = got.stack("rewards")
         driver.put("grpo-step-1", ids, {"advantages": list((rewards - rewards.mean()).unbind())})
-        train = driver.get("grpo-step-1", ids[1:3], driver.spec("grpo-step-1").stage_fields(Stage.TRAIN))
+        train = driver.get("grpo-step-1", ids[1:3], driver.spec("grpo-step-1").stage_fields(GrpoStage.TRAIN))
         assert train.stack("advantages").tolist() == (rewards - rewards.mean())[1:3].tolist()
         assert_same(train["pixel_values"], [[s.bfloat16() for s in rollout["pixel_values"][i]] for i in (1, 2)])
     finally:
@@ -151,7 +151,7 @@ def test_workers_read_their_shard_and_write_logprobs_back(endpoint, planes):
 def test_errors_raise_clearly(planes):
     plane = planes[torch.float32]
     ids, rollout = _rollout(2)
-    plane.register("grpo-step-2", PartitionSpec.for_stages("qwen2_5_vl", GRPO_CONSUMERS, 2))
+    plane.register("grpo-step-2", partition_spec("qwen2_5_vl", kl=True, num_samples=2))
     try:
         plane.put("grpo-step-2", ids, rollout)
         for call, match in [
@@ -161,7 +161,7 @@ def test_errors_raise_clearly(planes):
             (lambda: plane.put("grpo-step-2", ids, {"rewards": rollout["rewards"]}), "already written"),
             (lambda: plane.put("grpo-step-2", ids, {"pixel_values": [torch.randn(2, 2)] * 2}), "list of segments"),
             (
-                lambda: plane.register("grpo-step-2", PartitionSpec.for_stages("qwen2_5_vl", GRPO_CONSUMERS, 2)),
+                lambda: plane.register("grpo-step-2", partition_spec("qwen2_5_vl", kl=True, num_samples=2)),
                 "already",
             ),
         ]:
@@ -178,7 +178,7 @@ def test_small_rows_ride_in_the_tags_and_come_back_exact(planes):
 
     plane = planes[torch.float32]
     ids = ["a#0", "a#1", "a#2"]
-    plane.register("tiny", PartitionSpec.for_stages("qwen2_5_vl", GRPO_CONSUMERS, 3))
+    plane.register("tiny", partition_spec("qwen2_5_vl", kl=True, num_samples=3))
     try:
         plane.put("tiny", ids, {"rewards": [torch.tensor(0.5), torch.tensor(-1.0), torch.tensor(2.0)]})
         stored = plane.store._run(plane.store._retrieve("tiny", ids, create=False)).field_names
@@ -196,7 +196,7 @@ def test_small_rows_ride_in_the_tags_and_come_back_exact(planes):
     finally:
         plane.clear("tiny")
     assert "tiny" not in plane.partitions()
-    plane.register("tiny", PartitionSpec.for_stages("qwen2_5_vl", GRPO_CONSUMERS, 3))
+    plane.register("tiny", partition_spec("qwen2_5_vl", kl=True, num_samples=3))
     plane.put("tiny", ids, {"rewards": [torch.tensor(1.0)] * 3})
     plane.clear("tiny")  # nothing of it in storage (Mooncake's manager refuses to clear such a partition)
     assert "tiny" not in plane.partitions()
@@ -220,7 +220,7 @@ def test_a_dead_server_is_named_and_a_call_waiting_on_it_ends_at_its_bound(ray_l
     plane = TransferQueuePlane(servers.endpoint, request_timeout_s=3.0)
     ids, rollout = _rollout(2)
     try:
-        plane.register("doomed", PartitionSpec.for_stages("qwen2_5_vl", GRPO_CONSUMERS, 2))
+        plane.register("doomed", partition_spec("qwen2_5_vl", kl=True, num_samples=2))
         plane.put("doomed", ids, rollout)
         assert servers.lost() is None
         (actor,) = [a for a in servers.actors if victim in a.what]

@@ -14,13 +14,13 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from vlmrun.plane.fields import FIELDS, Alignment, Stage, field_spec, media_fields
-from vlmrun.plane.interface import DataPlane, DataPlaneError, Get, PartitionSpec, Put
+from vlmrun.algorithms.grpo.fields import GrpoStage, partition_spec
+from vlmrun.plane.fields import FIELDS, Alignment, field_spec, media_fields
+from vlmrun.plane.interface import DataPlane, DataPlaneError, Get, Put
 from vlmrun.plane.local import LocalDataPlane
 from vlmrun.plane.wire import WireError, decode_column, encode_column, pack_media, rows_of, to_jagged
 from vlmrun.plane.wire.codec import empty_row, row_numel
 
-GRPO_CONSUMERS = (Stage.PREV_LOGPROB, Stage.REF_LOGPROB, Stage.ADVANTAGE, Stage.TRAIN)
 #: The same examples on every run (CI), no example database in the work tree, no per-example deadline.
 HYPOTHESIS = dict(
     derandomize=True,
@@ -104,7 +104,7 @@ def assert_same(got, want) -> None:
 def check_round_trip(plane: DataPlane, batch: RaggedBatch) -> None:
     """First write, a dp-shard and field-subset read, a later stage's column, errors, clear."""
     part = f"step-{uuid.uuid4().hex[:8]}"
-    plane.register(part, PartitionSpec.for_stages(batch.family, GRPO_CONSUMERS, len(batch.ids)))
+    plane.register(part, partition_spec(batch.family, kl=True, num_samples=len(batch.ids)))
     plane.put(part, batch.ids, batch.columns, tags=batch.tags)
     assert plane.list_sample_ids(part) == batch.ids
     got = plane.get(part, batch.shard, batch.fields)
@@ -116,7 +116,7 @@ def check_round_trip(plane: DataPlane, batch: RaggedBatch) -> None:
     with pytest.raises(DataPlaneError, match="not written"):
         plane.get(part, batch.shard, ["prev_logprobs"])
     plane.put(part, batch.ids, {"prev_logprobs": batch.prev_logprobs})  # a later stage, the same ids
-    train = plane.get(part, batch.shard, plane.spec(part).stage_fields(Stage.PREV_LOGPROB) + ("prev_logprobs",))
+    train = plane.get(part, batch.shard, plane.spec(part).stage_fields(GrpoStage.LOGPROB) + ("prev_logprobs",))
     for sid, value in zip(batch.shard, train["prev_logprobs"], strict=True):
         assert_same(value, batch.prev_logprobs[batch.ids.index(sid)])
     for name in media_fields(batch.family):
@@ -202,7 +202,7 @@ def test_rows_of_normalizes_what_backends_return():
 
 def _grpo_plane(n: int = 4) -> tuple[LocalDataPlane, str, list[str]]:
     plane = LocalDataPlane()
-    plane.register("p", PartitionSpec.for_stages("qwen2_5_vl", GRPO_CONSUMERS, n))
+    plane.register("p", partition_spec("qwen2_5_vl", kl=True, num_samples=n))
     ids = ["a", "b"]
     plane.put(
         "p",
@@ -234,7 +234,7 @@ def test_plane_errors_say_what_is_wrong():
         (lambda: plane.put(part, ids, {"rewards": [torch.tensor(1.0)]}), "1 values for 2 samples"),
         (lambda: plane.put(part, ["c", "c"], {"rewards": [torch.tensor(1.0)] * 2}), "repeat"),
         (lambda: plane.put(part, ["c"], {"rewards": [torch.tensor(1.0)]}, tags=[{"_vlmrun": 1}]), "string keys"),
-        (lambda: plane.register(part, PartitionSpec.for_stages("qwen2_5_vl", GRPO_CONSUMERS, 4)), "already registered"),
+        (lambda: plane.register(part, partition_spec("qwen2_5_vl", kl=True, num_samples=4)), "already registered"),
     ]
     for call, match in cases:
         with pytest.raises(DataPlaneError, match=match):
@@ -274,7 +274,7 @@ def check_put_many_and_get_many(plane: DataPlane, tag: str) -> None:
     Shared with tests/test_plane_transfer_queue.py."""
     a, b = f"many-{tag}-a", f"many-{tag}-b"
     for p in (a, b):
-        plane.register(p, PartitionSpec.for_stages("qwen2_5_vl", GRPO_CONSUMERS, 3))
+        plane.register(p, partition_spec("qwen2_5_vl", kl=True, num_samples=3))
     try:
         prompts = {
             "prompt_ids": [torch.arange(3), torch.arange(5)],

@@ -330,9 +330,9 @@ def test_error_values_are_formatted_from_a_bounded_prefix():
 
 def test_hsdp_shard_groups_must_divide_dp_need_fsdp_and_never_straddle_nodes():
     hsdp = load_recipe(TINY, ["parallel.dp=4", "cluster.cpus_per_node=4", "parallel.fsdp=true", "parallel.dp_shard=2"])
-    p = hsdp.parallel
+    p = hsdp.parallel.layout
     assert (p.shard_group, p.replicas) == (2, 2) and "dp=4 dp_shard=2" in p.describe()
-    flat = load_recipe(TINY, ["parallel.fsdp=true"]).parallel
+    flat = load_recipe(TINY, ["parallel.fsdp=true"]).parallel.layout
     assert (flat.dp_shard, flat.shard_group, flat.replicas) == (None, 2, 1)
     for sets, field, words in (
         (

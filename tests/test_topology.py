@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
+from vlmrun.config.layout import RankCoords, RankLayout
 from vlmrun.config.load import load_recipe
 from vlmrun.config.parallel import ParallelConfig
 from vlmrun.distributed.topology import plan_placement
@@ -30,19 +31,19 @@ def _sweep() -> list[tuple[int, int, int, int]]:
 SWEEP = _sweep()
 
 
-def _layout(combo: tuple[int, int, int, int]) -> ParallelConfig:
+def _layout(combo: tuple[int, int, int, int]) -> RankLayout:
     dp, tp, pp, cp = combo
-    return ParallelConfig(dp=dp, tp=tp, pp=pp, cp=cp)
+    return ParallelConfig(dp=dp, tp=tp, pp=pp, cp=cp).layout
 
 
 def _ids(combo: tuple[int, int, int, int]) -> str:
     return "dp{}-tp{}-pp{}-cp{}".format(*combo)
 
 
-def _reference_coords(layout: ParallelConfig) -> list[dict[str, int]]:
+def _reference_coords(layout: RankLayout) -> list[RankCoords]:
     """Coordinates of ranks 0, 1, ... by counting in Megatron's order: tp fastest, then cp, dp, pp."""
     return [
-        {"tp": tp, "cp": cp, "dp": dp, "pp": pp}
+        RankCoords(tp=tp, cp=cp, dp=dp, pp=pp)
         for pp, dp, cp, tp in itertools.product(range(layout.pp), range(layout.dp), range(layout.cp), range(layout.tp))
     ]
 
@@ -66,27 +67,27 @@ def test_every_rank_gets_exactly_one_shard_from_an_owner_at_tp_pp_cp_zero(combo)
         assert len(s.delivery_ranks) == layout.tp * layout.pp * layout.cp
         assert list(s.delivery_ranks) == sorted(s.delivery_ranks)
         assert s.owner_rank in s.delivery_ranks
-        assert plan.coords(s.owner_rank) == {"tp": 0, "cp": 0, "dp": s.shard, "pp": 0}
+        assert layout.coords(s.owner_rank) == RankCoords(tp=0, cp=0, dp=s.shard, pp=0)
         assert plan.owner_of_shard(s.shard) == s.owner_rank
         assert {plan.shard_of_rank(rank) for rank in s.delivery_ranks} == {s.shard}
-    assert [plan.coords(rank) for rank in range(layout.world_size)] == _reference_coords(layout)
+    assert [layout.coords(rank) for rank in range(layout.world_size)] == _reference_coords(layout)
 
 
 def test_hash_is_pinned():
     # Changing these means every existing checkpoint refuses to resume: bump _PLAN_SCHEMA on purpose.
-    assert plan_placement(ParallelConfig(dp=1)).placement_hash == "76435d888f6cc922"
-    assert plan_placement(ParallelConfig(dp=2)).placement_hash == "5577b241e8413c71"
-    assert plan_placement(ParallelConfig(dp=16, tp=8, pp=4, cp=2)).placement_hash == "c38b58a34da9b8b8"
+    assert plan_placement(ParallelConfig(dp=1).layout).placement_hash == "76435d888f6cc922"
+    assert plan_placement(ParallelConfig(dp=2).layout).placement_hash == "5577b241e8413c71"
+    assert plan_placement(ParallelConfig(dp=16, tp=8, pp=4, cp=2).layout).placement_hash == "c38b58a34da9b8b8"
 
 
 def test_hash_is_the_same_in_another_process():
     code = (
         "from vlmrun.config.parallel import ParallelConfig; from vlmrun.distributed.topology import plan_placement;"
-        "print(plan_placement(ParallelConfig(dp=4, tp=2, pp=3)).placement_hash)"
+        "print(plan_placement(ParallelConfig(dp=4, tp=2, pp=3).layout).placement_hash)"
     )
     env = {**os.environ, "PYTHONHASHSEED": "12345"}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env)
-    assert out.stdout.strip() == plan_placement(ParallelConfig(dp=4, tp=2, pp=3)).placement_hash
+    assert out.stdout.strip() == plan_placement(ParallelConfig(dp=4, tp=2, pp=3).layout).placement_hash
 
 
 def test_hash_differs_between_layouts_even_of_the_same_world_size():
@@ -96,16 +97,16 @@ def test_hash_differs_between_layouts_even_of_the_same_world_size():
 
 
 def test_describe_names_the_layout_for_error_messages():
-    assert plan_placement(ParallelConfig(dp=2)).describe() == "dp=2 tp=1 pp=1 cp=1 (2 ranks)"
-    assert ParallelConfig(dp=1).describe() == "dp=1 tp=1 pp=1 cp=1 (1 rank)"
-    assert ParallelConfig(dp=4, tp=2, pp=2, cp=2).describe() == "dp=4 tp=2 pp=2 cp=2 (32 ranks)"
+    assert plan_placement(ParallelConfig(dp=2).layout).describe() == "dp=2 tp=1 pp=1 cp=1 (2 ranks)"
+    assert ParallelConfig(dp=1).layout.describe() == "dp=1 tp=1 pp=1 cp=1 (1 rank)"
+    assert ParallelConfig(dp=4, tp=2, pp=2, cp=2).layout.describe() == "dp=4 tp=2 pp=2 cp=2 (32 ranks)"
 
 
 def test_small_layout_by_hand():
     # dp=2 tp=2 pp=2: ranks 0,1 | 2,3 are replicas 0 | 1 on stage 0; 4,5 | 6,7 on stage 1.
-    plan = plan_placement(ParallelConfig(dp=2, tp=2, pp=2))
+    plan = plan_placement(ParallelConfig(dp=2, tp=2, pp=2).layout)
     assert [(s.owner_rank, s.delivery_ranks) for s in plan.shards] == [(0, (0, 1, 4, 5)), (2, (2, 3, 6, 7))]
-    assert plan.coords(7) == {"tp": 1, "cp": 0, "dp": 1, "pp": 1}
+    assert plan.layout.coords(7) == RankCoords(tp=1, cp=0, dp=1, pp=1)
 
 
 @pytest.mark.parametrize("field", ["dp", "tp", "pp", "cp"])
@@ -133,7 +134,7 @@ def test_layout_is_keyword_only_and_frozen():
 
 
 def test_out_of_range_rank_or_shard_names_the_layout():
-    plan = plan_placement(ParallelConfig(dp=2, tp=2))
+    plan = plan_placement(ParallelConfig(dp=2, tp=2).layout)
     for bad in (-1, 4):
         with pytest.raises(ValueError, match=r"dp=2 tp=2 pp=1 cp=1 \(4 ranks\)"):
             plan.shard_of_rank(bad)
@@ -161,8 +162,32 @@ def test_matches_megatron_core_rank_groups(combo, rank_generator):
     for group in generator.get_ranks("dp"):
         assert [plan.shard_of_rank(rank) for rank in group] == list(range(layout.dp))
     for group in generator.get_ranks("tp"):
-        assert [plan.coords(rank)["tp"] for rank in group] == list(range(layout.tp))
+        assert [layout.coords(rank).tp for rank in group] == list(range(layout.tp))
     for group in generator.get_ranks("pp"):
-        assert [plan.coords(rank)["pp"] for rank in group] == list(range(layout.pp))
+        assert [layout.coords(rank).pp for rank in group] == list(range(layout.pp))
     for group in generator.get_ranks("cp"):
-        assert [plan.coords(rank)["cp"] for rank in group] == list(range(layout.cp))
+        assert [layout.coords(rank).cp for rank in group] == list(range(layout.cp))
+
+
+@pytest.mark.parametrize("combo", [(4, 1, 1, 1), (4, 2, 2, 1), (2, 2, 1, 2), (8, 1, 2, 2), (6, 2, 1, 1)], ids=_ids)
+@pytest.mark.parametrize("ep", [1, 2, 4])
+def test_expert_coordinates_match_megatron_core_expert_groups(combo, ep, rank_generator):
+    dp, tp, pp, cp = combo
+    if (dp * cp) % ep:
+        pytest.skip("ep must divide cp x dp")
+    layout = RankLayout(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep)
+    # megatron-core's expert ranks (expert tensor parallel = tp): ep carved out of cp x dp, cp folded in
+    experts = rank_generator(tp=tp, ep=ep, dp=dp * cp // ep, pp=pp, cp=1, order="tp-cp-ep-dp-pp")
+    for group in experts.get_ranks("ep"):
+        assert [layout.coords(rank).ep for rank in group] == list(range(ep))
+    assert layout.world_size == dp * tp * pp * cp  # experts add no ranks
+
+
+def test_a_layout_refuses_sizes_that_do_not_fit():
+    for sizes, words in (
+        ({"dp": 0}, "integers >= 1"),
+        ({"dp": 4, "dp_shard": 3}, "dp_shard=3 must divide dp=4"),
+        ({"dp": 2, "ep": 4}, "ep=4 must divide cp x dp = 2"),
+    ):
+        with pytest.raises(ValueError, match=words):
+            RankLayout(**sizes)

@@ -35,7 +35,7 @@ def step_row(**values) -> StepRow:
 
 def test_data_plane_one_write_per_field_then_clear():
     plane = LocalDataPlane()
-    plane.register("step-1", PartitionSpec.for_stages("qwen2_5_vl", ["advantage"], 2))
+    plane.register("step-1", PartitionSpec.reading({"advantage": ["rewards"]}, 2))
     plane.put("step-1", ["a", "b"], {"rewards": [torch.tensor(1.0), torch.tensor(2.0)]})
     with pytest.raises(DataPlaneError, match="already written"):
         plane.put("step-1", ["a", "b"], {"rewards": [torch.tensor(3.0), torch.tensor(4.0)]})

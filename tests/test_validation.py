@@ -7,7 +7,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import socket
 from collections import Counter
 from pathlib import Path
 
@@ -122,12 +121,6 @@ def test_a_pass_the_val_split_ran_short_for_says_how_many_of_those_asked_for_it_
     assert " on " not in ProgressLine(10)({**shown, **dataclasses.asdict(whole)})
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class CountedPolicy:
     """A policy whose collective calls (forwards and refits, under FSDP2) are counted."""
 
@@ -184,7 +177,7 @@ def _rank_main(rank, world, recipe, model_dir, shares, port, out):
 
 @pytest.mark.slow  # two spawned FSDP2 ranks
 def test_fsdp_ranks_make_the_same_collective_calls_and_score_what_one_replica_scores(clevr_set, tiny_dirs, tmp_path):
-    from data_samples import make_recipe, start_ranks
+    from data_samples import free_port, make_recipe, start_ranks
 
     from vlmrun.data.loader import val_batches
     from vlmrun.models.spec import ModelSpec
@@ -195,7 +188,7 @@ def test_fsdp_ranks_make_the_same_collective_calls_and_score_what_one_replica_sc
     loss_b, prompt_b, _ = val_batches(recipe, processor_dir=model_dir, samples=6, batch_size=2)
     shares = validation_shares(loss_b, prompt_b[:1], ranks=2)  # rank 0: 2 batches and the prompts, rank 1: 1 + 1
     assert len(shares[1].padding) == 1 and not shares[1].prompt_batches
-    port = _free_port()
+    port = free_port()
     start_ranks(_rank_main, (2, recipe, model_dir, shares, port, str(tmp_path / "r")))
     got = [torch.load(tmp_path / f"r.{rank}", weights_only=False) for rank in range(2)]
     assert got[0]["calls"] == got[1]["calls"] == {"forward": 2, "refit": 1}

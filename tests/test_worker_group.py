@@ -63,7 +63,7 @@ class WaitingRank(RankActor):
 
 
 def test_dispatch_strategies_reach_the_ranks_they_name(ray_local):
-    plan = plan_placement(ParallelConfig(dp=2, tp=2))  # replica 0 = ranks 0,1; replica 1 = ranks 2,3
+    plan = plan_placement(ParallelConfig(dp=2, tp=2).layout)  # replica 0 = ranks 0,1; replica 1 = ranks 2,3
     group = WorkerGroup(EchoRank, plan, Placement(nodes=1), init=lambda rank: {"rank": rank, "tag": f"r{rank}"})
     try:
         assert group.world_size == 4
@@ -90,7 +90,7 @@ def test_dispatch_strategies_reach_the_ranks_they_name(ray_local):
 def test_a_dead_rank_is_the_error_raised_not_the_errors_of_its_peers(ray_local, tmp_path):
     import ray
 
-    plan = plan_placement(ParallelConfig(dp=2))
+    plan = plan_placement(ParallelConfig(dp=2).layout)
     group = WorkerGroup(EchoRank, plan, Placement(nodes=1), init=lambda rank: {"rank": rank, "tag": ""})
     try:
         # rank 0's error comes first in rank order; plain ray.get would raise it and name no culprit
@@ -106,7 +106,7 @@ def test_a_dead_rank_is_the_error_raised_not_the_errors_of_its_peers(ray_local, 
 def test_a_side_call_reaches_a_rank_busy_with_a_stage_call(ray_local):
     import ray
 
-    plan = plan_placement(ParallelConfig(dp=2))
+    plan = plan_placement(ParallelConfig(dp=2).layout)
     group = WorkerGroup(WaitingRank, plan, Placement(nodes=1), init=lambda rank: {"rank": rank})
     try:
         busy = group.submit_all_ranks("stage")
@@ -162,7 +162,7 @@ def test_a_rank_starts_with_the_collector_paused_and_has_it_back_once_set_up(ray
     from vlmrun.cluster.ray.nodes import SETUP_HOOK_ENV
 
     assert set(SETUP_HOOK_ENV) == {ray_constants.WORKER_PROCESS_SETUP_HOOK_ENV_VAR}  # Ray's own name for it
-    plan = plan_placement(ParallelConfig(dp=2))
+    plan = plan_placement(ParallelConfig(dp=2).layout)
     group = WorkerGroup(EchoRank, plan, Placement(nodes=1), init=lambda rank: {"rank": rank, "tag": ""})
     try:
         assert group.all_ranks("collecting") == [False, False]

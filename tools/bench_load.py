@@ -62,13 +62,13 @@ def _rank(
 ) -> None:
     import os
 
-    import vlmrun.policy.hf as hf
+    from vlmrun.models import sharded_load
     from vlmrun.models.spec import ModelSpec
     from vlmrun.policy import open_policy
 
     torch.set_num_threads(1)
     if variant == "whole":  # the product's fallback: every rank loads the whole model, then shards it
-        hf.plan_load = lambda model, directory: (None, "bench_load: the whole load")
+        sharded_load.plan_load = lambda model, directory: (None, "bench_load: the whole load")
     parallel = sharded_parallel()
     policy = open_policy(
         "hf", model=ModelSpec(directory=model_dir), rank=rank, world_size=world, train=TRAIN, parallel=parallel
@@ -108,7 +108,7 @@ def _rank(
         every = [None] * world
         dist.all_gather_object(every, files)
         if rank == 0:
-            (folder / "files.json").write_text(json.dumps({n: d for f in every for n, d in f.items()}))
+            (folder / "files.json").write_text(json.dumps({n: d.to_json() for f in every for n, d in f.items()}))
     Path(f"{out}.{rank}").write_text(
         json.dumps({"peak_extra_bytes": peak << 10, "seconds": seconds, "load": info["load"], **info})
     )
@@ -130,7 +130,10 @@ def one(
 def seal(store, pending) -> Path:
     """The checkpoint the ranks wrote into `pending`, with a controller part, sealed as a run's save
     leaves it."""
-    files = json.loads((Path(pending.path) / "files.json").read_text())
+    from vlmrun.checkpoint.files import Digest
+
+    written = json.loads((Path(pending.path) / "files.json").read_text())
+    files = {name: Digest.from_json(entry) for name, entry in written.items()}
     (Path(pending.path) / "files.json").unlink()
     files |= pending.write("controller", {"step": 1})
     return store.finish(pending, files, None)

@@ -4,7 +4,7 @@ of every position (before), side by side in interleaved rounds, as JSON.
     .venv/bin/python tools/bench_logits.py [--recipe recipes/tiny-clevr-cpu.yaml] [--family F] [--rounds 5]
                                            [--answer-tokens 3] [--set data.max_seq_len=1024 ...] [--json]
 
-For the family's tiny model on one rank (the recipe's policy: `vlmrun.policy.open_policy`), one
+For the family's tiny model on one rank (the recipe's policy, opened as a run's rank opens it), one
 micro-batch of the recipe's shape (`train.micro_batch_size` one-image conversations padded with text
 to `data.max_seq_len` tokens, tools/measure_memory.py) whose labels are those of a CLEVR row: only the
 last `--answer-tokens` tokens of each (the answer and its end token; a GRPO recipe: its
@@ -39,7 +39,7 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch
-from measure_memory import RECIPE, _free_port, padded_batch, profiled_peak
+from measure_memory import RECIPE, padded_batch, profiled_peak, rank_policy
 
 from vlmrun.data.batch import IGNORE_INDEX
 from vlmrun.observe.ratios import ratio_spread, round_ratios
@@ -52,21 +52,11 @@ def measure(recipe, family: str, rounds: int, answer_tokens: int, cache: Path) -
     from vlmrun.config.dtype import torch_dtype
     from vlmrun.models.fit import training_shape
     from vlmrun.models.source import ensure_model
-    from vlmrun.models.spec import ModelSpec
-    from vlmrun.policy import open_policy
 
     recipe = recipe.model_copy(update={"model": recipe.model.model_copy(update={"family": family})})
     shape, _ = training_shape(recipe)
     model_dir = str(ensure_model(recipe.model, cache, seed=0))
-    policy = open_policy(
-        recipe.model.backend,
-        model=ModelSpec(directory=model_dir, dtype=recipe.model.dtype),
-        rank=0,
-        world_size=1,
-        train=recipe.train,
-        parallel=recipe.parallel,
-    )
-    policy.setup(master_addr="127.0.0.1", master_port=_free_port(), max_steps=1)
+    policy = rank_policy(recipe, model_dir, max_steps=1)
     try:
         processor = AutoProcessor.from_pretrained(model_dir)
         batch = padded_batch(

@@ -31,7 +31,7 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch
-from measure_memory import _free_port
+from measure_memory import rank_policy
 
 from vlmrun.observe.ratios import ratio_spread, round_ratios
 
@@ -48,8 +48,6 @@ def measure(recipe, family: str, rounds: int, pack_tokens: int, step_samples: in
     from vlmrun.datasets.clevr import generate_clevr, read_complete
     from vlmrun.models.fit import training_shape
     from vlmrun.models.source import ensure_model
-    from vlmrun.models.spec import ModelSpec
-    from vlmrun.policy import open_policy
 
     train = recipe.train.model_copy(update={"lr": 0.0})
     recipe = recipe.model_copy(update={"model": recipe.model.model_copy(update={"family": family}), "train": train})
@@ -72,15 +70,7 @@ def measure(recipe, family: str, rounds: int, pack_tokens: int, step_samples: in
     ]
     count = rows_for(loaded, pack_tokens)  # one rank: the rows it fills
     packed = by_tokens(loaded, row_tokens=pack_tokens, count=count, pad_token_id=encoder.pad_token_id, family=spec)
-    policy = open_policy(
-        recipe.model.backend,
-        model=ModelSpec(directory=model_dir, dtype=recipe.model.dtype),
-        rank=0,
-        world_size=1,
-        train=recipe.train,
-        parallel=recipe.parallel,
-    )
-    policy.setup(master_addr="127.0.0.1", master_port=_free_port(), max_steps=2 + 2 * rounds)
+    policy = rank_policy(recipe, model_dir, max_steps=2 + 2 * rounds)
     ways = {"packed": packed, "padded": padded}
     try:
         for micro in ways.values():  # warm-up

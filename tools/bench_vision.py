@@ -39,7 +39,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch
 from measure_generation import prompt_batch
-from measure_memory import _free_port
+from measure_memory import rank_policy
 
 from vlmrun.observe.ratios import ratio_spread, round_ratios
 
@@ -119,13 +119,12 @@ def measure(recipe, family: str, rounds: int, prompts: int, work: Path, tower: s
     from vlmrun.algorithms.grpo.micro_batches import batch_response_values, model_batches, pg_micro_batches
     from vlmrun.algorithms.grpo.rollout_rows import join, rollout_columns
     from vlmrun.config.dtype import torch_dtype
-    from vlmrun.generation.hf import HfGenerator
+    from vlmrun.generation import open_generator
     from vlmrun.generation.interface import SamplingParams
     from vlmrun.models.fit import training_shape
     from vlmrun.models.source import ensure_model
     from vlmrun.models.spec import ModelSpec
     from vlmrun.plane.interface import SampleBatch
-    from vlmrun.policy import open_policy
     from vlmrun.rewards.builtin import Scored
 
     train = recipe.train.model_copy(update={"lr": 0.0})
@@ -137,12 +136,9 @@ def measure(recipe, family: str, rounds: int, prompts: int, work: Path, tower: s
         model_dir = str(with_tower(Path(model_dir), TOWERS[tower], work / "model"))
     spec = ModelSpec(directory=model_dir, dtype=recipe.model.dtype)
     batch = prompt_batch(family, Path(model_dir), work, prompts, image_size=shape.image_size)
-    generator = HfGenerator(model=spec)
+    generator = open_generator("hf", model=spec)
     generator.setup()
-    policy = open_policy(
-        recipe.model.backend, model=spec, rank=0, world_size=1, train=recipe.train, parallel=recipe.parallel
-    )
-    policy.setup(master_addr="127.0.0.1", master_port=_free_port(), max_steps=1 + 2 * rounds)
+    policy = rank_policy(recipe, model_dir, max_steps=1 + 2 * rounds)
     sampling = SamplingParams(
         temperature=g.temperature, top_p=g.top_p, max_new_tokens=g.max_new_tokens, seed=recipe.train.seed
     )

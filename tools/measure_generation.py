@@ -5,9 +5,8 @@
 Prints one JSON object. Every row generates the same batch (the prompts of a small generated CLEVR
 set, each repeated n times) with the same number of CPU threads; tokens are rows x steps (the batch
 runs until its longest response ends). "bare generate" is transformers' own sampling (no log-probs);
-the generator comes from the product's factory (`vlmrun.generation.open_generator`, and a
-`GenerationGroup` of one actor); the actor row gives the time inside the actor and the round trip seen
-by the caller. The three ways run round-robin, so each `*_over_bare` ratio is the median of per-round
+the generator comes from the product's factory (`vlmrun.generation.open_generator`, in this process and
+in one Ray actor); the actor row gives the time inside the actor and the round trip seen by the caller. The three ways run round-robin, so each `*_over_bare` ratio is the median of per-round
 ratios with its spread (vlmrun.observe.ratios). Ray is started here, private to this process
 (address="local"), and shut down at the end.
 """
@@ -142,16 +141,27 @@ def _in_process(model_dir: Path, batch, sampling: SamplingParams, n: int):
 
 
 def _in_actor(model_dir: Path, batch, sampling: SamplingParams, n: int, threads: int):
-    from vlmrun.generation.group import GenerationGroup
-    from vlmrun.models.spec import ModelSpec
+    import ray
 
-    init = {"model": ModelSpec(directory=str(model_dir)), "threads": threads}
-    group = GenerationGroup("hf", lambda replica: dict(init, replica=replica), 1, num_cpus=threads)
-    group.setup()
+    class Engine:  # defined here so that Ray ships it by value: tools/ is not on the workers' path
+        def __init__(self, directory: str, threads: int):
+            from vlmrun.generation import open_generator
+            from vlmrun.models.spec import ModelSpec
+
+            self.engine = open_generator("hf", model=ModelSpec(directory=directory), threads=threads)
+
+        def setup(self) -> dict:
+            return self.engine.setup()
+
+        def generate(self, batch, sampling: SamplingParams, n: int):
+            return self.engine.generate(batch, sampling, n=n)
+
+    actor = ray.remote(Engine).options(num_cpus=threads).remote(str(model_dir), threads)
+    ray.get(actor.setup.remote())
 
     def run():
         t0 = time.perf_counter()
-        out = group.generate(batch, sampling, n=n)
+        out = ray.get(actor.generate.remote(batch, sampling, n))
         return out.generate_s, time.perf_counter() - t0, out.response_ids.numel()
 
     return run

@@ -89,7 +89,7 @@ def bare_generation(sets: list[str], work: Path, repeats: int) -> dict:
     torch.set_num_threads(1)
     recipe = load_recipe(RECIPE, sets)
     model_dir = str(ensure_model(recipe.model, work / "local" / "cache", recipe.train.seed))
-    plan = plan_placement(recipe.parallel)
+    plan = plan_placement(recipe.parallel.layout)
     n_micro = plan_steps(recipe, split_size(recipe.data.path, recipe.data.split)).micro_batches_per_replica
     shard = open_train_shard(recipe, model_dir, shard=0, num_shards=plan.layout.dp, placement_hash=plan.placement_hash)
     try:

@@ -4,8 +4,8 @@
 
 On the GPU the same comparison is a section of the GPU check (`tools/gpu/check.py --sections memory_fit`).
 
-CPU, for each family: the recipe's policy (`vlmrun.policy.open_policy` with the recipe's model,
-train and parallel sections: the tiny model in model.dtype, the recipe's optimizer and activation
+CPU, for each family: the recipe's policy (opened as a run's rank opens it, `open_rank_policy`, with
+the recipe's model, train and parallel sections: the tiny model in model.dtype, the recipe's optimizer and activation
 checkpointing) on one rank, and the recipe's micro-batches per step, each of `train.micro_batch_size`
 sequences padded with text to `data.max_seq_len` tokens, each with one `data.synthetic.image_size` px
 image (the bound the estimate assumes). One `train_step` warms up (AdamW allocates its state), then a
@@ -108,16 +108,10 @@ def measure_family(family: str, recipe, cache: Path | None = None) -> dict:
     from vlmrun.models.architecture import load_architecture
     from vlmrun.models.fit import training_shape
     from vlmrun.models.source import ensure_model
-    from vlmrun.models.spec import ModelSpec
-    from vlmrun.policy import open_policy
 
     shape, assumption = training_shape(recipe)
     model_dir = str(ensure_model(recipe.model, cache, seed=0))
-    spec = ModelSpec(directory=model_dir, dtype=recipe.model.dtype)
-    policy = open_policy(
-        recipe.model.backend, model=spec, rank=0, world_size=1, train=recipe.train, parallel=recipe.parallel
-    )
-    policy.setup(master_addr="127.0.0.1", master_port=_free_port(), max_steps=recipe.train.max_steps)
+    policy = rank_policy(recipe, model_dir, max_steps=recipe.train.max_steps)
     try:
         processor = AutoProcessor.from_pretrained(model_dir)
         micro = [
@@ -151,33 +145,20 @@ def measure_grpo_phases(family: str, recipe, cache: Path | None = None) -> dict:
             return measure_grpo_phases(family, recipe, Path(tmp))
     from transformers import AutoProcessor
 
+    from vlmrun.algorithms.common.rank_backends import open_rank_engine
     from vlmrun.algorithms.common.refit import refit
-    from vlmrun.config.dtype import compute_dtype, torch_dtype
+    from vlmrun.config.dtype import torch_dtype
     from vlmrun.data.batch import IGNORE_INDEX, PromptBatch
-    from vlmrun.generation import open_generator
     from vlmrun.generation.interface import SamplingParams
     from vlmrun.models.architecture import load_architecture
     from vlmrun.models.fit import training_shape
     from vlmrun.models.source import ensure_model
-    from vlmrun.models.spec import ModelSpec
-    from vlmrun.policy import open_policy
 
     shape, assumption = training_shape(recipe)
     g, t = recipe.grpo, recipe.train
     model_dir = str(ensure_model(recipe.model, cache, seed=0))
-    policy = open_policy(
-        recipe.model.backend,
-        model=ModelSpec(directory=model_dir, dtype=recipe.model.dtype),
-        rank=0,
-        world_size=1,
-        train=t,
-        parallel=recipe.parallel,
-    )
-    policy.setup(master_addr="127.0.0.1", master_port=_free_port(), max_steps=t.max_steps)
-    engine_dtype = compute_dtype(recipe.model.dtype, recipe.parallel.mixed_precision)
-    engine = open_generator(
-        recipe.generation.backend, model=ModelSpec(directory=model_dir, dtype=engine_dtype), weights="refit"
-    )
+    policy = rank_policy(recipe, model_dir, max_steps=t.max_steps)
+    engine = open_rank_engine(recipe, model_dir, gpus=False)
     engine.setup()
     try:
         processor = AutoProcessor.from_pretrained(model_dir)
@@ -276,6 +257,16 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def rank_policy(recipe, model_dir: str, *, max_steps: int):
+    """The recipe's policy over `model_dir` as one CPU rank of a run opens it (the product's
+    open_rank_policy), set up for `max_steps` steps."""
+    from vlmrun.algorithms.common.rank_backends import open_rank_policy
+
+    policy = open_rank_policy(recipe, model_dir, rank=0, world_size=1, parallel=recipe.parallel, gpus=False)
+    policy.setup(master_addr="127.0.0.1", master_port=_free_port(), max_steps=max_steps)
+    return policy
 
 
 def profiled_peak(fn) -> int:

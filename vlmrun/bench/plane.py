@@ -146,14 +146,12 @@ def wire_rounds(cols: dict[str, list], repeats: int) -> dict:
 
 
 def bench_adapter(plane, ids: list[str], cols: dict[str, list], repeats: int) -> dict[str, float]:
-    from vlmrun.plane.fields import Stage
-    from vlmrun.plane.interface import PartitionSpec
+    from vlmrun.algorithms.grpo.fields import partition_spec
 
-    consumers = (Stage.PREV_LOGPROB, Stage.REF_LOGPROB, Stage.ADVANTAGE, Stage.TRAIN)
     puts, gets = [], []
     for k in range(repeats):
         part = f"bench-{k}"
-        plane.register(part, PartitionSpec.for_stages("qwen2_5_vl", consumers, len(ids)))
+        plane.register(part, partition_spec("qwen2_5_vl", kl=True, num_samples=len(ids)))
         puts.append(seconds(lambda part=part: plane.put(part, ids, cols)))
         gets.append(seconds(lambda part=part: plane.get(part, ids, list(cols))))
         plane.clear(part)

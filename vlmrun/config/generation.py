@@ -8,17 +8,6 @@ from pydantic import Field
 
 from vlmrun.config.section import Section
 
-#: The families the vllm backend runs (vLLM's class of each takes the policy's names and the
-#: embeddings of our processor's pixels: tests/test_vllm_classes.py, vlmrun/generation/vllm.py).
-VLLM_FAMILIES = ("qwen2_vl", "qwen2_5_vl")
-#: What the families it does not run would need, for the refusal to say.
-VLLM_MISSING = {
-    "qwen3_vl": " (not checked yet: its vision tower also feeds deepstack features to the decoder, which the "
-    "image-embeddings route must carry)",
-    "nemotron_omni": " (vLLM names its class NemotronH_Nano_Omni_Reasoning_V3, needs the MoE kernels, and at 30B "
-    "an engine over several GPUs: tensor parallel, not built)",
-}
-
 
 class VllmOptions(Section):
     """What a user tunes of the `vllm` engine (generation.vllm; vLLM's own names and meanings)."""

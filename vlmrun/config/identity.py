@@ -94,12 +94,13 @@ def check_same_identity(
     )
 
 
-def check_checkpoint_belongs(saved, identity: dict[str, Any], plan, restart: bool, path) -> bool:
-    """Refuse the checkpoint at `path` when another run definition or layout wrote it (InputError, exit
-    2); `saved` is what its manifest says of the run that wrote it (`identity`, `placement_hash`,
-    `layout`). True when only the layout differs (another dp) and `restart`
-    (checkpoint.restart_data_order) lets the run take its model, optimizer and counters while the data
-    order starts over; `plan` is this run's placement (`placement_hash`, `describe()`)."""
+def restarts_data_order(saved, identity: dict[str, Any], plan, restart: bool, path) -> bool:
+    """Whether the run takes the checkpoint at `path` with its data order started over: True when only
+    the layout differs (another dp) and `restart` (checkpoint.restart_data_order) lets the run take its
+    model, optimizer and counters. Refuses it (InputError, exit 2) when another run definition, or
+    another layout without `restart`, wrote it. `saved` is what its manifest says of the run that wrote
+    it (`identity`, `placement_hash`, `layout`); `plan` is this run's placement (`placement_hash`,
+    `describe()`)."""
     ignore = RESHARDABLE if restart else ()
     check_same_identity(saved.identity, identity, where=f"checkpoint {path}", ignore=ignore)
     if saved.placement_hash == plan.placement_hash:

@@ -1,6 +1,7 @@
-"""The parallel layout of the policy's ranks: the recipe's `parallel` section and the one layout type
-the topology mapper, the worker group and the checkpoints use, plus how the hf backend shards and
-stores the model on those ranks (FSDP2, mixed precision, activation checkpointing, CPU offload)."""
+"""The recipe's `parallel` section: the sizes of the policy's rank layout (`layout`: the one layout
+type, config/layout.py, that the topology mapper, the worker group, the fit check and the policy's
+mesh read), plus how the hf backend shards and stores the model on those ranks (FSDP2, mixed
+precision, activation checkpointing, CPU offload)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from typing import Literal
 
 from pydantic import ConfigDict, Field
 
+from vlmrun.config.layout import RankLayout
 from vlmrun.config.section import Section
 
 
@@ -59,26 +61,15 @@ class ParallelConfig(Section):
     )
 
     @property
+    def layout(self) -> RankLayout:
+        """The rank layout of these sizes (call it once the recipe validated dp_shard)."""
+        return RankLayout(dp=self.dp, tp=self.tp, pp=self.pp, cp=self.cp, dp_shard=self.dp_shard)
+
+    @property
     def world_size(self) -> int:
-        return self.dp * self.tp * self.pp * self.cp
-
-    @property
-    def shard_group(self) -> int:
-        """Ranks one copy of the sharded state is spread over: dp_shard under HSDP, else every dp rank."""
-        return self.dp_shard or self.dp
-
-    @property
-    def replicas(self) -> int:
-        """Copies of the sharded state (HSDP's replicate dimension; 1 for plain FSDP)."""
-        return self.dp // self.shard_group
+        return self.layout.world_size
 
     @property
     def sharded(self) -> bool:
         """FSDP2 on (after the recipe resolved the default)."""
         return bool(self.fsdp)
-
-    def describe(self) -> str:
-        """One line for error messages, e.g. "dp=2 tp=1 pp=1 cp=1 (2 ranks)"."""
-        ranks = "rank" if self.world_size == 1 else "ranks"
-        hsdp = f" dp_shard={self.dp_shard}" if self.dp_shard else ""
-        return f"dp={self.dp}{hsdp} tp={self.tp} pp={self.pp} cp={self.cp} ({self.world_size} {ranks})"

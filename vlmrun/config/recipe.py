@@ -8,8 +8,8 @@ from vlmrun.config.cluster import ClusterConfig
 from vlmrun.config.data import DataConfig
 from vlmrun.config.data_plane import DataPlaneConfig
 from vlmrun.config.dtype import compute_dtype
-from vlmrun.config.families import PACKING_REFUSED
-from vlmrun.config.generation import VLLM_FAMILIES, VLLM_MISSING, GenerationConfig
+from vlmrun.config.families import FAMILIES, families_that
+from vlmrun.config.generation import GenerationConfig
 from vlmrun.config.grpo import BUILTIN_REWARDS, GrpoConfig
 from vlmrun.config.logger import LoggerConfig
 from vlmrun.config.model import ModelConfig
@@ -165,12 +165,12 @@ def _check_generation(r: Recipe) -> None:
             "serves GRPO's rollouts; an SFT run generates only for validation, where an engine started for "
             "each pass costs more than it saves: set generation.backend: hf",
         )
-    if r.family not in VLLM_FAMILIES:
-        why = VLLM_MISSING.get(r.family, "")
+    if (why := FAMILIES[r.family].capabilities.vllm) is not None:
         raise CrossFieldError(
             "generation.backend",
             "vllm",
-            f"runs model.family {', '.join(VLLM_FAMILIES)} here, not {r.family!r}{why}: set generation.backend: hf",
+            f"runs model.family {', '.join(families_that('vllm'))} here, not {r.family!r} ({why}): "
+            "set generation.backend: hf",
         )
     longest = r.data.max_seq_len + r.grpo.max_new_tokens
     if g.vllm is not None and g.vllm.max_model_len is not None and g.vllm.max_model_len < longest:
@@ -183,7 +183,7 @@ def _check_generation(r: Recipe) -> None:
 
 def _check_packing(r: Recipe) -> None:
     d = r.data
-    if (why := PACKING_REFUSED.get(r.family)) is not None:
+    if (why := FAMILIES[r.family].capabilities.packing) is not None:
         raise CrossFieldError("data.pack_tokens", d.pack_tokens, f"cannot pack model.family {r.family!r}: {why}")
     if r.train.algorithm == "grpo":  # a sequence is a prompt (at most data.max_seq_len) and its response
         longest, what = d.max_seq_len + r.grpo.max_new_tokens, "data.max_seq_len + grpo.max_new_tokens"

@@ -158,19 +158,10 @@ def _sample_encoder(recipe, processor, *, val: bool) -> tuple[Callable, Callable
     """(cook: raw sample -> Conversation, encode: Conversation -> the task encoder's encoded sample), what
     the loader's workers compute."""
     from vlmrun.data.cookers import COOK_FUNCTIONS
-    from vlmrun.data.task_encoder import make_task_encoder
+    from vlmrun.data.task_encoder import task_encoder_of
 
-    d = recipe.data
-    task_encoder = make_task_encoder(
-        d.task_encoder,
-        processor=processor,
-        family=recipe.family,
-        cookers=d.cookers,
-        max_seq_len=d.max_seq_len,
-        val=val,
-        answer_room=recipe.grpo.max_new_tokens if val and recipe.train.algorithm == "grpo" else 0,
-    )
-    cook = COOK_FUNCTIONS[d.cookers[0]]
+    task_encoder = task_encoder_of(recipe, processor, val=val)
+    cook = COOK_FUNCTIONS[recipe.data.cookers[0]]
     return (lambda raw: cook({**raw, "__restore_key__": ()})), task_encoder.encode_sample
 
 

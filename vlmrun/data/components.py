@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
-from vlmrun.config.families import family_spec
+from vlmrun.config.families import FAMILIES, family_spec
 from vlmrun.datasets.formats import CONVERSATION_SUBFLAVORS
 from vlmrun.errors import InputError
 
@@ -36,8 +36,8 @@ class ComponentSpec:
         return f"{self.name}@{self.version}"
 
 
-# the families the conversation cooker and the chat task encoders were checked on (tests/test_data_encoding.py)
-_CHAT_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "nemotron_omni")
+# the conversation cooker and the chat task encoders serve every family (tests/test_data_encoding.py runs each)
+_CHAT_FAMILIES = tuple(FAMILIES)
 
 COOKERS = MappingProxyType(
     {

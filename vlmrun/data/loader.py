@@ -90,7 +90,7 @@ class LoaderShard:
         from megatron.energon import SavableDataLoader, WorkerConfig, get_train_dataset
 
         from vlmrun.data.components import check_components
-        from vlmrun.data.task_encoder import make_task_encoder
+        from vlmrun.data.task_encoder import task_encoder_of
 
         if not 0 <= shard < num_shards:
             raise ValueError(f"shard {shard} does not exist: there are {num_shards} shards")
@@ -119,15 +119,7 @@ class LoaderShard:
             seed_offset=t.seed,
             global_error_handler=self._budget,
         )
-        task_encoder = make_task_encoder(
-            d.task_encoder,
-            processor=processor,
-            family=recipe.family,
-            cookers=d.cookers,
-            max_seq_len=d.max_seq_len,
-            micro_batch_size=t.micro_batch_size,
-            pack_tokens=d.pack_tokens,
-        )
+        task_encoder = task_encoder_of(recipe, processor)
         self._pool = task_encoder.slot_pool = SlotPool(num_workers=d.num_workers)
         task_encoder.budget = self._budget
         task_encoder.epoch_samples = self.epochs.worker_samples
@@ -345,7 +337,7 @@ def val_batches(recipe, *, processor_dir: str, samples: int, batch_size: int) ->
     from megatron.energon.savable_loader import BasicDataLoader  # `get_loader`, less its gc wrapper (item 6)
 
     from vlmrun.data.components import check_components
-    from vlmrun.data.task_encoder import make_task_encoder
+    from vlmrun.data.task_encoder import task_encoder_of
 
     d = recipe.data
     if samples <= 0:
@@ -357,15 +349,7 @@ def val_batches(recipe, *, processor_dir: str, samples: int, batch_size: int) ->
         shard=0, num_shards=1, split=d.val_split, tolerance=d.error_tolerance, on_bad_sample=d.on_bad_sample
     )
     worker_config = WorkerConfig(rank=0, world_size=1, num_workers=0, global_error_handler=budget)
-    task_encoder = make_task_encoder(
-        d.task_encoder,
-        processor=processor,
-        family=recipe.family,
-        cookers=d.cookers,
-        max_seq_len=d.max_seq_len,
-        val=True,
-        answer_room=recipe.grpo.max_new_tokens if recipe.train.algorithm == "grpo" else 0,
-    )
+    task_encoder = task_encoder_of(recipe, processor, val=True)
     task_encoder.budget = budget
     dataset = get_val_dataset(
         d.path, split_part=d.val_split, worker_config=worker_config, batch_size=batch_size, task_encoder=task_encoder

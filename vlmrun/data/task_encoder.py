@@ -172,28 +172,21 @@ _ENCODERS = {
 }
 
 
-def make_task_encoder(
-    name: str,
-    *,
-    processor,
-    family: str,
-    cookers: list[str],
-    max_seq_len: int,
-    micro_batch_size: int = 1,
-    val: bool = False,
-    answer_room: int = 0,
-    pack_tokens: int | None = None,
-):
-    """The task encoder registered as `name` (train or validation variant); `answer_room`: how much
-    longer than `max_seq_len` a conversation may be than a prompt (see vlmrun.data.chat_encoding);
-    `pack_tokens`: its micro-batches packed into rows of that many tokens (data/packing.py)."""
-    cls = _ENCODERS[name][1 if val else 0]
-    return cls(
-        processor=processor,
-        family=family,
-        cookers=cookers,
-        max_seq_len=max_seq_len,
-        micro_batch_size=micro_batch_size,
-        answer_room=answer_room,
-        **({"pack_tokens": pack_tokens} if pack_tokens is not None else {}),
-    )
+def task_encoder_of(recipe, processor, *, val: bool = False):
+    """The recipe's task encoder (`data.task_encoder`, its training or validation variant) over
+    `processor`: the one way the loader, the validation set and the data check build it.
+
+    Training: micro-batches of `train.micro_batch_size`, packed into rows of `data.pack_tokens` when
+    set (data/packing.py). Validation: a GRPO run's conversations may be `grpo.max_new_tokens` longer
+    than their prompts (`answer_room`, see vlmrun.data.chat_encoding: its answers are responses).
+    """
+    d = recipe.data
+    if val:
+        answer_room = recipe.grpo.max_new_tokens if recipe.train.algorithm == "grpo" else 0
+        options = {"answer_room": answer_room}
+    else:
+        options = {"micro_batch_size": recipe.train.micro_batch_size}
+        if d.pack_tokens is not None:
+            options["pack_tokens"] = d.pack_tokens
+    cls = _ENCODERS[d.task_encoder][1 if val else 0]
+    return cls(processor=processor, family=recipe.family, cookers=d.cookers, max_seq_len=d.max_seq_len, **options)

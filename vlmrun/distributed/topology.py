@@ -1,11 +1,10 @@
-"""Topology mapper: from the policy's parallel layout to Energon loader shards.
+"""Topology mapper: from the policy's rank layout to Energon loader shards.
 
 One loader shard per data-parallel replica. Shard `d` is read by the replica's owner rank (the rank
-with dp=d and tp=pp=cp=0) and its batches are delivered to every rank of that replica. Ranks follow
-Megatron's default order "tp-cp-ep-dp-pp" (tp fastest, pp slowest) with ep=1: experts live inside
-dp x tp, so expert parallelism does not change which rank reads which data.
+with dp=d and tp=pp=cp=0) and its batches are delivered to every rank of that replica. Ranks are
+counted as the layout counts them (config/layout.py: Megatron's default order "tp-cp-ep-dp-pp").
 
-We compute that order here instead of calling megatron-core's `RankGenerator`: megatron-core is an
+We compute that order ourselves instead of calling megatron-core's `RankGenerator`: megatron-core is an
 optional GPU extra, and importing `megatron.core.parallel_state` pulls in torch (~3.5 s on CPU), too slow
 for `vlmrun submit --dry-run` on a login node. tests/test_topology.py checks our rank groups against
 `RankGenerator` whenever megatron-core is importable.
@@ -18,9 +17,8 @@ import json
 from dataclasses import dataclass
 from functools import cached_property
 
-from vlmrun.config.parallel import ParallelConfig
+from vlmrun.config.layout import MEGATRON_ORDER, RankLayout
 
-MEGATRON_ORDER = "tp-cp-ep-dp-pp"
 _PLAN_SCHEMA = "vlmrun.placement/1"
 
 
@@ -44,7 +42,7 @@ class PlacementPlan:
     `placement_hash` goes into every checkpoint: a resume compares it to refuse a changed topology.
     """
 
-    layout: ParallelConfig
+    layout: RankLayout
     shards: tuple[LoaderShardPlacement, ...]
 
     @cached_property
@@ -60,18 +58,9 @@ class PlacementPlan:
         text = json.dumps(payload, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(text.encode("ascii")).hexdigest()[:16]
 
-    def coords(self, rank: int) -> dict[str, int]:
-        """The rank's index in each dimension, keys tp, cp, dp, pp; ValueError if out of range."""
-        self._check_rank(rank)
-        layout = self.layout
-        tp, rest = rank % layout.tp, rank // layout.tp
-        cp, rest = rest % layout.cp, rest // layout.cp
-        dp, pp = rest % layout.dp, rest // layout.dp
-        return {"tp": tp, "cp": cp, "dp": dp, "pp": pp}
-
     def shard_of_rank(self, rank: int) -> int:
         """The loader shard whose batches `rank` receives (its dp index); ValueError if out of range."""
-        return self.coords(rank)["dp"]
+        return self.layout.coords(rank).dp
 
     def owner_of_shard(self, shard: int) -> int:
         """The global rank that runs loader `shard`; ValueError if there is no such shard."""
@@ -84,35 +73,16 @@ class PlacementPlan:
         """One line naming the layout, e.g. "dp=2 tp=1 pp=1 cp=1 (2 ranks)"."""
         return self.layout.describe()
 
-    def _check_rank(self, rank: int) -> None:
-        if not 0 <= rank < self.layout.world_size:
-            last = self.layout.world_size - 1
-            raise ValueError(f"rank {rank} does not exist: {self.describe()} has ranks 0..{last}")
 
-
-def plan_placement(layout: ParallelConfig) -> PlacementPlan:
+def plan_placement(layout: RankLayout) -> PlacementPlan:
     """One loader shard per data-parallel replica, ranks in Megatron's default order (see module doc)."""
     shards = tuple(
         LoaderShardPlacement(
             shard=dp,
             num_shards=layout.dp,
-            owner_rank=_rank_of(layout, dp=dp),
-            delivery_ranks=_replica_ranks(layout, dp),
+            owner_rank=layout.rank_of(dp=dp),
+            delivery_ranks=layout.replica_ranks(dp),
         )
         for dp in range(layout.dp)
     )
     return PlacementPlan(layout=layout, shards=shards)
-
-
-def _rank_of(layout: ParallelConfig, *, dp: int, tp: int = 0, cp: int = 0, pp: int = 0) -> int:
-    return tp + layout.tp * (cp + layout.cp * (dp + layout.dp * pp))
-
-
-def _replica_ranks(layout: ParallelConfig, dp: int) -> tuple[int, ...]:
-    # pp outermost, tp innermost: the ranks come out ascending.
-    return tuple(
-        _rank_of(layout, dp=dp, tp=tp, cp=cp, pp=pp)
-        for pp in range(layout.pp)
-        for cp in range(layout.cp)
-        for tp in range(layout.tp)
-    )

@@ -4,8 +4,7 @@ weights from the policy.
 `interface.py` is the seam (`GenerationBackend`, `SamplingParams`); `rollouts.py` the record it returns;
 `prompts.py` selects prompts of a `PromptBatch` with their media; `hf.py` the transformers backend (one
 replica in this process), `vllm.py` vLLM's engine in the rank's process on its GPU (`vllm_weights.py`:
-the policy's buckets into a vLLM model class's `load_weights`), and `group.py` replicas of any backend
-in Ray actors.
+the policy's buckets into a vLLM model class's `load_weights`).
 
 `open_generator` is the one way to get a backend (keyed on the recipe's `generation.backend`); no
 module outside `vlmrun.generation` imports a backend module (an import-linter contract in
@@ -49,11 +48,7 @@ def open_generator(
     if weights not in ("load", "refit"):
         raise ValueError(f"open_generator: weights={weights!r}, allowed: load, refit")
     extra = {"options": options} if options else {}
-    return generator_class(backend)(
+    cls = load_entry(BACKENDS, backend, "generation.backend")
+    return cls(
         model=model, replica=replica, device=device, threads=threads, weights_from_refit=weights == "refit", **extra
     )
-
-
-def generator_class(backend: str) -> type[GenerationBackend]:
-    """The class of `backend` (InputError as `open_generator`), for a group that builds it in Ray actors."""
-    return load_entry(BACKENDS, backend, "generation.backend")

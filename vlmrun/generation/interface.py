@@ -1,10 +1,10 @@
 """The generation seam: what any generation engine offers the GRPO loop, one instance per replica or group.
 
-Algorithms call only these methods; a backend (`hf` on CPU today, vLLM on GPU later) implements them,
-`vlmrun.generation.open_generator` opens one (keyed on `generation.backend`), and `GenerationGroup`
-runs any backend as replicas in Ray actors behind the same interface.
+Algorithms call only these methods and attributes; a backend (`hf`, `vllm`) implements them, and
+`vlmrun.generation.open_generator` opens one (keyed on `generation.backend`).
 
-1. `setup` loads the model; it returns {replica, params, image_token_id}.
+1. `setup` loads the model; it returns {replica, params, image_token_id}, and sets `eos_ids`, the
+   tokens that end a response (a reward's format check asks whether a response ended with one).
 2. `generate` samples `n` responses to every prompt of a left-padded `PromptBatch` (the validation
    and GRPO prompt encoders make it) and returns `Rollouts`: prompt-major rows with the response
    ids, a response mask and the log-prob of every sampled token under the raw logits, so they equal
@@ -25,7 +25,7 @@ runs any backend as replicas in Ray actors behind the same interface.
 from __future__ import annotations
 
 import abc
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -66,6 +66,9 @@ class GenerationBackend(abc.ABC):
     #: The recipe dtype name (`model.dtype` spelling) the engine holds its weights in: what a refit
     #: asks the policy for.
     weights_dtype: str = "float32"
+
+    #: The token ids that end a response (the model's end-of-turn tokens); set by `setup`.
+    eos_ids: Sequence[int] = ()
 
     @abc.abstractmethod
     def load_weights(self, weights: Mapping[str, Any] | Iterable[Mapping[str, Any]]) -> None:

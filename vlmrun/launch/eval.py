@@ -193,7 +193,7 @@ def score_model(recipe, model_dir: Path, *, samples: int, threads: int = 1) -> d
         recipe, processor_dir=str(model_dir), samples=samples, batch_size=max(1, recipe.train.micro_batch_size)
     )
     policy, engine, decode = _open(recipe, model_dir, threads)
-    answers = _Answers(recipe, getattr(engine, "eos_ids", []))
+    answers = _Answers(recipe, engine.eos_ids)
     try:
         scores = [
             evaluate(share, policy=policy, generator=engine, decode=decode, on_answers=answers.add)
@@ -222,38 +222,18 @@ def _unpadded(shares: list) -> list:
 
 
 def _open(recipe, model_dir: Path, threads: int):
-    """(policy, generation engine, decode) of the model, as a run's rank opens them, in this process."""
+    """(policy, generation engine, decode) of the model, as a run's rank opens them (rank_backends.py),
+    in this process: the whole model, one replica."""
     import torch
     from transformers import AutoTokenizer
 
+    from vlmrun.algorithms.common.rank_backends import open_rank_engine, open_rank_policy
     from vlmrun.algorithms.common.validation import response_texts
-    from vlmrun.config.dtype import compute_dtype
-    from vlmrun.generation import open_generator
-    from vlmrun.models.spec import ModelSpec
-    from vlmrun.policy import open_policy
 
-    m = recipe.model
     gpu = recipe.cluster.gpus_per_node > 0 and torch.cuda.is_available()
-    policy = open_policy(
-        m.backend,
-        model=ModelSpec(directory=str(model_dir), dtype=m.dtype, attn_implementation=m.attn_implementation),
-        rank=0,
-        world_size=1,
-        train=recipe.train,
-        gpus=gpu,
-    )
+    policy = open_rank_policy(recipe, model_dir, rank=0, world_size=1, parallel=None, gpus=gpu)
     policy.setup(master_addr="127.0.0.1", master_port=0, max_steps=max(1, recipe.train.max_steps))
-    engine = open_generator(
-        recipe.generation.backend,
-        model=ModelSpec(
-            directory=str(model_dir),
-            dtype=compute_dtype(m.dtype, recipe.parallel.mixed_precision),
-            attn_implementation=m.attn_implementation,
-        ),
-        device="cuda" if gpu else "cpu",
-        threads=threads,
-        weights="refit",
-    )
+    engine = open_rank_engine(recipe, model_dir, gpus=gpu, threads=threads)
     engine.setup()
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     return policy, engine, lambda rollouts: response_texts(tokenizer, rollouts)

@@ -129,7 +129,7 @@ def training_shape(recipe) -> tuple[TrainingShape, str]:
         master_dtype=recipe.model.dtype,
         mixed_precision=p.mixed_precision,
         fsdp=p.sharded,
-        dp=p.shard_group,  # the ranks a copy of the state is sharded over (HSDP: dp_shard)
+        dp=p.layout.shard_group,  # the ranks a copy of the state is sharded over (HSDP: dp_shard)
         cpu_offload=p.cpu_offload,
         activation_checkpointing=p.activation_checkpointing,
         reduce_every_micro_batch=p.reduce_every_micro_batch,

@@ -15,19 +15,19 @@ own, labelled nowhere.
 
 Nemotron-H Omni cannot be packed: transformers' Mamba layers run the scan along the whole row with
 no reset at a sequence's start, so each sequence would begin from the previous one's state
-(`PACKING_REFUSED` says so, for the recipe check to name).
+(its family's `capabilities.packing` says so, for the recipe check to name: config/families.py).
 """
 
 from __future__ import annotations
 
 import torch
 
-from vlmrun.config.families import PACKING_REFUSED
+from vlmrun.config.families import FAMILIES
 
 
 def packing_refusal(family: str) -> str | None:
     """Why `family` cannot be packed, or None."""
-    return PACKING_REFUSED.get(family)
+    return FAMILIES[family].capabilities.packing
 
 
 def rope_owner(model: torch.nn.Module) -> torch.nn.Module:
@@ -36,7 +36,7 @@ def rope_owner(model: torch.nn.Module) -> torch.nn.Module:
     if not owners:
         raise TypeError(
             f"{type(model).__name__} has no get_rope_index: vlmrun packs the Qwen-VL families only "
-            f"({', '.join(f'{f}: {why}' for f, why in PACKING_REFUSED.items())})"
+            f"({', '.join(f'{f}: {packing_refusal(f)}' for f in FAMILIES if packing_refusal(f) is not None)})"
         )
     return owners[-1]
 

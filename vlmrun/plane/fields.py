@@ -1,9 +1,9 @@
 """The field registry: every field that crosses the data plane, named once.
 
-Each field says how it is aligned, its dtype, which stage writes it and which stages read it. A stage
-asks the plane for exactly `stage_fields(stage, family)`, never for "all"; a partition is registered
-with the fields of its consumers (`partition_fields`). Light on purpose (no torch): recipes and tests
-read it without loading the stack.
+Each field says how it is aligned and its dtype; which stage writes it and which stages read it is
+the algorithm's to say (GRPO: algorithms/grpo/fields.py; SFT v2: micro_batches.py), in the
+`PartitionSpec` of a partition: a stage asks the plane for exactly the fields the spec gives it, never
+for "all". Light on purpose (no torch): recipes and tests read it without loading the stack.
 
 1. Alignment. `SAMPLE`: one tensor per sample whose number of dimensions the field fixes (a scalar
    reward, an SFT micro-batch's padded ids). `PROMPT_TOKEN` / `RESPONSE_TOKEN`: a 1-D tensor per
@@ -12,12 +12,12 @@ read it without loading the stack.
    image or per processor call, any shape), flattened on the wire with their shapes in the tags.
 2. dtype is a torch dtype name, or "policy" for pixel values: floating, cast to the policy dtype before
    the wire (the plane's `pixel_dtype`).
-3. Sync GRPO: the rollout (`GENERATION`) writes prompts, responses, masks, generation logprobs, rewards
-   and the media once; `PREV_LOGPROB` and `REF_LOGPROB` add their logprobs under the same sample ids;
-   `ADVANTAGE` (the driver) reads rewards and adds advantages; `TRAIN` reads what the loss needs. The
-   logprob stages and the train stage read the same media fields, so the policy sees the same pixels.
-4. SFT v2 puts each micro-batch as one record (`SFT_LOADER` writes, `SFT_TRAIN` reads): its padded
-   tensors as `SAMPLE` fields and its packed media as one segment per media field.
+3. Sync GRPO's fields: the rollout's prompts, responses, masks, generation logprobs, rewards and
+   media, the logprob stage's prev and ref logprobs, the advantages.
+4. SFT v2's record of a micro-batch: its padded tensors as `SAMPLE` fields (`batch_*`) and its packed
+   media as one segment per media field.
+5. A family's own inputs (config/families.py): its processor's per-token inputs (and their padded SFT
+   twins) and its packed media, each marked with the families whose processor makes it.
 """
 
 from __future__ import annotations
@@ -36,21 +36,8 @@ class Alignment(StrEnum):
     MEDIA = "media"
 
 
-class Stage(StrEnum):
-    GENERATION = "generation"
-    PREV_LOGPROB = "prev_logprob"
-    REF_LOGPROB = "ref_logprob"
-    ADVANTAGE = "advantage"
-    TRAIN = "train"
-    SFT_LOADER = "sft_loader"
-    SFT_TRAIN = "sft_train"
-
-
 #: The dtype of pixel values: floating, cast to the policy dtype before the wire.
 POLICY_DTYPE = "policy"
-
-GRPO_STAGES = (Stage.GENERATION, Stage.PREV_LOGPROB, Stage.REF_LOGPROB, Stage.ADVANTAGE, Stage.TRAIN)
-_MODEL_INPUT_READERS = (Stage.PREV_LOGPROB, Stage.REF_LOGPROB, Stage.TRAIN)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -61,8 +48,6 @@ class FieldSpec:
     name: str
     alignment: Alignment
     dtype: str
-    writers: tuple[Stage, ...]
-    readers: tuple[Stage, ...]
     doc: str
     ndim: int | None = None
     families: tuple[str, ...] | None = None
@@ -72,74 +57,35 @@ class FieldSpec:
 
 
 def _grpo_fields() -> list[FieldSpec]:
-    gen = (Stage.GENERATION,)
+    prompt, response, sample = Alignment.PROMPT_TOKEN, Alignment.RESPONSE_TOKEN, Alignment.SAMPLE
+    fields = (  # name, alignment, dtype, what it holds
+        ("prompt_ids", prompt, "int64", "the prompt's token ids (chat template, image placeholders expanded)"),
+        ("response_ids", response, "int64", "the generated token ids"),
+        ("response_mask", response, "bool", "the token mask of the response: True where a token counts in the loss"),
+        (
+            "generation_logprobs",
+            response,
+            "float32",
+            "logprobs of the response tokens from the generation backend (token_mult_prob_error)",
+        ),
+        (
+            "prev_logprobs",
+            response,
+            "float32",
+            "logprobs of the response tokens under the policy before this step's update",
+        ),
+        (
+            "ref_logprobs",
+            response,
+            "float32",
+            "logprobs of the response tokens under the reference policy (KL penalty)",
+        ),
+        ("rewards", sample, "float32", "the reward of the response"),
+        ("advantages", sample, "float32", "the group-normalized advantage of the response"),
+    )
     return [
-        FieldSpec(
-            name="prompt_ids",
-            alignment=Alignment.PROMPT_TOKEN,
-            dtype="int64",
-            writers=gen,
-            readers=_MODEL_INPUT_READERS,
-            doc="the prompt's token ids (chat template, image placeholders expanded)",
-        ),
-        FieldSpec(
-            name="response_ids",
-            alignment=Alignment.RESPONSE_TOKEN,
-            dtype="int64",
-            writers=gen,
-            readers=_MODEL_INPUT_READERS,
-            doc="the generated token ids",
-        ),
-        FieldSpec(
-            name="response_mask",
-            alignment=Alignment.RESPONSE_TOKEN,
-            dtype="bool",
-            writers=gen,
-            readers=(Stage.TRAIN,),
-            doc="the token mask of the response: True where a token counts in the loss",
-        ),
-        FieldSpec(
-            name="generation_logprobs",
-            alignment=Alignment.RESPONSE_TOKEN,
-            dtype="float32",
-            writers=gen,
-            readers=(Stage.TRAIN,),
-            doc="logprobs of the response tokens from the generation backend (token_mult_prob_error)",
-        ),
-        FieldSpec(
-            name="prev_logprobs",
-            alignment=Alignment.RESPONSE_TOKEN,
-            dtype="float32",
-            writers=(Stage.PREV_LOGPROB,),
-            readers=(Stage.TRAIN,),
-            doc="logprobs of the response tokens under the policy before this step's update",
-        ),
-        FieldSpec(
-            name="ref_logprobs",
-            alignment=Alignment.RESPONSE_TOKEN,
-            dtype="float32",
-            writers=(Stage.REF_LOGPROB,),
-            readers=(Stage.TRAIN,),
-            doc="logprobs of the response tokens under the reference policy (KL penalty)",
-        ),
-        FieldSpec(
-            name="rewards",
-            alignment=Alignment.SAMPLE,
-            dtype="float32",
-            ndim=0,
-            writers=gen,
-            readers=(Stage.ADVANTAGE,),
-            doc="the reward of the response",
-        ),
-        FieldSpec(
-            name="advantages",
-            alignment=Alignment.SAMPLE,
-            dtype="float32",
-            ndim=0,
-            writers=(Stage.ADVANTAGE,),
-            readers=(Stage.TRAIN,),
-            doc="the group-normalized advantage of the response",
-        ),
+        FieldSpec(name=name, alignment=kind, dtype=dtype, doc=doc, ndim=0 if kind is sample else None)
+        for name, kind, dtype, doc in fields
     ]
 
 
@@ -153,8 +99,6 @@ def _family_fields() -> list[FieldSpec]:
                 name=key,
                 alignment=Alignment.PROMPT_TOKEN,
                 dtype="int64",
-                writers=(Stage.GENERATION,),
-                readers=_MODEL_INPUT_READERS,
                 families=fams,
                 doc=f"the processor's per-token input {key} over the prompt",
             )
@@ -165,8 +109,6 @@ def _family_fields() -> list[FieldSpec]:
                 name=key,
                 alignment=Alignment.MEDIA,
                 dtype=POLICY_DTYPE if key == "pixel_values" else "int64",
-                writers=(Stage.GENERATION, Stage.SFT_LOADER),
-                readers=(*_MODEL_INPUT_READERS, Stage.SFT_TRAIN),
                 families=None if len(fams) == len(FAMILIES) else fams,
                 doc=f"packed media {key}: one segment per image or processor call",
             )
@@ -174,16 +116,7 @@ def _family_fields() -> list[FieldSpec]:
 
 
 def _sft_record(name: str, doc: str, families: tuple[str, ...] | None = None) -> FieldSpec:
-    return FieldSpec(
-        name=name,
-        alignment=Alignment.SAMPLE,
-        dtype="int64",
-        ndim=2,
-        writers=(Stage.SFT_LOADER,),
-        readers=(Stage.SFT_TRAIN,),
-        families=families,
-        doc=doc,
-    )
+    return FieldSpec(name=name, alignment=Alignment.SAMPLE, dtype="int64", ndim=2, families=families, doc=doc)
 
 
 def _sft_fields() -> list[FieldSpec]:
@@ -207,27 +140,19 @@ def field_spec(name: str) -> FieldSpec:
         raise KeyError(f"unknown data-plane field {name!r}; known: {', '.join(sorted(FIELDS))}") from None
 
 
-def stage_fields(stage: Stage | str, family: str) -> tuple[str, ...]:
-    """The fields `stage` reads for `family`, in registry order: the explicit list it asks the plane for."""
-    family_spec(family)
-    stage = Stage(stage)
-    return tuple(f.name for f in FIELDS.values() if stage in f.readers and f.for_family(family))
-
-
-def stage_writes(stage: Stage | str, family: str) -> tuple[str, ...]:
-    """The fields `stage` writes for `family`, in registry order."""
-    family_spec(family)
-    stage = Stage(stage)
-    return tuple(f.name for f in FIELDS.values() if stage in f.writers and f.for_family(family))
-
-
 def media_fields(family: str) -> tuple[str, ...]:
     """The packed media fields of `family`."""
     return tuple(f.name for f in FIELDS.values() if f.alignment is Alignment.MEDIA and f.for_family(family))
 
 
-def partition_fields(family: str, consumers: tuple[Stage | str, ...]) -> tuple[str, ...]:
-    """Every field some stage of `consumers` reads, for `family`: what a partition for them holds."""
-    family_spec(family)
-    stages = {Stage(s) for s in consumers}
-    return tuple(f.name for f in FIELDS.values() if f.for_family(family) and stages & set(f.readers))
+def family_inputs(family: str) -> tuple[str, ...]:
+    """The fields of `family`'s processor outputs as a sample carries them: its per-token inputs and its
+    packed media, in registry order (InputError on model.family for an unknown family)."""
+    spec = family_spec(family)
+    return tuple(name for name in FIELDS if name in spec.token_keys or name in spec.media_keys)
+
+
+def in_registry_order(fields) -> tuple[str, ...]:
+    """`fields` (registry names), each once, in the order of the registry."""
+    wanted = set(fields)
+    return tuple(name for name in FIELDS if name in wanted)

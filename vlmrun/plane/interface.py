@@ -2,7 +2,8 @@
 
 1. A partition (one per step, e.g. "grpo-step-12") is registered with a `PartitionSpec`: its fields
    (names from the field registry, fields.py), how many samples it will hold, and the stages that
-   consume it. A name is registered once; `clear` forgets it.
+   consume it with the fields each reads (stages are the algorithm's names). A name is registered
+   once; `clear` forgets it.
 2. `put` writes samples by id, one value per sample per field, with optional per-sample tags. The
    first write of an id creates the sample; later stages add columns under the same ids (all ids of
    one put are new, or all exist). A field is written once per sample: no overwrite.
@@ -41,19 +42,20 @@ class DataPlaneError(RuntimeError):
 
 @dataclass(frozen=True, kw_only=True)
 class PartitionSpec:
-    """What a partition holds: `fields` (registry names), `num_samples` (its capacity) and the stages
-    that consume it. Refuses unknown fields, unknown stages, a field no consumer reads, and a consumer
-    missing a field it reads on every model family."""
+    """What a partition holds: `fields` (registry names), `num_samples` (its capacity) and `reads`, each
+    consuming stage (the algorithm's name for it) with the fields it reads. Build it with `reading`.
+    Refuses unknown fields, a field no consumer reads, a consumer that reads nothing, and a consumer
+    reading a field the partition lacks."""
 
     fields: tuple[str, ...]
     num_samples: int
-    consumers: tuple[str, ...]
+    reads: Mapping[str, tuple[str, ...]]
 
     def __post_init__(self) -> None:
-        from vlmrun.plane.fields import FIELDS, Stage
+        from vlmrun.plane.fields import FIELDS
 
         object.__setattr__(self, "fields", tuple(self.fields))
-        object.__setattr__(self, "consumers", tuple(str(Stage(_stage(c))) for c in self.consumers))
+        object.__setattr__(self, "reads", {str(stage): tuple(f) for stage, f in self.reads.items()})
         unknown = [f for f in self.fields if f not in FIELDS]
         if unknown:
             raise DataPlaneError(f"unknown field(s) {unknown}; known: {', '.join(sorted(FIELDS))}")
@@ -61,43 +63,43 @@ class PartitionSpec:
             raise DataPlaneError(f"a partition names each field once and at least one: {self.fields}")
         if self.num_samples < 1:
             raise DataPlaneError(f"a partition holds at least one sample, not {self.num_samples}")
-        stages = {Stage(c) for c in self.consumers}
-        unread = [f for f in self.fields if not stages & set(FIELDS[f].readers)]
+        idle = [stage for stage, fields in self.reads.items() if not fields]
+        if idle:
+            raise DataPlaneError(f"consumer(s) {idle} read no field")
+        unread = [f for f in self.fields if not any(f in read for read in self.reads.values())]
         if unread:
             raise DataPlaneError(f"field(s) {unread} are read by none of the consumers {self.consumers}")
-        missing = [
-            f.name
-            for f in FIELDS.values()
-            if f.families is None and stages & set(f.readers) and f.name not in self.fields
-        ]
-        if missing:
-            raise DataPlaneError(f"consumers {self.consumers} read field(s) {missing}, which the partition lacks")
+        missing = {stage: [f for f in read if f not in self.fields] for stage, read in self.reads.items()}
+        if any(missing.values()):
+            raise DataPlaneError(f"consumers read field(s) {missing}, which the partition lacks")
 
     @classmethod
-    def for_stages(cls, family: str, consumers: Sequence[str], num_samples: int) -> PartitionSpec:
-        """Every field that `consumers` read for `family` (fields.partition_fields)."""
-        from vlmrun.plane.fields import partition_fields
+    def reading(cls, reads: Mapping[str, Sequence[str]], num_samples: int) -> PartitionSpec:
+        """A partition of every field some consumer of `reads` reads, each list in registry order."""
+        from vlmrun.plane.fields import in_registry_order
 
         return cls(
-            fields=partition_fields(family, tuple(consumers)), num_samples=num_samples, consumers=tuple(consumers)
+            fields=in_registry_order(f for read in reads.values() for f in read),
+            num_samples=num_samples,
+            reads={str(stage): in_registry_order(read) for stage, read in reads.items()},
         )
 
-    def stage_fields(self, stage: str) -> tuple[str, ...]:
-        """The fields of this partition that `stage` reads: the list it passes to `get`."""
-        from vlmrun.plane.fields import FIELDS, Stage
+    @property
+    def consumers(self) -> tuple[str, ...]:
+        return tuple(self.reads)
 
-        return tuple(f for f in self.fields if Stage(_stage(stage)) in FIELDS[f].readers)
+    def stage_fields(self, stage: str) -> tuple[str, ...]:
+        """The fields `stage` reads: the list it passes to `get`. KeyError for a stage that does not
+        consume the partition."""
+        return self.reads[str(stage)]
 
     def to_dict(self) -> dict[str, Any]:
-        return {"fields": list(self.fields), "num_samples": self.num_samples, "consumers": list(self.consumers)}
+        reads = {stage: list(fields) for stage, fields in self.reads.items()}
+        return {"fields": list(self.fields), "num_samples": self.num_samples, "reads": reads}
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> PartitionSpec:
-        return cls(fields=tuple(d["fields"]), num_samples=int(d["num_samples"]), consumers=tuple(d["consumers"]))
-
-
-def _stage(stage: Any) -> str:
-    return getattr(stage, "value", stage)
+        return cls(fields=tuple(d["fields"]), num_samples=int(d["num_samples"]), reads=dict(d["reads"]))
 
 
 @dataclass

@@ -2,7 +2,8 @@
 
 A micro-batch's padded tensors travel as per-record fields (`batch_input_ids`, ...), its packed media
 as one segment per media field (none for a text-only micro-batch), and its sample ids in the record's
-tags. The round trip is exact, so SFT v1 and v2 keep identical losses.
+tags. The loader's side writes the records, the train stage (`SFT_TRAIN`) reads all of them. The
+round trip is exact, so SFT v1 and v2 keep identical losses.
 """
 
 from __future__ import annotations
@@ -11,16 +12,24 @@ from collections.abc import Sequence
 
 from vlmrun.config.families import family_spec
 from vlmrun.data.batch import Batch
-from vlmrun.plane.fields import Stage
 from vlmrun.plane.interface import DataPlane, PartitionSpec
 
 _SAMPLE_IDS_TAG = "sample_ids"
+#: The stage that consumes the records.
+SFT_TRAIN = "sft_train"
+
+
+def record_fields(family: str) -> tuple[str, ...]:
+    """The fields of one micro-batch's record for `family`."""
+    spec = family_spec(family)
+    padded = ("input_ids", "attention_mask", "labels", *spec.token_keys)
+    return (*(f"batch_{k}" for k in padded), *spec.media_keys)
 
 
 def put_micro_batches(plane: DataPlane, partition: str, batches: Sequence[Batch], family: str) -> list[str]:
     """Register `partition` and write one record per micro-batch; returns the record ids, in order."""
     spec = family_spec(family)
-    plane.register(partition, PartitionSpec.for_stages(family, [Stage.SFT_TRAIN], len(batches)))
+    plane.register(partition, PartitionSpec.reading({SFT_TRAIN: record_fields(family)}, len(batches)))
     ids = [f"mb-{k}" for k in range(len(batches))]
     columns = {
         "batch_input_ids": [b.input_ids for b in batches],
@@ -36,7 +45,7 @@ def put_micro_batches(plane: DataPlane, partition: str, batches: Sequence[Batch]
 def get_micro_batches(plane: DataPlane, partition: str, record_ids: Sequence[str], family: str) -> list[Batch]:
     """The micro-batches `put_micro_batches` wrote as `record_ids`, in that order."""
     spec = family_spec(family)
-    got = plane.get(partition, record_ids, plane.spec(partition).stage_fields(Stage.SFT_TRAIN))
+    got = plane.get(partition, record_ids, plane.spec(partition).stage_fields(SFT_TRAIN))
     return [
         Batch(
             sample_ids=list(got.tags[i][_SAMPLE_IDS_TAG]),

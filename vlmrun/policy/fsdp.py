@@ -26,9 +26,13 @@ from __future__ import annotations
 import math
 import warnings
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from vlmrun.config.layout import RankLayout
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -86,17 +90,15 @@ def touch_towers(model: torch.nn.Module, loss: torch.Tensor) -> torch.Tensor:
     return loss + 0.0 * torch.stack(touched).sum().to(loss.dtype)
 
 
-def shard_mesh(device_type: str, world_size: int, dp_shard: int | None = None):
-    """The device mesh FSDP2 shards over: 1-D over every rank, or, with `dp_shard` (HSDP), 2-D
-    (replicate = world_size / dp_shard, shard = dp_shard): rank r sits in shard group r // dp_shard, so
-    consecutive ranks (ordered by node) hold one copy of the sharded state between them."""
+def shard_mesh(device_type: str, layout: RankLayout):
+    """The device mesh FSDP2 shards over: 1-D over every dp rank, or, under HSDP (`layout.dp_shard`), 2-D
+    (replicate = `layout.replicas`, shard = `layout.shard_group`): rank r sits in shard group r // dp_shard,
+    so consecutive ranks (ordered by node) hold one copy of the sharded state between them."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    if not dp_shard or dp_shard == world_size:
-        return init_device_mesh(device_type, (world_size,), mesh_dim_names=("shard",))
-    if world_size % dp_shard:
-        raise ValueError(f"dp_shard={dp_shard} must divide the {world_size} ranks")
-    return init_device_mesh(device_type, (world_size // dp_shard, dp_shard), mesh_dim_names=("replicate", "shard"))
+    if layout.replicas == 1:
+        return init_device_mesh(device_type, (layout.dp,), mesh_dim_names=("shard",))
+    return init_device_mesh(device_type, (layout.replicas, layout.shard_group), mesh_dim_names=("replicate", "shard"))
 
 
 def shard_model(model: torch.nn.Module, mesh, sharding: Sharding = Sharding()) -> torch.nn.Module:

@@ -34,9 +34,10 @@ import torch.distributed as dist
 
 from vlmrun.checkpoint.parts import MODEL_PART, OPTIMIZER_PART, POLICY_PARTS, PolicyState, Storage
 from vlmrun.config.dtype import torch_dtype
+from vlmrun.config.layout import RankLayout
+from vlmrun.models import sharded_load
 from vlmrun.models.build import build_model, materialize, materialize_buffers
 from vlmrun.models.packing import packed_inputs
-from vlmrun.models.sharded_load import plan_load
 from vlmrun.models.shared_images import vision_once
 from vlmrun.models.spec import ModelSpec
 from vlmrun.policy import rng
@@ -75,7 +76,8 @@ class HfPolicy(PolicyBackend):
             cpu_offload=getattr(parallel, "cpu_offload", False),
         )
         self.sync_every = bool(getattr(parallel, "reduce_every_micro_batch", False))
-        self.dp_shard = getattr(parallel, "dp_shard", None)  # HSDP: shard groups of this many ranks
+        # the hf backend's ranks are data-parallel only; HSDP: shard groups of dp_shard ranks
+        self.ranks = RankLayout(dp=world_size, dp_shard=getattr(parallel, "dp_shard", None))
         self.gpus = gpus
         if gpus:  # before anything in this rank's process touches CUDA (its generation engine too)
             prepare_cuda_allocator()
@@ -117,8 +119,8 @@ class HfPolicy(PolicyBackend):
         """How the ranks hold the model, in words (the run's log says it once)."""
         if not self.sharded:
             return f"replicated on {self.world_size} rank{'s' if self.world_size > 1 else ''}"
-        if self.dp_shard and self.dp_shard < self.world_size:
-            return f"HSDP: {self.world_size // self.dp_shard} replicas x {self.dp_shard} shards (FSDP2)"
+        if self.ranks.replicas > 1:
+            return f"HSDP: {self.ranks.replicas} replicas x {self.ranks.shard_group} shards (FSDP2)"
         return f"FSDP2 over {self.world_size} rank{'s' if self.world_size > 1 else ''}"
 
     def _build_model(self, *, trainable: bool = True) -> torch.nn.Module:
@@ -131,7 +133,7 @@ class HfPolicy(PolicyBackend):
         if self.spec.random_init:
             load = f"random init (seed {self.spec.seed})" + (", each rank its own shards" if on_meta else "")
         elif on_meta:
-            plan, why = plan_load(model, self.spec.directory)
+            plan, why = sharded_load.plan_load(model, self.spec.directory)
             load = "each rank read only its own rows of the weights' files"
             if plan is None:  # the reader cannot map these files: load it whole, as unsharded
                 model, on_meta, load = build_model(self.spec, device=self.device), False, f"whole on every rank: {why}"
@@ -142,7 +144,7 @@ class HfPolicy(PolicyBackend):
         if not trainable:
             model.requires_grad_(False)
         if self.sharded:
-            mesh = shard_mesh(self.device.type, self.world_size, self.dp_shard)
+            mesh = shard_mesh(self.device.type, self.ranks)
             frozen = Sharding(mixed_precision=self.sharding.mixed_precision, cpu_offload=self.sharding.cpu_offload)
             model = shard_model(model, mesh, self.sharding if trainable else frozen)
             if on_meta:  # offloaded shards live in host memory
@@ -162,7 +164,7 @@ class HfPolicy(PolicyBackend):
         model = build_model(self.spec, device=self.device, on_meta=True)
         self.weights_load = "from the checkpoint it resumed (the model's own weights not read)"
         if self.sharded:
-            mesh = shard_mesh(self.device.type, self.world_size, self.dp_shard)
+            mesh = shard_mesh(self.device.type, self.ranks)
             model = shard_model(model, mesh, self.sharding)
             return materialize_buffers(model, torch.device("cpu") if self.sharding.cpu_offload else self.device)
         if self.sharding.activation_checkpointing:

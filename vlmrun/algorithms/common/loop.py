@@ -42,7 +42,7 @@ from vlmrun.checkpoint.read import Checkpoint
 from vlmrun.checkpoint.saving import Saves
 from vlmrun.checkpoint.store import run_checkpoints
 from vlmrun.checkpoint.write import PendingCheckpoint
-from vlmrun.config.identity import RESHARD_TERMS, check_checkpoint_belongs, run_identity
+from vlmrun.config.identity import RESHARD_TERMS, restarts_data_order, run_identity
 from vlmrun.distributed.topology import plan_placement
 from vlmrun.distributed.worker_group import Placement, WorkerGroup
 from vlmrun.errors import CheckFailed
@@ -192,7 +192,7 @@ class StepLoop:
     # ---- the run ---------------------------------------------------------------------------------
     def run(self) -> RunOutcome:
         r = self.recipe
-        self.plan = plan_placement(r.parallel)
+        self.plan = plan_placement(r.parallel.layout)
         from vlmrun.data.splits import split_size
 
         self.steps = plan_steps(r, split_size(r.data.path, r.data.split))
@@ -328,7 +328,7 @@ class StepLoop:
         """Whether `found` is another layout's that the run may take with its data order restarted;
         InputError when it is not this run's (config/identity.py)."""
         restart = self.recipe.checkpoint.restart_data_order
-        return check_checkpoint_belongs(found.manifest.run, self.identity, self.plan, restart, found.path)
+        return restarts_data_order(found.manifest.run, self.identity, self.plan, restart, found.path)
 
     def _resume(self, found: Checkpoint | None, skipped: list[str]) -> tuple[int, dict, dict]:
         random.seed(self.recipe.train.seed)

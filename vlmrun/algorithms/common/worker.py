@@ -1,9 +1,9 @@
 """The rank worker every algorithm's per-rank actor extends: what SFT and GRPO ranks hold and do alike.
 
-1. Construction: the rank's policy from `vlmrun.policy.open_policy` (the recipe's `model.backend`) and,
-   when the algorithm generates (GRPO), its generation engine from `vlmrun.generation.open_generator`
-   (`generation.backend`), on the rank's GPU when it has one, in the compute dtype, refit from the
-   policy in memory.
+1. Construction: the rank's policy (the recipe's `model.backend`) and, when the algorithm generates
+   (GRPO), its generation engine (`generation.backend`), on the rank's GPU when it has one, in the
+   compute dtype, refit from the policy in memory: both opened by rank_backends.py, as `vlmrun eval`
+   opens them.
 2. `setup`: the process group and the policy, then the engine and the tokenizer.
 3. `attach_loader`: the loader shard this rank owns (`open_train_shard`, the one way a loop opens one).
 4. `validate`: this rank's share of a validation pass (validation.py), with the algorithm's engine, or,
@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
+from vlmrun.algorithms.common.rank_backends import open_rank_engine, open_rank_policy
 from vlmrun.algorithms.common.shards import open_train_shard
 from vlmrun.algorithms.common.validation import (
     ValidationScore,
@@ -32,13 +33,10 @@ from vlmrun.algorithms.common.validation import (
 from vlmrun.checkpoint.parts import MODEL_PART, OPTIMIZER_PART, PolicyState, Storage
 from vlmrun.checkpoint.read import Checkpoint
 from vlmrun.checkpoint.write import PendingCheckpoint
-from vlmrun.config.dtype import compute_dtype
 from vlmrun.distributed.worker_group import RankActor
 from vlmrun.errors import InputError
-from vlmrun.generation import open_generator
 from vlmrun.generation.interface import GenerationBackend
-from vlmrun.models.spec import ModelSpec
-from vlmrun.policy import open_policy, rng
+from vlmrun.policy import rng
 from vlmrun.policy.interface import PolicyBackend
 
 
@@ -71,14 +69,8 @@ class RankWorker(RankActor):
         self.rank, self.replica, self.owner, self.threads = rank, replica, owner, threads
         self.recipe = r = Recipe.model_validate_json(recipe_json)
         self.model_dir = model_dir
-        self.policy: PolicyBackend = open_policy(
-            r.model.backend,
-            model=ModelSpec(directory=model_dir, dtype=r.model.dtype, attn_implementation=r.model.attn_implementation),
-            rank=rank,
-            world_size=world_size,
-            train=r.train,
-            parallel=r.parallel,
-            gpus=r.cluster.gpus_per_node > 0,
+        self.policy: PolicyBackend = open_rank_policy(
+            r, model_dir, rank=rank, world_size=world_size, parallel=r.parallel, gpus=r.cluster.gpus_per_node > 0
         )
         self.generator: GenerationBackend | None = self._open_engine() if self.needs_generator else None
         self.refit_bytes = r.generation.refit_bucket_mb << 20
@@ -88,20 +80,8 @@ class RankWorker(RankActor):
 
     def _open_engine(self) -> GenerationBackend:
         """A generation engine of this rank's replica, on the rank's GPU (Ray made it cuda:0) when it has one."""
-        r = self.recipe
-        return open_generator(
-            r.generation.backend,
-            model=ModelSpec(
-                directory=self.model_dir,
-                dtype=compute_dtype(r.model.dtype, r.parallel.mixed_precision),
-                attn_implementation=r.model.attn_implementation,
-            ),
-            replica=self.replica,
-            device="cuda" if r.cluster.gpus_per_node else "cpu",
-            threads=self.threads,
-            weights="refit",  # every use refits first: nothing of the directory's weights is read twice
-            options=r.generation.engine_options(max_model_len=r.data.max_seq_len + r.grpo.max_new_tokens),
-        )
+        gpus = self.recipe.cluster.gpus_per_node > 0
+        return open_rank_engine(self.recipe, self.model_dir, replica=self.replica, gpus=gpus, threads=self.threads)
 
     def setup(self, master_addr: str, master_port: int, max_steps: int, weights: str = "load") -> dict:
         """`weights`: "checkpoint" when a checkpoint's load follows (a resume): the policy reads none of

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
+from vlmrun.algorithms.grpo.fields import GrpoStage
 from vlmrun.algorithms.grpo.loss import SUMMED
 from vlmrun.algorithms.grpo.stages import StepRecord
 from vlmrun.data.batch import SampleCounts
@@ -89,11 +90,11 @@ def _stats(record: StepRecord, results: list[StepResult], tokens: int, step_s: f
         advantage_max=float(advantages.max()),
         response_length_mean=sum(lengths) / n,
         response_length_max=max(lengths, default=0),
-        time_rollout_s=round(record.walls["rollout"], 4),
+        time_rollout_s=round(record.walls[GrpoStage.ROLLOUT], 4),
         **{f"time_{k}_s": round(v, 4) for k, v in slowest.items()},
-        time_logprob_s=round(record.walls["logprob"], 4),
-        time_advantage_s=round(record.walls["advantage"], 4),
-        time_train_s=round(record.walls["train"], 4),
+        time_logprob_s=round(record.walls[GrpoStage.LOGPROB], 4),
+        time_advantage_s=round(record.walls[GrpoStage.ADVANTAGE], 4),
+        time_train_s=round(record.walls[GrpoStage.TRAIN], 4),
         time_data_plane_s=round(plane_s, 4),
         plane_stage_s={k: round(v, 4) for k, v in plane_stages.items()},
         data_plane_fraction=round(plane_s / step_s, 4),
@@ -140,11 +141,12 @@ def _by_template(record: StepRecord) -> dict[str, float]:
 
 def _plane(record: StepRecord) -> tuple[float, int, dict[str, float]]:
     """(seconds, bytes, seconds per stage) of the data plane in one step (module doc)."""
-    stages = {"advantage": record.controller_plane.get("seconds", 0.0)}
+    stages = {str(GrpoStage.ADVANTAGE): record.controller_plane.get("seconds", 0.0)}
     if record.controller_plane_beside:
         stages["advantage_beside"] = record.controller_plane_beside
     moved = record.controller_plane.get("bytes", 0)
-    for name, reports in (("rollout", record.rollouts), ("logprob", record.scores), ("train", record.trains)):
-        stages[name] = max((r.plane.get("seconds", 0.0) for r in reports), default=0.0)
+    by_stage = {GrpoStage.ROLLOUT: record.rollouts, GrpoStage.LOGPROB: record.logprobs, GrpoStage.TRAIN: record.trains}
+    for stage, reports in by_stage.items():
+        stages[str(stage)] = max((r.plane.get("seconds", 0.0) for r in reports), default=0.0)
         moved += sum(r.plane.get("bytes", 0) for r in reports)
     return sum(v for k, v in stages.items() if k != "advantage_beside"), int(moved), stages

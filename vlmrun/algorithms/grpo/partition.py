@@ -5,11 +5,10 @@ plane clients that count what they move.
    lives in the replica's owner rank, so a replica's samples stay in one partition on every adapter;
    the owner registers it and writes the rollout, and clears it after the train stage (the plane is
    empty at every step boundary).
-2. Consumers: the logprob stage(s), the advantage stage (the controller) and the train stage. The
-   field registry decides what each reads (`Stage`); without a KL penalty nobody writes
-   `ref_logprobs`, so the train stage leaves it out of its list. A stage reads its prompt-aligned
-   fields and media from the prompt samples and the rest from the response samples
-   (rollout_rows.py), in one `get_many` (`StageGets`).
+2. Consumers: the logprob stage, the advantage stage (the controller) and the train stage; what each
+   reads is fields.py's (without a KL penalty nobody writes `ref_logprobs`, and nobody reads it). A
+   stage reads its prompt-aligned fields and media from the prompt samples and the rest from the
+   response samples (rollout_rows.py), in one `get_many` (`StageGets`).
 3. `StagePlane` wraps a client and counts the seconds spent in it and the bytes of the values that
    cross it (pixel values at the plane's pixel dtype); `take()` returns and resets the counts. Its
    calls run on a thread of their own, so a stage can leave round trips to run under its compute:
@@ -31,9 +30,9 @@ from typing import Any
 
 import torch
 
+from vlmrun.algorithms.grpo.fields import GrpoStage, partition_spec, stage_reads, stage_writes
 from vlmrun.algorithms.grpo.rollout_rows import join, prompt_of
-from vlmrun.distributed.worker_group import gather
-from vlmrun.plane.fields import FIELDS, Alignment, Stage
+from vlmrun.plane.fields import FIELDS, Alignment
 from vlmrun.plane.interface import DataPlane, Get, PartitionSpec, Put, SampleBatch
 
 
@@ -41,19 +40,13 @@ def partition_name(step: int, replica: int) -> str:
     return f"grpo-step-{step}-replica-{replica}"
 
 
-def consumers(recipe) -> tuple[Stage, ...]:
-    kl = (Stage.REF_LOGPROB,) if recipe.grpo.kl_coef > 0 else ()
-    return (Stage.PREV_LOGPROB, *kl, Stage.ADVANTAGE, Stage.TRAIN)
-
-
 def rollout_spec(recipe, num_samples: int) -> PartitionSpec:
-    return PartitionSpec.for_stages(recipe.family, consumers(recipe), num_samples)
+    return partition_spec(recipe.family, kl=recipe.grpo.kl_coef > 0, num_samples=num_samples)
 
 
-def stage_fields(recipe, stage: Stage) -> tuple[str, ...]:
+def stage_fields(recipe, stage: GrpoStage) -> tuple[str, ...]:
     """What `stage` asks the plane for (module doc, 2)."""
-    fields = rollout_spec(recipe, 1).stage_fields(stage)
-    return tuple(f for f in fields if f != "ref_logprobs" or recipe.grpo.kl_coef > 0)
+    return stage_reads(stage, recipe.family, kl=recipe.grpo.kl_coef > 0)
 
 
 def split_fields(fields: Sequence[str]) -> tuple[list[str], list[str]]:
@@ -68,7 +61,7 @@ def split_fields(fields: Sequence[str]) -> tuple[list[str], list[str]]:
 class StageGets:
     """A stage's requests for one replica's samples (module doc, 2), by when their fields are written:
     the response fields the rollout wrote, those written since (the logprob and advantage stages' own;
-    None for the logprob stages, which read none), and the prompt samples' fields. A rank prefetches
+    None for the logprob stage, which reads none), and the prompt samples' fields. A rank prefetches
     each part as soon as its fields are in the partition (module doc, 3)."""
 
     rollout: Get
@@ -76,9 +69,10 @@ class StageGets:
     prompts: Get
 
     @classmethod
-    def of(cls, recipe, partition: str, response_ids: Sequence[str], stage: Stage) -> StageGets:
+    def of(cls, recipe, partition: str, response_ids: Sequence[str], stage: GrpoStage) -> StageGets:
         prompt_fields, response_fields = split_fields(stage_fields(recipe, stage))
-        rollout = [f for f in response_fields if Stage.GENERATION in FIELDS[f].writers]
+        written = stage_writes(GrpoStage.ROLLOUT, recipe.family, kl=recipe.grpo.kl_coef > 0)
+        rollout = [f for f in response_fields if f in written]
         later = [f for f in response_fields if f not in rollout]
         return cls(
             rollout=Get(partition, list(response_ids), rollout),
@@ -268,7 +262,11 @@ class ReplicaPlanes:
         if self.shared is not None:
             return self.shared.get_many([Get(p, ids, fields) for p, ids in zip(partitions, sample_ids, strict=True)])
         got = self._through_owners(
-            "plane_get", [(p, ids, fields) for p, ids in zip(partitions, sample_ids, strict=True)]
+            "plane_get",
+            [
+                {"partition": p, "sample_ids": ids, "fields": fields}
+                for p, ids in zip(partitions, sample_ids, strict=True)
+            ],
         )
         self._bytes += sum(value_bytes(g.columns) for g in got)
         return got
@@ -279,13 +277,15 @@ class ReplicaPlanes:
         if self.shared is not None:
             self.shared.put_many([Put(p, ids, cols) for p, ids, cols in requests])
             return
-        self._through_owners("plane_put", requests)
+        self._through_owners(
+            "plane_put", [{"partition": p, "sample_ids": ids, "columns": cols} for p, ids, cols in requests]
+        )
         self._bytes += sum(value_bytes(cols) for _, _, cols in requests)
 
-    def _through_owners(self, method: str, requests: list[tuple]) -> list:
+    def _through_owners(self, method: str, requests: list[dict]) -> list:
+        """`method(**requests[r])` on replica r's owner rank, for every replica r; results in replica order."""
         t0 = time.perf_counter()
-        owners = [self.group.workers[s.owner_rank] for s in self.group.plan.shards]
-        out = gather([getattr(o, method).remote(*args) for o, args in zip(owners, requests, strict=True)])
+        out = self.group.replica_owners(method, lambda shard: requests[shard])
         self._seconds += time.perf_counter() - t0
         return out
 

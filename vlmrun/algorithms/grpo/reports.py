@@ -40,7 +40,7 @@ def kept(values: list, keep: list[bool]) -> list:
 
 
 @dataclass
-class ScoreReport:
+class LogprobReport:
     """Stage 2 on a rank: how long the logprobs took; on the driver path the columns themselves."""
 
     times: dict[str, float]  # logprob

@@ -22,17 +22,19 @@ Both return a `StepRecord` for metrics.py.
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
 
 from vlmrun.algorithms.grpo.advantages import group_advantages
+from vlmrun.algorithms.grpo.fields import GrpoStage
 from vlmrun.algorithms.grpo.partition import ReplicaPlanes, partition_name, split_fields, stage_fields
-from vlmrun.algorithms.grpo.reports import RolloutReport, ScoreReport, TrainReport
+from vlmrun.algorithms.grpo.reports import LogprobReport, RolloutReport, TrainReport
 from vlmrun.algorithms.grpo.rollout_rows import RolloutRows
 from vlmrun.distributed.worker_group import gather
-from vlmrun.plane.fields import Stage
 from vlmrun.plane.interface import SampleBatch
 
 
@@ -41,13 +43,21 @@ class StepRecord:
     """What one step's stages reported: per replica (shard order) and per rank (by_dp order)."""
 
     rollouts: list[RolloutReport]
-    scores: list[ScoreReport]
+    logprobs: list[LogprobReport]
     trains: list[TrainReport]
     advantages: torch.Tensor
-    walls: dict[str, float] = field(default_factory=dict)  # stage -> seconds, as the controller saw it
+    walls: dict[GrpoStage, float] = field(default_factory=dict)  # seconds, as the controller saw them
     controller_plane: dict[str, float] = field(default_factory=dict)  # what the step waited for, all bytes
     controller_plane_beside: float = 0.0  # the controller's plane seconds, beside the ranks' logprobs
     loader_s: float = 0.0
+
+
+@contextlib.contextmanager
+def _timed(walls: dict[GrpoStage, float], stage: GrpoStage) -> Iterator[None]:
+    """The block's wall seconds as `walls[stage]` (the stage as the controller sees it)."""
+    t0 = time.perf_counter()
+    yield
+    walls[stage] = time.perf_counter() - t0
 
 
 class PlaneStages:
@@ -56,14 +66,13 @@ class PlaneStages:
         self.n_micro = micro_batches_per_replica
 
     def run(self, step: int) -> StepRecord:
-        walls: dict[str, float] = {}
-        t0 = time.perf_counter()
-        rollouts = self.group.replica_owners("rollout", lambda shard: {"step": step, "n_micro": self.n_micro})
-        walls["rollout"] = time.perf_counter() - t0
+        walls: dict[GrpoStage, float] = {}
+        with _timed(walls, GrpoStage.ROLLOUT):
+            rollouts = self.group.replica_owners("rollout", lambda shard: {"step": step, "n_micro": self.n_micro})
         ids = [r.sample_ids for r in rollouts]
         parts = [partition_name(step, shard) for shard in range(len(ids))]
         t0 = time.perf_counter()
-        scoring = self.group.submit_by_dp("score", [{"step": step, "sample_ids": i} for i in ids])
+        computing = self.group.submit_by_dp("logprob", [{"step": step, "sample_ids": i} for i in ids])
         written = False
         try:
             advantages = self._advantages(parts, ids)  # beside the ranks' logprobs (module doc, 1)
@@ -71,19 +80,18 @@ class PlaneStages:
         finally:  # the ranks wait for this word either way
             told = self.group.submit_by_dp("advantages_written", [{"step": step, "ok": written}] * len(ids))
         beside_s, plane = time.perf_counter() - t0, self.planes.take()
-        scores = gather(scoring)
+        logprobs = gather(computing)
         gather(told)
         # the controller's plane time the step waited for: what of it outlasted the slowest rank's compute
-        slowest = max(r.times["logprob"] + r.plane["seconds"] for r in scores)
+        slowest = max(r.times[GrpoStage.LOGPROB] + r.plane["seconds"] for r in logprobs)
         waited = min(plane["seconds"], max(0.0, beside_s - slowest))
-        walls["logprob"] = time.perf_counter() - t0
-        walls["advantage"] = beside_s
-        t0 = time.perf_counter()
-        trains = self.group.by_dp("train", [{"step": step, "sample_ids": i} for i in ids])
-        walls["train"] = time.perf_counter() - t0
+        walls[GrpoStage.LOGPROB] = time.perf_counter() - t0
+        walls[GrpoStage.ADVANTAGE] = beside_s
+        with _timed(walls, GrpoStage.TRAIN):
+            trains = self.group.by_dp("train", [{"step": step, "sample_ids": i} for i in ids])
         return StepRecord(
             rollouts=rollouts,
-            scores=scores,
+            logprobs=logprobs,
             trains=trains,
             advantages=torch.cat(advantages),
             walls=walls,
@@ -95,7 +103,7 @@ class PlaneStages:
     def _advantages(self, parts: list[str], ids: list[list[str]]) -> list[torch.Tensor]:
         """The advantage stage: every replica's rewards from its partition, advantages back into it."""
         g = self.recipe.grpo
-        got = self.planes.get_each(parts, ids, list(stage_fields(self.recipe, Stage.ADVANTAGE)))
+        got = self.planes.get_each(parts, ids, list(stage_fields(self.recipe, GrpoStage.ADVANTAGE)))
         adv = [group_advantages(b.stack("rewards"), g.num_generations, normalize_std=g.normalize_std) for b in got]
         self.planes.put_each(parts, ids, [{"advantages": list(a)} for a in adv])
         return adv
@@ -108,35 +116,31 @@ class DriverStages:
 
     def run(self, step: int) -> StepRecord:
         g = self.recipe.grpo
-        walls: dict[str, float] = {}
+        walls: dict[GrpoStage, float] = {}
         loader_s = [0.0]
-        t0 = time.perf_counter()
-        refs = self.group.submit_replica_owners(
-            "rollout", lambda shard: {"step": step, "prompts": self._prompts(shard, loader_s)}
-        )
-        rollouts = gather(refs)
-        walls["rollout"] = time.perf_counter() - t0
+        with _timed(walls, GrpoStage.ROLLOUT):
+            refs = self.group.submit_replica_owners(
+                "rollout", lambda shard: {"step": step, "prompts": self._prompts(shard, loader_s)}
+            )
+            rollouts = gather(refs)
         rows: list[RolloutRows] = [r.rows for r in rollouts]
         for r in rollouts:  # the record keeps the reports, not the rollout itself
             r.rows = None
-        t0 = time.perf_counter()
-        scores = self.group.by_dp("score", [self._stage_kwargs(step, r, Stage.PREV_LOGPROB) for r in rows])
-        walls["logprob"] = time.perf_counter() - t0
+        with _timed(walls, GrpoStage.LOGPROB):
+            logprobs = self.group.by_dp("logprob", [self._stage_kwargs(step, r, GrpoStage.LOGPROB) for r in rows])
         for shard, r in enumerate(rows):
-            r.responses.columns.update(self._replica_results(scores, shard).columns)
-        t0 = time.perf_counter()
+            r.responses.columns.update(self._replica_results(logprobs, shard).columns)
         advantages = []
-        for r in rows:
-            adv = group_advantages(r.responses.stack("rewards"), g.num_generations, normalize_std=g.normalize_std)
-            r.responses.columns["advantages"] = list(adv)
-            advantages.append(adv)
-        walls["advantage"] = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        trains = self.group.by_dp("train", [self._stage_kwargs(step, r, Stage.TRAIN) for r in rows])
-        walls["train"] = time.perf_counter() - t0
+        with _timed(walls, GrpoStage.ADVANTAGE):
+            for r in rows:
+                adv = group_advantages(r.responses.stack("rewards"), g.num_generations, normalize_std=g.normalize_std)
+                r.responses.columns["advantages"] = list(adv)
+                advantages.append(adv)
+        with _timed(walls, GrpoStage.TRAIN):
+            trains = self.group.by_dp("train", [self._stage_kwargs(step, r, GrpoStage.TRAIN) for r in rows])
         return StepRecord(
             rollouts=rollouts,
-            scores=scores,
+            logprobs=logprobs,
             trains=trains,
             advantages=torch.cat(advantages),
             walls=walls,
@@ -149,7 +153,7 @@ class DriverStages:
         loader_s[0] = max(loader_s[0], time.perf_counter() - t0)
         return prompts
 
-    def _stage_kwargs(self, step: int, rows: RolloutRows, stage: Stage) -> dict:
+    def _stage_kwargs(self, step: int, rows: RolloutRows, stage: GrpoStage) -> dict:
         """Exactly the fields `stage` reads (as the plane would hand them over)."""
         prompt_fields, response_fields = split_fields(stage_fields(self.recipe, stage))
 
@@ -159,7 +163,7 @@ class DriverStages:
         sent = RolloutRows(prompts=only(rows.prompts, prompt_fields), responses=only(rows.responses, response_fields))
         return {"step": step, "sample_ids": list(rows.responses.sample_ids), "rows": sent}
 
-    def _replica_results(self, results: list[ScoreReport], shard: int) -> ScoreReport:
+    def _replica_results(self, results: list[LogprobReport], shard: int) -> LogprobReport:
         """The first rank's result of replica `shard` (by_dp returns shard, then rank order)."""
         per_replica = len(results) // len(self.group.plan.shards)
         return results[shard * per_replica]

@@ -7,7 +7,7 @@ Stages, each one call from the controller (stages.py):
 1. `rollout`: refit, take the replica's prompts (its own loader shard, or given by the driver), sample
    G responses each, score them, and write the rollout once to the replica's partition (or return
    it, on the driver path).
-2. `score`: fetch the logprob stage's fields of the replica's samples, run the policy (and the
+2. `logprob`: fetch the logprob stage's fields of the replica's samples, run the policy (and the
    reference) forward per micro-batch; on the plane paths it then waits until the controller says
    the step's advantages are in the partition (`advantages_written`, a side call: stages.py, 1), and
    leaves the write of prev (and ref) logprobs, and the train stage's read, queued on its plane.
@@ -26,6 +26,7 @@ import time
 
 from vlmrun.algorithms.common.refit import refit
 from vlmrun.algorithms.common.worker import RankWorker
+from vlmrun.algorithms.grpo.fields import GrpoStage
 from vlmrun.algorithms.grpo.loss import ClippedPgLoss
 from vlmrun.algorithms.grpo.micro_batches import (
     batch_response_values,
@@ -42,7 +43,7 @@ from vlmrun.algorithms.grpo.partition import (
     split_fields,
     stage_fields,
 )
-from vlmrun.algorithms.grpo.reports import RolloutReport, ScoreReport, TrainReport, kept
+from vlmrun.algorithms.grpo.reports import LogprobReport, RolloutReport, TrainReport, kept
 from vlmrun.algorithms.grpo.rollout_rows import (
     RolloutRows,
     ended_with,
@@ -61,7 +62,6 @@ from vlmrun.data.packing import rows_in_order
 from vlmrun.distributed.worker_group import StepGate, side_call
 from vlmrun.generation.interface import SamplingParams
 from vlmrun.generation.prompts import join_prompts
-from vlmrun.plane.fields import Stage
 from vlmrun.plane.interface import Put, SampleBatch
 from vlmrun.rewards.terms import reward_terms, score_responses
 
@@ -101,7 +101,7 @@ class GrpoWorker(RankWorker):
             self.plane.register(part, rollout_spec(self.recipe, len(prompt_rows) * (1 + g)), wait=False)
             self.plane.put_many([Put(part, prompt_rows.sample_ids, prompt_rows.columns)], wait=False)
             response_ids = response_sample_ids(prompt_rows.sample_ids, g)
-            self.plane.prefetch([self._gets(part, response_ids, Stage.PREV_LOGPROB).prompts])  # partition.py, 3
+            self.plane.prefetch([self._gets(part, response_ids, GrpoStage.LOGPROB).prompts])  # partition.py, 3
         offload = self.recipe.parallel.offload_during_generation
         t0 = time.perf_counter()
         if offload:  # the engine's weights and KV cache take the optimizer's memory, then the weights'
@@ -119,7 +119,7 @@ class GrpoWorker(RankWorker):
             self.policy.restore_from_host()
             times["refit"] += time.perf_counter() - t0
         t0 = time.perf_counter()
-        scored = self._score(rollouts)
+        scored = self._rewards(rollouts)
         responses = response_columns(rollouts, scored, prompt_rows.sample_ids)
         times["reward"] = time.perf_counter() - t0
         real = [not is_filler(i) for i in responses.sample_ids]  # fillers (data/epochs.py) count in no metric
@@ -141,11 +141,11 @@ class GrpoWorker(RankWorker):
             report.rows = RolloutRows(prompts=prompt_rows, responses=responses)
             return report
         self.plane.put_many([Put(part, responses.sample_ids, responses.columns)])
-        self.plane.prefetch([self._gets(part, responses.sample_ids, Stage.PREV_LOGPROB).rollout])
+        self.plane.prefetch([self._gets(part, responses.sample_ids, GrpoStage.LOGPROB).rollout])
         report.plane = self.plane.take()
         return report
 
-    def _score(self, rollouts) -> list:
+    def _rewards(self, rollouts) -> list:
         """Every response's reward (vlmrun/rewards), from its text and whether it ended its turn."""
         g = self.recipe.grpo
         ended = ended_with(rollouts, self.generator.eos_ids)
@@ -153,11 +153,11 @@ class GrpoWorker(RankWorker):
         texts = self._decode(rollouts)
         return score_responses(self.reward_terms, texts, samples, ended, format_reward=g.format_reward)
 
-    def score(self, step: int, sample_ids: list[str], rows: RolloutRows | None = None) -> ScoreReport:
+    def logprob(self, step: int, sample_ids: list[str], rows: RolloutRows | None = None) -> LogprobReport:
         """Stage 2: prev (and, with KL, ref) logprobs of the replica's samples."""
-        got = self._fetch(step, sample_ids, Stage.PREV_LOGPROB, rows)
+        got = self._fetch(step, sample_ids, GrpoStage.LOGPROB, rows)
         part = partition_name(step, self.replica)
-        train = self._gets(part, sample_ids, Stage.TRAIN)
+        train = self._gets(part, sample_ids, GrpoStage.TRAIN)
         if self.plane is not None:  # what the train stage reads of the rollout comes while this computes
             self.plane.prefetch([train.rollout, train.prompts])
         t0 = time.perf_counter()
@@ -169,7 +169,7 @@ class GrpoWorker(RankWorker):
             if kl:
                 out["ref_logprobs"] += batch_response_values(self.policy.reference_logprobs(b), b, got, start)
             start += len(b)
-        report = ScoreReport(times={"logprob": time.perf_counter() - t0})
+        report = LogprobReport(times={GrpoStage.LOGPROB: time.perf_counter() - t0})
         if self.plane is None:
             report.columns = out
             return report
@@ -185,14 +185,14 @@ class GrpoWorker(RankWorker):
     @side_call
     def advantages_written(self, step: int, ok: bool = True) -> None:
         """The controller's word that step `step`'s advantages are in the partition (`ok`), or that its
-        advantage stage failed: a `score` waiting for them goes on, or raises."""
+        advantage stage failed: a `logprob` waiting for them goes on, or raises."""
         self._advantages.open(step, ok)
 
     def train(self, step: int, sample_ids: list[str], rows: RolloutRows | None = None) -> TrainReport:
         """Stage 3: `grpo.inner_steps` optimizer steps over the replica's samples; the partition is cleared
         (while the steps run: the plane is empty when the stage returns)."""
         try:
-            got = self._fetch(step, sample_ids, Stage.TRAIN, rows)
+            got = self._fetch(step, sample_ids, GrpoStage.TRAIN, rows)
         finally:
             if self.plane is not None:
                 self.plane.clear(partition_name(step, self.replica), wait=False)
@@ -201,12 +201,12 @@ class GrpoWorker(RankWorker):
         k = self.recipe.grpo.inner_steps
         per = len(batches) // k
         results = [self.policy.train_step(batches[j * per : (j + 1) * per], self.loss) for j in range(k)]
-        times = {"train": time.perf_counter() - t0}
+        times = {GrpoStage.TRAIN: time.perf_counter() - t0}
         if self.plane is not None:
             self.plane.flush()
         return TrainReport(results, times, self.plane.take() if self.plane is not None else {})
 
-    def _fetch(self, step: int, sample_ids: list[str], stage: Stage, rows: RolloutRows | None) -> SampleBatch:
+    def _fetch(self, step: int, sample_ids: list[str], stage: GrpoStage, rows: RolloutRows | None) -> SampleBatch:
         """The stage's fields of the responses `sample_ids`, each with its prompt's: from the plane, or
         from `rows` as the driver sent them (exactly the stage's fields)."""
         if self.plane is None:
@@ -219,7 +219,7 @@ class GrpoWorker(RankWorker):
             self.plane.get_many(self._gets(partition_name(step, self.replica), sample_ids, stage).all())
         )
 
-    def _gets(self, part: str, sample_ids: list[str], stage: Stage) -> StageGets:
+    def _gets(self, part: str, sample_ids: list[str], stage: GrpoStage) -> StageGets:
         """`stage`'s requests: its fields of the responses `sample_ids`, and of their prompt samples."""
         return StageGets.of(self.recipe, part, sample_ids, stage)
 

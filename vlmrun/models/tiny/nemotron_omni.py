@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from vlmrun.models.tiny.tokenizer import TokenizerSpec, train_tokenizer
+from vlmrun.models.tiny.tokenizer import TokenizerSpec, chatml_template, train_tokenizer
 
 TOKENIZER_SPEC = TokenizerSpec(
     special_tokens=(
@@ -32,51 +32,14 @@ TOKENIZER_SPEC = TokenizerSpec(
     pad_token="<pad>",
     unk_token="<unk>",
 )
-# an emitted placeholder would break the forward pass that re-reads the response (see __init__)
-NEVER_GENERATED = (
-    "<unk>",
-    "<pad>",
-    "<|im_start|>",
-    "<image>",
-    "<img>",
-    "</img>",
-    "<video>",
-    "<so_embedding>",
-    "<so_start>",
-    "<so_end>",
-)
+# an emitted placeholder would break the forward pass that re-reads the response (see __init__): every
+# special token but the end of a turn
+NEVER_GENERATED = tuple(t for t in TOKENIZER_SPEC.special_tokens if t != TOKENIZER_SPEC.eos_token)
 
 # Nemotron 3's ChatML in no-thinking mode: the assistant turn opens with an empty <think></think>,
-# which belongs to the prompt; the answer and its <|im_end|> are inside {% generation %}. The
-# processor expands each `<image>` into `<img>` + one `<image>` per vision token + `</img>`.
-CHAT_TEMPLATE = """\
-{%- for message in messages -%}
-  {{- '<|im_start|>' + message['role'] + '\\n' -}}
-  {%- if message['role'] == 'assistant' -%}
-    {{- '<think></think>' -}}
-    {%- generation -%}
-      {%- if message['content'] is string -%}{{- message['content'] -}}
-      {%- else -%}
-        {%- for part in message['content'] if part['type'] == 'text' -%}{{- part['text'] -}}{%- endfor -%}
-      {%- endif -%}
-      {{- '<|im_end|>' -}}
-    {%- endgeneration -%}
-    {{- '\\n' -}}
-  {%- else -%}
-    {%- if message['content'] is string -%}{{- message['content'] -}}
-    {%- else -%}
-      {%- for part in message['content'] -%}
-        {%- if part['type'] == 'image' -%}{{- '<image>\\n' -}}
-        {%- elif part['type'] == 'video' -%}{{- '<video>\\n' -}}
-        {%- elif part['type'] == 'text' -%}{{- part['text'] -}}
-        {%- endif -%}
-      {%- endfor -%}
-    {%- endif -%}
-    {{- '<|im_end|>\\n' -}}
-  {%- endif -%}
-{%- endfor -%}
-{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n<think></think>' -}}{%- endif -%}
-"""
+# which belongs to the prompt. The processor expands each `<image>` into `<img>` + one `<image>` per
+# vision token + `</img>`.
+CHAT_TEMPLATE = chatml_template(image="<image>\\n", video="<video>\\n", think="<think></think>")
 
 PATCH_SIZE = 16
 MAX_NUM_PATCHES = 28 * 28  # a 448x448 image

@@ -10,61 +10,22 @@ attention in every block; its config calls the tower's width `embed_dim` and the
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from vlmrun.models.tiny import qwen
 
-TOKENIZER_SPEC = qwen.TOKENIZER_SPEC
-NEVER_GENERATED = qwen.NEVER_GENERATED
-CHAT_TEMPLATE = qwen.CHAT_TEMPLATE
+TOKENIZER_SPEC, NEVER_GENERATED, CHAT_TEMPLATE = qwen.TOKENIZER_SPEC, qwen.NEVER_GENERATED, qwen.CHAT_TEMPLATE
 
-PATCH_SIZE = 14
-MIN_PIXELS = 56 * 56
-MAX_PIXELS = 448 * 448
-
-
-def build_processor():
-    """The processor (tokenizer, image and video processors, chat template); deterministic."""
-    from transformers import Qwen2VLProcessor, Qwen2VLVideoProcessor
-
-    return qwen.build_processor(
-        Qwen2VLProcessor, Qwen2VLVideoProcessor, patch_size=PATCH_SIZE, min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS
-    )
-
-
-def build_config(tokenizer):
-    """Config of ~0.6M parameters: text hidden 128 x 2 layers, vision width 32 x 2 blocks."""
-    from transformers import Qwen2VLConfig
-
-    # Qwen2-VL's [16, 24, 24] of 64 frequencies, scaled to HEAD_DIM / 2 = 16
-    rope = {"rope_type": "default", "rope_theta": 1_000_000.0, "mrope_section": [4, 6, 6]}
-    vision_config = {
-        "depth": 2,
+FAMILY = qwen.QwenFamily(
+    processor_class="Qwen2VLProcessor",
+    video_processor_class="Qwen2VLVideoProcessor",
+    config_class="Qwen2VLConfig",
+    model_class="Qwen2VLForConditionalGeneration",
+    **qwen.QWEN2_PATCHES,
+    rope=qwen.QWEN2_ROPE,
+    # ~0.6M parameters: text hidden 128 x 2 layers, vision width 32 x 2 blocks
+    vision={
         "embed_dim": 32,
         "hidden_size": qwen.TEXT_HIDDEN,
         "mlp_ratio": 2,
-        "num_heads": 2,
-        "patch_size": PATCH_SIZE,
-        "spatial_merge_size": qwen.MERGE_SIZE,
-        "temporal_patch_size": qwen.TEMPORAL_PATCH_SIZE,
-    }
-    return Qwen2VLConfig(
-        text_config=qwen.text_config(tokenizer, rope_parameters=rope),
-        vision_config=vision_config,
-        tie_word_embeddings=False,
-        **qwen.vision_token_ids(tokenizer),
-    )
-
-
-def create(*, seed: int):
-    """`(model, processor)` in memory; the model is random-init from `seed`, the global RNG is left alone."""
-    from transformers import Qwen2VLForConditionalGeneration
-
-    processor = build_processor()
-    config = build_config(processor.tokenizer)
-    return qwen.random_model(Qwen2VLForConditionalGeneration, config, processor.tokenizer, seed=seed), processor
-
-
-def build(out_dir: Path, *, seed: int) -> None:
-    """Write model, processor and generation config of `create(seed=seed)` into `out_dir`."""
-    qwen.save(*create(seed=seed), out_dir)
+    },
+)
+build_processor, build_config, create, build = FAMILY.build_processor, FAMILY.build_config, FAMILY.create, FAMILY.build

@@ -127,3 +127,43 @@ def train_tokenizer(spec: TokenizerSpec):
     if spec.added_tokens:
         tokenizer.add_tokens(list(spec.added_tokens), special_tokens=False)
     return tokenizer
+
+
+# ChatML as every tiny family renders it; chatml_template fills in the <<...>> markers.
+_CHATML = """\
+{%- for message in messages -%}
+  {{- '<|im_start|>' + message['role'] + '\\n' -}}
+  {%- if message['role'] == 'assistant' -%}
+    {{- '<<THINK>>' -}}
+    {%- generation -%}
+      {%- if message['content'] is string -%}{{- message['content'] -}}
+      {%- else -%}
+        {%- for part in message['content'] if part['type'] == 'text' -%}{{- part['text'] -}}{%- endfor -%}
+      {%- endif -%}
+      {{- '<|im_end|>' -}}
+    {%- endgeneration -%}
+    {{- '\\n' -}}
+  {%- else -%}
+    {%- if message['content'] is string -%}{{- message['content'] -}}
+    {%- else -%}
+      {%- for part in message['content'] -%}
+        {%- if part['type'] == 'image' -%}{{- '<<IMAGE>>' -}}
+        {%- elif part['type'] == 'video' -%}{{- '<<VIDEO>>' -}}
+        {%- elif part['type'] == 'text' -%}{{- part['text'] -}}
+        {%- endif -%}
+      {%- endfor -%}
+    {%- endif -%}
+    {{- '<|im_end|>\\n' -}}
+  {%- endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n<<THINK>>' -}}{%- endif -%}
+"""
+
+
+def chatml_template(*, image: str, video: str, think: str = "") -> str:
+    """The ChatML chat template of a tiny family: no default system prompt (it would double a tiny
+    sample's length), the assistant's answer and its <|im_end|> inside {% generation %} (for assistant
+    masks). `image` / `video`: what a media part of a user turn renders as (Jinja string text); `think`
+    opens every assistant turn and the generation prompt (Nemotron's empty `<think></think>`)."""
+    template = _CHATML if think else _CHATML.replace("    {{- '<<THINK>>' -}}\n", "")
+    return template.replace("<<THINK>>", think).replace("<<IMAGE>>", image).replace("<<VIDEO>>", video)

@@ -1,0 +1,60 @@
+"""A rank's policy and generation engine, opened from the recipe: the one way a run's rank (`RankWorker`)
+and `vlmrun eval` open them, so what reaches the backends (the model's dtype and attention kernel,
+the engine's compute dtype and the recipe's engine options, vLLM's included) cannot drift between the
+two. Backends come from their factories (`open_policy`, `open_generator`); this module only says what
+the recipe asks of them.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from vlmrun.config.dtype import compute_dtype
+from vlmrun.generation import open_generator
+from vlmrun.models.spec import ModelSpec
+from vlmrun.policy import open_policy
+
+if TYPE_CHECKING:
+    from vlmrun.config.parallel import ParallelConfig
+    from vlmrun.generation.interface import GenerationBackend
+    from vlmrun.policy.interface import PolicyBackend
+
+
+def open_rank_policy(
+    recipe, model_dir: str, *, rank: int, world_size: int, parallel: ParallelConfig | None, gpus: bool
+) -> PolicyBackend:
+    """Rank `rank` of `world_size` of the recipe's policy over the model in `model_dir` (call `setup`
+    next). `parallel`: the recipe's parallel section for a run's rank; None for the whole model in
+    this one process, replicated (eval). `gpus`: the rank owns a GPU."""
+    m = recipe.model
+    return open_policy(
+        m.backend,
+        model=ModelSpec(directory=str(model_dir), dtype=m.dtype, attn_implementation=m.attn_implementation),
+        rank=rank,
+        world_size=world_size,
+        train=recipe.train,
+        parallel=parallel,
+        gpus=gpus,
+    )
+
+
+def open_rank_engine(
+    recipe, model_dir: str, *, replica: int = 0, gpus: bool, threads: int | None = None
+) -> GenerationBackend:
+    """The recipe's generation engine of data-parallel replica `replica` (its sampling stream), in the
+    compute dtype, on the rank's GPU (`gpus`: Ray made it cuda:0) or the CPU, with the recipe's engine
+    options (call `setup` next). It reads no weights: every use refits it from the policy first."""
+    m = recipe.model
+    return open_generator(
+        recipe.generation.backend,
+        model=ModelSpec(
+            directory=str(model_dir),
+            dtype=compute_dtype(m.dtype, recipe.parallel.mixed_precision),
+            attn_implementation=m.attn_implementation,
+        ),
+        replica=replica,
+        device="cuda" if gpus else "cpu",
+        threads=threads,
+        weights="refit",
+        options=recipe.generation.engine_options(max_model_len=recipe.data.max_seq_len + recipe.grpo.max_new_tokens),
+    )
