@@ -26,17 +26,15 @@ pytestmark = pytest.mark.slow
 FIXTURES = ROOT / "tests" / "fixtures"
 
 
+#: The fixtures' run, uninterrupted, as the vlmrun of format 3 (4193266) trained it here: 40 steps of loader
+#: format 1, the stream every run of these formats reads (vlmrun.data.fingerprint). A new run reads the
+#: current format (exact epochs), so no run of this code can make this reference: it is pinned.
+UNINTERRUPTED = FIXTURES / "loader-format-1-uninterrupted.jsonl"
+
+
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory):
-    """The fixtures' run, uninterrupted, under this code (the three recipes differ in their name only)."""
-    fresh = tmp_path_factory.mktemp("uninterrupted") / "run"
-    recipe = (FIXTURES / "format1-run" / "recipe.yaml").read_text()
-    (fresh.parent / "recipe.yaml").write_text(recipe)
-    straight = vlmrun(
-        "submit", str(fresh.parent / "recipe.yaml"), "--cluster", "local", "--run-dir", str(fresh), "--wait"
-    )
-    assert straight.returncode == 0, straight.stderr[-3000:]
-    return history(fresh / "metrics.jsonl")
+def uninterrupted():
+    return history(UNINTERRUPTED)
 
 
 @pytest.mark.parametrize("fmt", [1, 2, 3])
@@ -51,10 +49,10 @@ def test_a_run_of_each_older_format_resumes_to_the_numbers_of_an_uninterrupted_r
     for step in range(1, 41):  # steps 1-9 by the old code, 10-40 resumed by this one
         for key in ("lr", "valid_tokens", "sample_ids", "consumed_samples"):
             assert a[step][key] == b[step][key], (step, key)
-    # The fixture's steps 1-9 were computed on an AVX-512 machine; on one whose CPU takes other float
-    # kernels (AVX2 here) the same code differs from them in the last bits (5.77231502 against
-    # 5.77231491 at step 1). Where steps 1-9 agree bit for bit, so must every step; elsewhere each is
-    # the uninterrupted run's up to that rounding, carried through the resumed steps.
+    # The fixtures' steps 1-9 and the reference were computed by different vlmruns and machines (format
+    # 1's on an AVX-512 one): their losses may differ in the last bits (5.785025597 against 5.785025477
+    # at step 3). Where steps 1-9 agree bit for bit, so must every step; elsewhere each is the
+    # uninterrupted run's up to that rounding, carried through the resumed steps.
     same_cpu = all(a[s][k] == b[s][k] for s in range(1, 10) for k in ("loss", "grad_norm"))
     for step in range(1, 41):
         for key in ("loss", "grad_norm"):
@@ -69,3 +67,23 @@ def test_a_run_of_each_older_format_resumes_to_the_numbers_of_an_uninterrupted_r
     assert job["attempts"][1]["resumed_from"] == 9 and job["state"] == "COMPLETED"
     manifest = json.loads((old / "checkpoints" / "step_40" / "manifest.json").read_text())
     assert manifest["format"] == 4 and manifest["identity"]["train.seed"] == 1234
+    assert manifest["loader_format"] == 1  # the run keeps the stream it began with
+
+
+def test_a_resume_that_restarts_the_data_order_moves_an_older_run_to_exact_epochs(tmp_path):
+    """`vlmrun resume --restart-data-order` at the same layout: the model, optimizer and counters carry on
+    and the data order starts over in the current loader format, whose epochs take every sample once."""
+    old = tmp_path / "old"
+    shutil.copytree(FIXTURES / "format3-run", old)
+    resumed = vlmrun("resume", str(old), "--restart-data-order", "--wait")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    a, want = history(old / "metrics.jsonl"), history(UNINTERRUPTED)
+    assert sorted(a) == list(range(1, 41)) and all(a[s]["lr"] == want[s]["lr"] for s in a)
+    assert [a[s]["consumed_samples"] for s in (9, 10)] == [72, 80]  # the counters carry on
+    epoch = [i for s in range(10, 22) for i in a[s]["sample_ids"]]  # 96 samples: 12 steps of 8
+    assert len(epoch) == len(set(epoch)) == 96  # every sample once (loader format 1 repeated some)
+    manifest = json.loads((old / "checkpoints" / "step_40" / "manifest.json").read_text())
+    assert (
+        manifest["loader_format"] == 2
+        and "restarted_data_order" in json.loads((old / "job.json").read_text())["attempts"][1]
+    )

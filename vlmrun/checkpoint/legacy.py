@@ -10,6 +10,9 @@ Every reader goes through these tables, so the current code never spells an old 
 - Format 3: the current layout but the controller's part, `controller.pt` (torch.save), whose RNG state
   holds numpy's and torch's beside python's (the controller never drew from either: only python's is
   restored).
+
+Checkpoints of every format up to 4 written before exact epochs record no loader format: their runs read
+loader format 1 (vlmrun.data.fingerprint), and continue to.
 """
 
 from __future__ import annotations
@@ -19,6 +22,8 @@ from typing import Any
 
 from vlmrun.checkpoint.parts import MODEL_PART, OPTIMIZER_PART, PARTS
 
+#: The loader format of a checkpoint whose manifest records none.
+UNRECORDED_LOADER_FORMAT = 1
 #: Format 1's manifest.
 V1_MANIFEST = "meta.json"
 #: Checksums that older manifests record, by the key of a file's entry (format 2: sha256).

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from vlmrun.checkpoint import files
-from vlmrun.checkpoint.legacy import V1_MANIFEST
+from vlmrun.checkpoint.legacy import UNRECORDED_LOADER_FORMAT, V1_MANIFEST
 
 FORMAT = 4
 MANIFEST = "manifest.json"
@@ -39,6 +39,7 @@ class RunAtSave:
     identity: dict[str, Any] = field(default_factory=dict)
     attempt: int | None = None
     counters: dict[str, int] = field(default_factory=dict)
+    loader_format: int | None = None  # the loaders' stream (vlmrun.data.fingerprint); None: legacy.py's
 
 
 @dataclass(frozen=True)
@@ -84,6 +85,12 @@ class Manifest:
     def identity(self) -> dict[str, Any]:
         """The run identity the checkpoint recorded ({} for a format that recorded none)."""
         return self.run.identity if self.run is not None else {}
+
+    @property
+    def loader_format(self) -> int:
+        """The loader format the run's loaders read when it saved (one that recorded none: legacy.py's)."""
+        recorded = self.run.loader_format if self.run is not None else None
+        return recorded if recorded is not None else UNRECORDED_LOADER_FORMAT
 
 
 def _digest(name: str, entry: Any) -> files.Digest:

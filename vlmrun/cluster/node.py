@@ -238,11 +238,12 @@ def _run(rd: RunDirectory, attempt: int, job_id: str, started_at: float, alloc, 
     with _ray(job_id, cpus, alloc, rd):
         if stop.is_set():
             return _stopped_before_training(rd, recipe, stop, _verified(chosen, verdict))
-        from vlmrun.algorithms.common.steps import plan_steps
+        from vlmrun.algorithms.common.steps import plan_steps, run_loader_format
         from vlmrun.data.splits import split_size
 
         # The same step count the controller uses (train.max_steps capped by epochs), so the ETA is right.
-        plan = plan_steps(recipe, split_size(recipe.data.path, recipe.data.split))
+        loader_format = run_loader_format(chosen[0], restart=recipe.checkpoint.restart_data_order)
+        plan = plan_steps(recipe, split_size(recipe.data.path, recipe.data.split), loader_format=loader_format)
         progress = ProgressLine(plan.max_steps, cap=plan.cap())
         run = dict(attempt=attempt, model_dir=model_dir, stop=stop, started_at=started_at, chosen=chosen)
         run["verdict"] = verdict

@@ -22,9 +22,13 @@ from vlmrun.errors import InputError
 
 log = logging.getLogger(__name__)
 
-#: Bump when the loader's state layout or sample order changes for the same settings. 2: exact epochs
-#: (vlmrun.data.epochs): the shuffle buffer no longer mixes an epoch's tail with the next one's head.
+#: Bump when the loader's state layout or sample order changes for the same settings. A run keeps the
+#: format it began with (its checkpoints record it: a resumed run continues its own stream, bit for bit);
+#: a new run, or a resume that starts the data order over, takes the current one.
+#:   1: Energon's own training pipeline (its shuffle buffer mixes an epoch's tail with the next one's head)
+#:   2: exact epochs (vlmrun.data.epochs): every usable sample once per epoch, epochs that end at a step
 LOADER_FORMAT = 2
+LOADER_FORMATS = (1, 2)
 
 # Files of a HF model directory that decide what the processor makes of a sample.
 _PROCESSOR_FILES = (
@@ -53,14 +57,21 @@ def loader_fingerprint(
     num_shards: int,
     placement_hash: str,
     split: str,
+    loader_format: int = LOADER_FORMAT,
 ) -> dict[str, object]:
-    """The fingerprint of one loader shard, a flat dict of JSON values keyed by dotted path."""
+    """The fingerprint of one loader shard of `loader_format`, a flat dict of JSON values keyed by dotted
+    path (format 1's without the epoch layout, which that format has none of)."""
     import megatron.energon
 
     from vlmrun.data.components import COOKERS, TASK_ENCODERS
     from vlmrun.data.transport import transfer_group
 
     d, t = recipe.data, recipe.train
+    epoch = {}
+    if loader_format >= 2:  # each loader worker's epoch, fillers included (vlmrun.data.epochs)
+        epoch["loader.epoch_samples"] = epoch_layout(
+            recipe, split_size(d.path, split), shards=num_shards
+        ).worker_samples
     return {
         "data.path": str(Path(d.path).resolve()),
         "data.split": split,
@@ -77,12 +88,11 @@ def loader_fingerprint(
         "train.seed": t.seed,
         "train.micro_batch_size": t.micro_batch_size,
         "loader.transfer_group": transfer_group(t.micro_batch_size, d.transfer_samples),
-        # each loader worker's epoch, fillers included (vlmrun.data.epochs)
-        "loader.epoch_samples": epoch_layout(recipe, split_size(d.path, split), shards=num_shards).worker_samples,
+        **epoch,
         "processor.config": processor_config_hash(processor_dir),
         "processor.chat_template": _sha(chat_template or ""),
         "versions.energon": megatron.energon.__version__,
-        "versions.loader_format": LOADER_FORMAT,
+        "versions.loader_format": loader_format,
         "topology.shard": shard,
         "topology.num_shards": num_shards,
         "topology.placement_hash": placement_hash,

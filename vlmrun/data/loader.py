@@ -39,7 +39,7 @@ from typing import NamedTuple
 from vlmrun.data.batch import Batch, PromptBatch, SampleCounts
 from vlmrun.data.epochs import epoch_layout
 from vlmrun.data.error_budget import CorruptDataError, ErrorBudget, SampleRefused
-from vlmrun.data.fingerprint import LOADER_FORMAT, LoaderStateRefused, continues, loader_fingerprint
+from vlmrun.data.fingerprint import LOADER_FORMAT, LOADER_FORMATS, LoaderStateRefused, continues, loader_fingerprint
 from vlmrun.data.malloc import retain_freed_memory
 from vlmrun.data.splits import split_size
 from vlmrun.data.transport import SlotPool, transfer_group
@@ -86,7 +86,17 @@ class LoaderShard:
     split do not fit.
     """
 
-    def __init__(self, recipe, *, processor_dir: str, shard: int, num_shards: int, placement_hash: str, split: str):
+    def __init__(
+        self,
+        recipe,
+        *,
+        processor_dir: str,
+        shard: int,
+        num_shards: int,
+        placement_hash: str,
+        split: str,
+        loader_format: int = LOADER_FORMAT,
+    ):
         from megatron.energon import SavableDataLoader, WorkerConfig, get_train_dataset
 
         from vlmrun.data.components import check_components
@@ -98,7 +108,11 @@ class LoaderShard:
         d, t = recipe.data, recipe.train
         self.shard, self.num_shards, self.split = shard, num_shards, split
         self.micro_batch_size = t.micro_batch_size
-        self.epochs = epoch_layout(recipe, split_size(d.path, split), shards=num_shards)  # InputError: no such split
+        if loader_format not in LOADER_FORMATS:
+            raise ValueError(f"loader format {loader_format}: this vlmrun reads {LOADER_FORMATS}")
+        size = split_size(d.path, split)  # InputError: no such split
+        self.loader_format = loader_format
+        self.epochs = epoch_layout(recipe, size, shards=num_shards) if loader_format >= 2 else None
         processor = load_processor(processor_dir, recipe.family)
         self.fingerprint = loader_fingerprint(
             recipe,
@@ -108,6 +122,7 @@ class LoaderShard:
             num_shards=num_shards,
             placement_hash=placement_hash,
             split=split,
+            loader_format=loader_format,
         )
         self._budget = ErrorBudget(
             shard=shard, num_shards=num_shards, split=split, tolerance=d.error_tolerance, on_bad_sample=d.on_bad_sample
@@ -122,7 +137,7 @@ class LoaderShard:
         task_encoder = task_encoder_of(recipe, processor)
         self._pool = task_encoder.slot_pool = SlotPool(num_workers=d.num_workers)
         task_encoder.budget = self._budget
-        task_encoder.epoch_samples = self.epochs.worker_samples
+        task_encoder.epoch_samples = self.epochs.worker_samples if self.epochs is not None else None
         retain_freed_memory()  # in this process and the workers it forks (see vlmrun.data.malloc)
         group_samples = t.micro_batch_size * transfer_group(t.micro_batch_size, d.transfer_samples)
         epoch_groups = max(1, d.virtual_epoch_length // group_samples) if d.virtual_epoch_length else 0
@@ -246,7 +261,7 @@ class LoaderShard:
         if self._num_workers:
             energon = settle_quiet_workers(energon, self._started_from, self._handed_out)
         return {
-            "format": LOADER_FORMAT,
+            "format": self.loader_format,
             "fingerprint": dict(self.fingerprint),
             "batches": self._batches,
             "corrupt_keys": self._budget.keys(),
@@ -302,9 +317,17 @@ class LoaderShard:
 
 
 def open_loader_shard(
-    recipe, *, processor_dir: str, shard: int, num_shards: int, placement_hash: str, split: str
+    recipe,
+    *,
+    processor_dir: str,
+    shard: int,
+    num_shards: int,
+    placement_hash: str,
+    split: str,
+    loader_format: int = LOADER_FORMAT,
 ) -> LoaderShard:
-    """Open loader shard `shard` of `num_shards` over `split` of `recipe.data.path` (see LoaderShard)."""
+    """Open loader shard `shard` of `num_shards` over `split` of `recipe.data.path`, reading the stream of
+    `loader_format` (vlmrun.data.fingerprint; see LoaderShard)."""
     return LoaderShard(
         recipe,
         processor_dir=processor_dir,
@@ -312,6 +335,7 @@ def open_loader_shard(
         num_shards=num_shards,
         placement_hash=placement_hash,
         split=split,
+        loader_format=loader_format,
     )
 
 

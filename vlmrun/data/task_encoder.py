@@ -91,10 +91,17 @@ class ChatSftTaskEncoder(DefaultTaskEncoder):
         return EncodedSample.derive_from(sample, __key__=key, encoded=encoded)
 
     def build_train_datasets(self, *, datasets, worker_config, batch_size, virtual_epoch_length=0, **kwargs):
-        """Energon's training pipeline with exact epochs (vlmrun.data.epoch_stages); `get_train_dataset`
-        calls it. Needs `epoch_samples`."""
+        """Energon's training pipeline with exact epochs (vlmrun.data.epoch_stages), or, without
+        `epoch_samples` (a run of loader format 1: vlmrun.data.fingerprint), Energon's own;
+        `get_train_dataset` calls it."""
         if self.epoch_samples is None:
-            raise ValueError("the loader sets epoch_samples before it builds the training dataset")
+            return super().build_train_datasets(
+                datasets=datasets,
+                worker_config=worker_config,
+                batch_size=batch_size,
+                virtual_epoch_length=virtual_epoch_length,
+                **kwargs,
+            )
         return build_exact_epochs(
             self,
             datasets=datasets,

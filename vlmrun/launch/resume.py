@@ -211,12 +211,14 @@ def check_resumable(rd, recipe) -> None:
 
 def _nothing_left(rd, recipe) -> int | None:
     """The run's planned step count when its newest valid checkpoint already reached it, else None."""
-    from vlmrun.algorithms.common.steps import plan_steps
+    from vlmrun.algorithms.common.steps import plan_steps, run_loader_format
     from vlmrun.data.splits import split_size
 
     found, _ = run_checkpoints(rd, recipe, assign=False).latest()
+    loader_format = run_loader_format(found, restart=recipe.checkpoint.restart_data_order)
     try:
-        planned = plan_steps(recipe, split_size(recipe.data.path, recipe.data.split)).max_steps
+        planned = plan_steps(recipe, split_size(recipe.data.path, recipe.data.split), loader_format=loader_format)
+        planned = planned.max_steps
     except InputError:  # the data set is gone: the job would say so; count on train.max_steps
         planned = recipe.train.max_steps
     return planned if found is not None and found.step >= planned else None

@@ -35,7 +35,7 @@ import threading
 import time
 
 from vlmrun.algorithms.common.shards import open_train_shard
-from vlmrun.algorithms.common.steps import plan_steps
+from vlmrun.algorithms.common.steps import plan_steps, run_loader_format
 from vlmrun.algorithms.common.validation import ValidationScore, ValidationSet
 from vlmrun.checkpoint.manifest import RunAtSave
 from vlmrun.checkpoint.read import Checkpoint
@@ -150,7 +150,12 @@ class StepLoop:
         """Each replica's owner rank opens its loader shard (loops whose ranks read their own data)."""
         self.group.replica_owners(
             "attach_loader",
-            lambda shard: dict(shard=shard, num_shards=self.plan.layout.dp, placement_hash=self.plan.placement_hash),
+            lambda shard: dict(
+                shard=shard,
+                num_shards=self.plan.layout.dp,
+                placement_hash=self.plan.placement_hash,
+                loader_format=self.loader_format,
+            ),
         )
 
     def _save_parts(self, pending: PendingCheckpoint, background: bool = False) -> dict[str, dict]:
@@ -185,6 +190,7 @@ class StepLoop:
                 shard=s.shard,
                 num_shards=s.num_shards,
                 placement_hash=self.plan.placement_hash,
+                loader_format=self.loader_format,
             )
             for s in self.plan.shards
         }
@@ -193,9 +199,6 @@ class StepLoop:
     def run(self) -> RunOutcome:
         r = self.recipe
         self.plan = plan_placement(r.parallel.layout)
-        from vlmrun.data.splits import split_size
-
-        self.steps = plan_steps(r, split_size(r.data.path, r.data.split))
         self.metrics = MetricsLog(self.rd.metrics_file(r))
         self.wandb = WandbSink(
             mode=r.logger.wandb_mode,
@@ -205,6 +208,10 @@ class StepLoop:
             run_id=wandb_id(self.rd.path),
         )
         found, skipped = self._open_checkpoints()
+        from vlmrun.data.splits import split_size
+
+        self.loader_format = run_loader_format(found, restart=r.checkpoint.restart_data_order)
+        self.steps = plan_steps(r, split_size(r.data.path, r.data.split), loader_format=self.loader_format)
         try:
             return self._run(found, skipped)
         finally:
@@ -344,6 +351,11 @@ class StepLoop:
         notes["resumed_from"] = found.step
         if self.restart_data:
             notes["restarted_data_order"] = f"from {found.manifest.run.layout}: {RESHARD_TERMS}"
+        elif found.manifest.loader_format != self.loader_format:  # --restart-data-order at the same layout
+            notes["restarted_data_order"] = (
+                f"from loader format {found.manifest.loader_format} to {self.loader_format}: the loader shards "
+                "start their data order over; the model, optimizer state, counters and RNG streams carry on"
+            )
         log.info("resumed from %s", found.path)
         return found.step, counters, notes
 
@@ -400,6 +412,7 @@ class StepLoop:
             identity=self.identity,
             attempt=self.attempt,
             counters=counters,
+            loader_format=self.loader_format,
         )
         rank_files = (lambda wait: self.group.all_ranks("save_done", wait)) if background else None
         self.saves.begun(pending, files, run, t0, rank_files)

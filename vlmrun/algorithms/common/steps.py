@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from vlmrun.data.epochs import epoch_layout
+from vlmrun.data.fingerprint import LOADER_FORMAT
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -56,11 +57,15 @@ class StepPlan:
         )
 
 
-def plan_steps(recipe, train_samples: int) -> StepPlan:
-    """`train_samples` is the size of the training split (all shards together). Raises InputError for a
-    split with fewer samples than loader workers (vlmrun.data.epochs)."""
+def plan_steps(recipe, train_samples: int, *, loader_format: int = LOADER_FORMAT) -> StepPlan:
+    """`train_samples` is the size of the training split (all shards together); `loader_format` the
+    run's (vlmrun.data.fingerprint: a run resumed from an older format keeps that format's epochs).
+    Raises InputError for a split with fewer samples than loader workers (vlmrun.data.epochs)."""
     t = recipe.train
-    per_epoch = recipe.data.virtual_epoch_length or epoch_layout(recipe, train_samples).steps
+    if loader_format >= 2:
+        per_epoch = recipe.data.virtual_epoch_length or epoch_layout(recipe, train_samples).steps
+    else:  # Energon's own epochs: the split's whole batches
+        per_epoch = recipe.data.virtual_epoch_length or max(1, train_samples // t.global_batch_size)
     return StepPlan(
         max_steps=min(t.max_steps, t.epochs * per_epoch),
         steps_per_epoch=per_epoch,
@@ -71,3 +76,10 @@ def plan_steps(recipe, train_samples: int) -> StepPlan:
         epochs=t.epochs,
         split_samples=train_samples,
     )
+
+
+def run_loader_format(found, *, restart: bool) -> int:
+    """The loader format a run's attempt reads (vlmrun.data.fingerprint): that of the checkpoint `found`
+    it resumes from (a run keeps the stream it began with, so it continues bit for bit across a vlmrun
+    upgrade), the current one for a fresh run or one whose data order starts over (`restart`)."""
+    return found.manifest.loader_format if found is not None and not restart else LOADER_FORMAT

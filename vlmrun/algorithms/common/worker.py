@@ -111,10 +111,15 @@ class RankWorker(RankActor):
         dist.all_reduce(most, op=dist.ReduceOp.MAX)
         return int(most)
 
-    def attach_loader(self, shard: int, num_shards: int, placement_hash: str) -> None:
-        """This rank owns loader shard `shard` of `num_shards` (its replica's)."""
+    def attach_loader(self, shard: int, num_shards: int, placement_hash: str, loader_format: int) -> None:
+        """This rank owns loader shard `shard` of `num_shards` (its replica's), of the run's loader format."""
         self.loader = open_train_shard(
-            self.recipe, self.model_dir, shard=shard, num_shards=num_shards, placement_hash=placement_hash
+            self.recipe,
+            self.model_dir,
+            shard=shard,
+            num_shards=num_shards,
+            placement_hash=placement_hash,
+            loader_format=loader_format,
         )
 
     def val_set(self, samples: int, batch_size: int, ranks: int) -> ValidationSet:
