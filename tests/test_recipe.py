@@ -294,10 +294,10 @@ def test_unbounded_yaml_is_refused_fast(tmp_path, text, words):
     import time
 
     path = write(tmp_path, text)
-    t0 = time.monotonic()
+    t0 = time.process_time()  # this process's CPU: what the expansion would spend, whatever the machine's load
     with pytest.raises(InputError) as e:
         load_recipe(path)
-    assert time.monotonic() - t0 < 3
+    assert time.process_time() - t0 < 3
     msg = str(e.value)
     assert str(path) in msg and words in msg and len(msg) < 300
 
@@ -322,9 +322,9 @@ def test_error_values_are_formatted_from_a_bounded_prefix():
     value: list = ["lol"] * 9
     for _ in range(40):  # 9**40 leaves, shared: the full repr could never be built
         value = [value] * 9
-    t0 = time.monotonic()
+    t0 = time.process_time()
     text = str(InputError("name", value, "a string"))
-    assert time.monotonic() - t0 < 0.5 and len(text) < 120
+    assert time.process_time() - t0 < 0.5 and len(text) < 120
     assert short_repr(10**5000).startswith("<integer of") and len(short_repr("x" * 10**7)) <= 80
 
 

@@ -20,7 +20,7 @@ import pytest
 
 from vlmrun.cluster.reaper import MARKER_ENV, marked_processes, sweep, temp_root_name, wait_for_exit
 from vlmrun.run.directory import LOCK_HOLDER_FILE as HOLDER_FILE
-from vlmrun.run.lock import FD_ENV, Holder, RunLock, RunLocked, live_holder, read_holder
+from vlmrun.run.lock import FD_ENV, SETTLE_S, Holder, RunLock, RunLocked, live_holder, read_holder
 from vlmrun.run.process import process_alive, start_time
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -47,7 +47,7 @@ def test_second_taker_is_refused_at_once_naming_the_live_holder(tmp_path):
         t0 = time.monotonic()
         with pytest.raises(RunLocked) as e:
             RunLock.acquire(tmp_path)
-        assert time.monotonic() - t0 < 1.0
+        assert time.monotonic() - t0 < SETTLE_S / 3  # no settling: the holder is alive
         message = str(e.value)
         assert f"pid {os.getpid()} on {os.uname().nodename} (job local-7" in message
         assert "vlmrun cancel local-7" in message and e.value.exit_code == 2
@@ -136,7 +136,7 @@ def test_a_holder_whose_pid_was_reused_is_not_the_holder(tmp_path):
 def test_the_reaper_takes_a_reused_pid_for_an_ended_node():
     t0 = time.monotonic()
     wait_for_exit(os.getpid(), start_time(os.getpid()) + 1)  # our pid, another start: the node is gone
-    assert time.monotonic() - t0 < 1
+    assert time.monotonic() - t0 < 10  # returned: it would wait for this process's end, forever
 
 
 def test_the_reaper_imports_only_the_standard_library():
