@@ -3,8 +3,7 @@
 Each is a `StepLoop` (common/loop.py) that `common/driver.run_controller` starts; a new algorithm is a
 new entry. Imported when chosen: a controller pulls in torch and its workers, so the node (which only
 starts the controller's actor) takes `controller_host`, a stand-in that imports the controller in the
-actor's own process: the node then never imports torch (~1.3 s of CPU per attempt on these machines,
-most of the node's own CPU).
+actor's own process: the node then never imports torch, which would be most of its own CPU.
 """
 
 from __future__ import annotations

@@ -51,8 +51,8 @@ class Fork:
 
 
 def original_of(rd: RunDirectory, recipe) -> RunDirectory | None:
-    """The run directory `rd` is a copy of (module doc, 1), or None. Raises CopySharesCheckpoints when
-    its checkpoint folder is that run's own (module doc, 3)."""
+    """The run directory that `rd` is a copy of (module doc), or None. Raises CopySharesCheckpoints when
+    its checkpoint folder is that run's own (module doc)."""
     folder = rd.checkpoints(recipe)
     home = rd.home()
     if home is None:  # run.json from before vlmrun recorded its directory: the claim's is the run's
@@ -66,8 +66,8 @@ def original_of(rd: RunDirectory, recipe) -> RunDirectory | None:
 
 
 def settle_copy(rd: RunDirectory, recipe) -> Fork | None:
-    """At the job's start, holding the run lock: a copy forks (module doc, 2), a moved run directory
-    records its new place; the Fork, or None. Raises CopySharesCheckpoints (module doc, 3)."""
+    """At the job's start, holding the run lock: a copy forks (module doc), a moved run directory
+    records its new place; the Fork, or None. Raises CopySharesCheckpoints (module doc)."""
     original = original_of(rd, recipe)
     if original is None:
         rd.settle_home()

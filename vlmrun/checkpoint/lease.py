@@ -28,12 +28,12 @@ from pathlib import Path
 
 from vlmrun.checkpoint.manifest import manifest_file
 
-#: The mark of a checkpoint that retention would delete (module doc, 4); an empty file in its folder.
+#: The mark of a checkpoint that retention would delete (module doc); an empty file in its folder.
 EXPIRED = ".expired"
 
 
 def expire(path: Path) -> None:
-    """Mark the checkpoint folder `path` expired (before its deletion is tried: module doc, 4)."""
+    """Mark the checkpoint folder `path` expired (before its deletion is tried: module doc)."""
     with contextlib.suppress(FileNotFoundError):
         (path / EXPIRED).touch()
 

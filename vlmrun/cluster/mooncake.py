@@ -37,7 +37,7 @@ from pathlib import Path
 from vlmrun.cluster.ray.nodes import PortBlock, reachable, taken_ports
 from vlmrun.plane.transfer_queue.endpoint import MooncakeStoreConfig
 
-#: Offsets in the job's port block (module doc, 1).
+#: Offsets in the job's port block (module doc).
 RPC_OFFSET, HTTP_METADATA_OFFSET, METRICS_OFFSET = 8, 9, 10
 _STOP_S = 5.0
 _PR_SET_PDEATHSIG = 1
@@ -233,7 +233,7 @@ def _tail(path: Path, lines: int = 20) -> str:
 
 
 def _as_job_server(parent: int) -> None:
-    """`preexec_fn` of the master (module doc, 2); `parent` is the pid of the process that starts it."""
+    """`preexec_fn` of the master (module doc); `parent` is the pid of the process that starts it."""
     # blocked, not only ignored: mooncake_master installs its own SIGTERM handler (a graceful exit)
     stop = (signal.SIGUSR2, signal.SIGTERM)
     for s in stop:

@@ -73,7 +73,7 @@ def running_plane_servers(
     storage_units: int = 1,
     **mooncake_sizes: int,
 ) -> Iterator[PlaneServers]:
-    """The job's data-plane servers for `data_plane.impl` / `data_plane.backend` (module doc, 1). Needs
+    """The job's data-plane servers for `data_plane.impl` / `data_plane.backend` (module doc). Needs
     this process's Ray (node 0, after Ray is up). `block` (the job's port block) is needed for
     `backend: mooncake`; `mooncake_sizes` (`segment_bytes`, `buffer_bytes`) size every client's share
     of the Mooncake store. Close every plane client before the block ends."""
@@ -101,9 +101,9 @@ def running_plane_servers(
 def watched(
     servers: PlaneServers, *, on_hard_exit: Callable[[str], None] | None = None, period_s: float = WATCH_PERIOD_S
 ) -> FailFast:
-    """The body of this `with` ends with PlaneServerLost once a server of `servers` is gone (module doc, 2).
+    """The body of this `with` ends with PlaneServerLost once a server of `servers` is gone (module doc).
     `on_hard_exit(reason)` runs before the process exits when the body does not stop within a minute
-    (cluster/watchdog.py, 3)."""
+    (cluster/watchdog.py)."""
     return FailFast(
         servers.lost, PlaneServerLost, period_s=period_s, on_hard_exit=on_hard_exit, name="vlmrun-plane-watchdog"
     )

@@ -79,7 +79,7 @@ class AttemptScope:
         console: int | None = None,
         log: Path | None = None,
     ) -> subprocess.Popen:
-        """Start the reaper of this process and its guard (module doc, 4); with `run_dir` they also
+        """Start the reaper of this process and its guard (module doc); with `run_dir` they also
         record a kill of `job_id` in job.json. What they say goes to `console` (a descriptor; default
         this process's stderr) and, given `log`, is appended to that file too. Returns the reaper."""
         env = {k: v for k, v in os.environ.items() if k not in (MARKER_ENV, TEMP_ENV)}
@@ -109,7 +109,7 @@ def temp_root_name(marker: str) -> str:
 
 def marked_processes(marker: str) -> list[int]:
     """Pids of this user's live processes (not the caller) of the attempt with `marker`: its environment
-    carries the marker, or it holds a file open under the attempt's temp root (module doc, 2)."""
+    carries the marker, or it holds a file open under the attempt's temp root (module doc)."""
     entry = f"{MARKER_ENV}={marker}".encode()
     inside = f"/{temp_root_name(marker)}/"
     me, uid = os.getpid(), os.getuid()
@@ -209,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--temp-root", type=Path, required=True)
     p.add_argument("--run-dir", type=Path)
     p.add_argument("--job-id")
-    p.add_argument("--after", type=int, help="the guard of this reaper: sweep after it ended (module doc, 4)")
+    p.add_argument("--after", type=int, help="the guard of this reaper: sweep after it ended (module doc)")
     p.add_argument("--log", type=Path, help="the attempt's log: what the reaper says is appended to it too")
     args = p.parse_args(argv)
     for s in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR2, signal.SIGHUP):

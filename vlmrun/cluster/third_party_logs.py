@@ -50,7 +50,7 @@ def is_ours(record: logging.LogRecord) -> bool:
 
 
 class OursAndErrors(logging.Filter):
-    """What the console and the attempt log show (module doc, 1)."""
+    """What the console and the attempt log show (module doc)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         return is_ours(record) or record.levelno >= logging.ERROR
@@ -64,7 +64,7 @@ class LibrariesBelowError(logging.Filter):
 
 
 def is_chatter(line: str) -> bool:
-    """Whether a line a worker printed is a library's chatter (module doc, 2)."""
+    """Whether a line a worker printed is a library's chatter (module doc)."""
     return any(p.match(line) for p in (_GLOG, _PY_WARNING, _TRANSFER_QUEUE)) or line.startswith(_CHATTER)
 
 
@@ -83,7 +83,7 @@ def split_worker_lines(lines: Iterable[str]) -> tuple[list[str], list[str]]:
 def route_ray_logs() -> None:
     """In the driver, before `ray.init`: Ray's logger writes into ours (so its records are levelled down
     like every library's), and the chatter among the lines Ray prints for its workers and its raylets
-    goes to the third-party log (module doc, 2). Idempotent."""
+    goes to the third-party log (module doc). Idempotent."""
     import ray._private.worker as ray_worker  # first: importing ray configures its logger (own handler, no propagation)
 
     ray_logger = logging.getLogger("ray")

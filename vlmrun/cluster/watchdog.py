@@ -73,7 +73,7 @@ class FailFast:
             raise self.error(problem) from (None if exc_type is KeyboardInterrupt else exc)
 
     def _verdict(self) -> str | None:
-        """`check()`, where a check that cannot be made is no verdict (module doc, 2)."""
+        """`check()`, where a check that cannot be made is no verdict (module doc)."""
         try:
             return self.check()
         except Exception as e:  # noqa: BLE001 - a check that fails to ask says nothing about what it asks

@@ -71,7 +71,7 @@ class EncodedPrompt:
 
 
 class SampleUnfit(MalformedSample):
-    """A well-formed sample that the run cannot train on as the recipe stands (module doc, 3 and 5); it
+    """A well-formed sample that the run cannot train on as the recipe stands (module doc); it
     follows `data.on_bad_sample`. The message starts with its key; `kind` names the reason (`KINDS`)
     and `remedy` what the user can change."""
 
@@ -93,7 +93,7 @@ _LONGER = "raise data.max_seq_len"
 
 
 class SampleTooLong(SampleUnfit):
-    """A sample that does not fit `data.max_seq_len` (module doc, 3); the message starts with its key and
+    """A sample that does not fit `data.max_seq_len` (module doc); the message starts with its key and
     gives its token count and the limit. `kind`: too_long (a prompt), media_cut (the cut would fall inside
     its media) or no_label (no answer token would be left)."""
 
@@ -216,7 +216,7 @@ class ConversationEncoder:
 
     # ---- what the model's forward checks -----------------------------------------------------
     def _check_placeholders(self, key: str, text: str, images: int) -> None:
-        """The rendered text holds one image placeholder per image (module doc, 5)."""
+        """The rendered text holds one image placeholder per image (module doc)."""
         found = text.count(self.image_token) if self.image_token else images
         if found != images:
             raise SampleUnfit(
@@ -258,7 +258,7 @@ class ConversationEncoder:
         return self.processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
 
     def _render_with_spans(self, key: str, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
-        """The whole text and the character spans of the assistant answers (see module doc, 1)."""
+        """The whole text and the character spans of the assistant answers (see module doc)."""
         text = self._render(messages, generation_prompt=False)
         spans = []
         for i, message in enumerate(messages):

@@ -117,7 +117,7 @@ class DataCheck:
 
 
 def check_data(recipe, *, processor_dir: str, progress: Callable[[int, int], None] | None = None) -> DataCheck:
-    """Sort every sample of the splits `recipe` reads (module doc, 1) and judge them (2).
+    """Sort every sample of the splits `recipe` reads and judge them (module doc).
 
     Raises InputError (data.path, data.split, data.val_split, model.family) where the data set or processor
     cannot be read.
@@ -209,7 +209,7 @@ def _raw_samples(path: str, shards: list[tuple[str, int]]):
 
 
 def _judge(result: DataCheck) -> None:
-    """Fill `problems` (what would stop the run) and `warnings` (what might) (module doc, 2)."""
+    """Fill `problems` (what would stop the run) and `warnings` (what might) (module doc)."""
     tolerance, refuse = result.error_tolerance, result.on_bad_sample == "refuse"
     for s in result.splits:
         where = f"split {s.split!r} ({'training' if s.role == 'train' else 'validation'})"
@@ -245,7 +245,7 @@ def _first_unfit(s: SplitCheck) -> str:
 
 
 def cached_check(recipe, processor_dir: str, progress: Callable[[int, int], None] | None = None) -> DataCheck:
-    """`check_data`, or its cached result for the same data set, processor and settings (module doc, 3)."""
+    """`check_data`, or its cached result for the same data set, processor and settings (module doc)."""
     key = _cache_key(recipe, processor_dir)
     cached = _read_cache(key)
     if cached is not None:

@@ -35,7 +35,7 @@ def filler_id(key: str, n: int) -> str:
 
 def is_filler(sample_id: str) -> bool:
     """Whether `sample_id` (a sample's, or an id made from it: a GRPO prompt's `~k`, a response's `#g`)
-    names a filler (module doc, 2)."""
+    names a filler (module doc)."""
     return FILLER_MARK in sample_id.rsplit("/", 1)[-1]
 
 

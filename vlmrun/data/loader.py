@@ -12,7 +12,8 @@
    (`vlmrun.data.transport`); the shard hands them out one by one. A state saved in the middle of
    a group records the group's restore key and how many micro-batches were taken.
 4. The process that opens a shard keeps its freed heap memory (`vlmrun.data.malloc`), and so do
-   the workers it forks: returned memory page-faulted back in cost ~20-50% of the loader's CPU.
+   the workers it forks: memory handed back to the kernel after every sample is faulted in again by
+   the next one.
 5. Corrupt samples are skipped and counted per shard up to `data.error_tolerance`
    (`vlmrun.data.error_budget`); one more fails the shard with its key and tar file. A sample that
    does not fit `data.max_seq_len` is refused (`SampleRefused`) or, with `data.on_bad_sample: drop`,

@@ -1,18 +1,15 @@
 """Keep freed heap memory in a data-loading process rather than handing it back to the kernel.
 
-Measured on the 2-CPU dev VM (KVM guest), 224 px Qwen2.5-VL samples, loader with 2 workers:
-
 1. glibc serves an allocation above its mmap threshold with a fresh `mmap`, and gives the free top
    of the heap back to the kernel once it exceeds the trim threshold. Both thresholds move with
-   the allocations a process happened to make first, so two identical loaders could differ by 30%
-   depending on what ran before they forked.
+   the allocations a process happened to make first, so two identical loaders could behave
+   differently depending on what ran before they forked.
 2. Every sample allocates multi-MB temporaries (the image processor's float arrays), and the loader
    copies every micro-batch out of shared memory into fresh memory (`vlmrun.data.transport`). When
    that memory goes back to the kernel after each sample, the next sample faults it in again, page
-   by page: ~20% of a loader worker's CPU, and more than half of the receiving process's.
+   by page: a large share of a loader worker's CPU, and more of the receiving process's.
 3. Fixed thresholds (32 MiB mmap, 128 MiB trim) keep that memory in the process, where the next
-   sample reuses it: per sample, worker CPU fell from ~2.5 to ~2.1 ms and the receiving process's
-   from ~0.48 to ~0.20 ms; samples/s with 2 workers rose from ~630 to ~830. The cost is that a
+   sample reuses it (docs/measurements.md has the per-sample CPU before and after). The cost is that a
    process keeps up to 128 MiB of freed heap mapped instead of returning it.
 
 `retain_freed_memory()` applies this to the calling process; processes forked later (loader

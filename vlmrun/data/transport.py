@@ -1,15 +1,13 @@
 """Micro-batches packed into reusable shared-memory blocks for the trip from a loader worker.
 
-Measured on the 2-CPU dev VM (Firecracker), 224 px Qwen2.5-VL, 8 samples (~10 MB) per trip:
-
 1. torch's DataLoader moves every tensor of a batch through its own new shared-memory segment and
-   file descriptor. A new segment costs ~6 ms per 10 MB in page faults in the worker, and as much
-   again in the main process when it reads the pages: more CPU than encoding the samples.
+   file descriptor. A new segment is paid for in page faults in the worker, and again in the main
+   process when it reads the pages: for image batches, more CPU than encoding the samples.
 2. So the task encoder collates a group of `transfer_group` micro-batches straight into views of
    one block, and the block comes from a `SlotPool`: a few blocks per worker, allocated once and
-   reused. The main process copies each micro-batch out into its own private memory (~1 ms per
-   10 MB) and hands the slot back; it keeps a reference to each slot's block, so torch maps it
-   only once. Together: ~2.5 ms instead of ~18 ms of CPU per 10 MB trip.
+   reused. The main process copies each micro-batch out into its own private memory and hands the
+   slot back; it keeps a reference to each slot's block, so torch maps it only once
+   (docs/measurements.md has the CPU per trip either way).
 3. A slot is reused only after the main process released it (flags in a `multiprocessing.Array`
    created before the workers fork; its lock orders the copy before the release). When no slot is
    free the worker takes a fresh block, so a slow consumer costs speed, never correctness.
@@ -95,7 +93,7 @@ class PromptGroup:
 
 @dataclass
 class SlotPool:
-    """Reusable shared-memory blocks for the workers of one loader (see module doc, 2-3).
+    """Reusable shared-memory blocks for the workers of one loader (see module doc).
 
     Create it in the main process before the workers fork. Workers call `block`, the main process
     `unpack`; both work unchanged without workers.

@@ -125,7 +125,7 @@ class PrepareSummary:
 
 
 def split_of(row_id: str, *, seed: int, val_ratio: float) -> str:
-    """train or val for a row id (module doc, 2)."""
+    """train or val for a row id (module doc)."""
     digest = hashlib.sha256(f"vlmrun-split/{seed}/{row_id}".encode()).digest()
     return "val" if int.from_bytes(digest[:8], "big") < val_ratio * 2**64 else "train"
 

@@ -143,7 +143,7 @@ def _inside(path: Path, written: str, image_root: Path) -> Path:
 
 
 def _messages(turns: Any, images: int) -> list[dict]:
-    """Our messages from the source's turns, with `images` images to place (module doc, 1-2)."""
+    """Our messages from the source's turns, with `images` images to place (module doc)."""
     if not isinstance(turns, (list, tuple)) or not turns:
         raise BadRow("malformed", "no conversation turns")
     messages = [_message(turn) for turn in turns]

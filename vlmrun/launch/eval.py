@@ -180,7 +180,7 @@ def _with_data(recipe, data: Path | None, split: str | None, samples: int | None
 
 def score_model(recipe, model_dir: Path, *, samples: int, threads: int = 1) -> dict:
     """The run's validation of the model in `model_dir` on `samples` samples of the recipe's val split
-    (module doc, 3 and 4)."""
+    (module doc)."""
     import torch
     from transformers.utils import logging as hf_logging
 

@@ -39,7 +39,7 @@ def share_images(
 ) -> tuple[dict[str, torch.Tensor], tuple[int, ...] | None]:
     """The media of rows whose media are `per_row` ({} for a text-only row, else {pixels: [P, D], grid:
     [k, ...]} for its k images), where rows with equal `groups` keys show the same images: each group's
-    pixel rows once, every row's grid; and `image_source` (module doc, 1). Raises ValueError when two
+    pixel rows once, every row's grid; and `image_source` (module doc). Raises ValueError when two
     rows of one group do not hold the same images."""
     first: dict[Hashable, tuple[int, Mapping[str, torch.Tensor]]] = {}
     pixel_parts, grid_parts, source = [], [], []
@@ -81,7 +81,7 @@ def feature_owner(model: torch.nn.Module) -> torch.nn.Module:
 
 @contextmanager
 def vision_once(model: torch.nn.Module, image_source: Sequence[int] | None) -> Iterator[None]:
-    """Within it, `model`'s forward encodes each distinct image once (module doc, 2); no-op for None."""
+    """Within it, `model`'s forward encodes each distinct image once (module doc); no-op for None."""
     if image_source is None:
         yield
         return

@@ -169,12 +169,12 @@ class DataPlane(abc.ABC):
         """The values of `fields` (an explicit list of names) for `sample_ids`, in that order."""
 
     def put_many(self, requests: Sequence[Put]) -> None:
-        """Every request of `requests` (module doc, 6)."""
+        """Every request of `requests` (module doc)."""
         for r in requests:
             self.put(r.partition, r.sample_ids, r.columns, r.tags)
 
     def get_many(self, requests: Sequence[Get]) -> list[SampleBatch]:
-        """What each request of `requests` gets, in order (module doc, 6)."""
+        """What each request of `requests` gets, in order (module doc)."""
         return [self.get(r.partition, r.sample_ids, r.fields) for r in requests]
 
     @abc.abstractmethod

@@ -1,4 +1,4 @@
-"""SFT v2's micro-batches through the plane: one record per micro-batch (fields.py, 4).
+"""SFT v2's micro-batches through the plane: one record per micro-batch (fields.py).
 
 A micro-batch's padded tensors travel as per-record fields (`batch_input_ids`, ...), its packed media
 as one segment per media field (none for a text-only micro-batch), and its sample ids in the record's

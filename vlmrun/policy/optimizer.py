@@ -4,8 +4,8 @@ checkpoint fills on a resume.
 A resume of a sharded policy hands DCP the optimizer's state as the tensors to load into, so they must
 exist before the first step. torch's `get_state_dict` makes them by running one optimizer step with zero
 gradients and a zero LR: a whole gradient allocated, and AdamW's arithmetic over every parameter, only
-for values the load overwrites (measured on a 0.29B model over 2 CPU ranks: 4.6 s of a 6.4 s read,
-tools/bench_load.py), and a step count of 1 left behind when no load follows. `allocate_state` gives
+for values the load overwrites (most of a resume's read time on CPU: tools/bench_load.py measures it),
+and a step count of 1 left behind when no load follows. `allocate_state` gives
 AdamW the same tensors (same keys, dtypes and placements; tests/test_fsdp_policy.py compares them with
 torch's) as zeros with a step count of 0, without the step: what a fresh AdamW's first step starts from,
 so the optimizer takes the same steps whether a load follows or not. SGD without momentum keeps no state

@@ -17,9 +17,9 @@ algorithm; a subclass supplies the algorithm's part:
    hands its verdict in (`checkpoint_verified`) before anything is loaded: the candidate, an older
    one in place of a damaged candidate, or none.
 4. `_close()` releases workers and loaders (a subclass adds what else it holds).
-5. Neither this module nor the SFT controller imports torch (its process starts in ~0.6 s of CPU, where
-   torch's import alone took ~1.2, and the ranks start after it): its RNG part is python's (it draws
-   from no other), as JSON; the val set goes from rank 0 to the ranks by reference (validation.py, 1).
+5. Neither this module nor the SFT controller imports torch (the ranks start after the controller, so
+   its import would delay every rank): its RNG part is python's (it draws from no other), as JSON; the
+   val set goes from rank 0 to the ranks by reference (validation.py).
 
 A stop request (signal -> flag -> `request_stop`, or `train.stop_after` reached) is acted on at the
 next step boundary: every rank saves, and the run ends as STOPPED (resumable). Once the driver's

@@ -64,15 +64,13 @@ def _local_node_params() -> Iterator[None]:
 
     - The agent's port: Ray's default is the fixed port 52365, and `ray.init` has no argument for it.
       With a second Ray on the machine (another local job, a SLURM job's Ray on a shared node, a
-      test's) the port is taken: the agent retries for ~3.3 s before it gives up, and the raylet
-      registers only after it, so every such `ray.init` took 3-4 s longer (measured here: 7.0-7.2 s
-      against 3.1-4.3 s with this, two Rays started a second apart). Nothing of ours talks to that port.
-    - The monitor is the autoscaler's: a one-machine Ray of a fixed size has nothing to scale, and its
-      process cost ~0.4 s of CPU at every attempt's start.
+      test's) the port is taken: the agent retries for seconds before it gives up, and the raylet
+      registers only after it, so every such `ray.init` waited for it. Nothing of ours talks to that port.
+    - The monitor is the autoscaler's: a one-machine Ray of a fixed size has nothing to scale.
     - The API server (`dashboard.py`, started even with `include_dashboard=False`, then without the
       dashboard's pages) serves Ray's job-submission and state APIs over HTTP; vlmrun uses neither
-      (the node talks to its actors through the GCS), and the process cost ~0.7 s of CPU at every
-      attempt's start (docs/measurements.md).
+      (the node talks to its actors through the GCS). Each of the two is one more Python process at
+      every attempt's start (docs/measurements.md has what they cost).
 
     `RayParams` (its `dashboard_agent_listen_port` and `no_monitor`) and `Node.start_api_server` are
     Ray's private API (2.60): tests/test_local_ray.py names them, so an upgrade that changes them

@@ -83,7 +83,7 @@ class PortBlock:
                 f"--port={self.port('gcs')}",
                 "--include-dashboard=false",
                 # No autoscaler monitor: an allocation's size is fixed, nothing to scale, and vlmrun reads
-                # nothing the monitor reports; it was a process of ~0.5 s of CPU at every attempt's start.
+                # nothing the monitor reports; it would be one more Python process at every attempt's start.
                 # A hidden flag of `ray start` (2.60): tests/test_slurm_cluster.py sees the head without it.
                 # (No Ray Client server either: start.py leaves it out.)
                 "--no-monitor",

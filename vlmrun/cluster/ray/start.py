@@ -9,8 +9,8 @@ head's processes are left out, as the embedded default's Ray leaves them out (lo
 - The Ray Client server (`ray.util.client.server`): `ray start --head` starts it whenever Ray's client
   extras are installed, on port 10001 unless told another, and refuses port 0.
 
-vlmrun's driver joins through the GCS and uses neither; each was a Python process of ~0.8-0.9 s of CPU
-at every attempt's start on SLURM (docs/measurements.md). The autoscaler's monitor is left out by
+vlmrun's driver joins through the GCS and uses neither; each would be one more Python process at every
+attempt's start (docs/measurements.md has what they cost). The autoscaler's monitor is left out by
 Ray's own `--no-monitor` (nodes.py). `Node.start_api_server` and `Node.start_ray_client_server` are
 Ray's private API (2.60): tests/test_local_ray.py names them, so an upgrade that changes them fails there.
 """

@@ -183,7 +183,7 @@ _SERVERS = {
 class _ServerHost:
     """A TransferQueue server built in the actor's own process from the constructor's keywords: the
     process that starts the servers (the node) never imports TransferQueue, which pulls in torch,
-    tensordict and torch._dynamo (~2.7 s of CPU per attempt on these machines). The actor's process
+    tensordict and torch._dynamo: seconds of CPU at every attempt's start. The actor's process
     takes TransferQueue with one thread (TQ_NUM_THREADS) and, as a Ray worker of ours, its imports
     with the cyclic collector paused (vlmrun/startup.py) until the server is built. Ray's calls on it
     (`address`, `shutdown`, `__ray_call__`) reach the server; its clients talk ZMQ."""

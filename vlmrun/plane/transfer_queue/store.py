@@ -54,15 +54,15 @@ from vlmrun.plane.wire.jagged import rows_of, to_jagged
 _SPEC_KEY = RESERVED_TAG + ":spec"
 _ZMQ_IO_THREADS = 2
 _METAS_HELD = 16
-#: Rows of at most this many bytes travel in their sample's tag (module doc, 2).
+#: Rows of at most this many bytes travel in their sample's tag (module doc).
 INLINE_BYTES = 32
-#: The longest a plane call may wait for TransferQueue (module doc, 6). A call moves one stage's share of a
-#: step's partition, at ~1 GB/s on loopback: seconds, where this allows minutes.
+#: The longest a plane call may wait for TransferQueue (module doc). A call moves one stage's share of a
+#: step's partition, which takes seconds at the plane's speed; this allows minutes.
 REQUEST_TIMEOUT_S = 120.0
 
 
 def import_transfer_queue() -> None:
-    """Import TransferQueue with its thread count pinned to this process's (module doc, 5)."""
+    """Import TransferQueue with its thread count pinned to this process's (module doc)."""
     import psutil
 
     cores = psutil.cpu_count(logical=False) or 1
@@ -72,7 +72,7 @@ def import_transfer_queue() -> None:
 
 class TransferQueueStore(RowStore):
     """Not thread-safe: one client per process (or per thread). A call without an answer within
-    `request_timeout_s` raises DataPlaneError (module doc, 6)."""
+    `request_timeout_s` raises DataPlaneError (module doc)."""
 
     def __init__(self, endpoint: TransferQueueEndpoint, *, request_timeout_s: float = REQUEST_TIMEOUT_S):
         import_transfer_queue()
@@ -81,7 +81,7 @@ class TransferQueueStore(RowStore):
         self.endpoint, self.request_timeout_s = endpoint, request_timeout_s
         client_id = f"vlmrun-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self._client = TransferQueueClient(client_id, endpoint.controller.server_info(), zmq_io_threads=_ZMQ_IO_THREADS)
-        # (partition, ids) -> their BatchMeta from this client's last read or write of them (module doc, 4)
+        # (partition, ids) -> their BatchMeta from this client's last read or write of them (module doc)
         self._metas: collections.OrderedDict[tuple[str, tuple[str, ...]], Any] = collections.OrderedDict()
         manager, config = endpoint.storage_manager()
         if manager == "MooncakeStore" and not config["local_hostname"]:
@@ -210,7 +210,7 @@ class TransferQueueStore(RowStore):
         puts = []
         for fields, idx in _by_nonempty_samples(rows).items():
             data = _tensordict({f: to_jagged([rows[f][i] for i in idx]) for f in fields}, len(idx))
-            # the storage put and its notice to the controller; the tags go beside it (module doc, 4)
+            # the storage put and its notice to the controller; the tags go beside it (module doc)
             puts.append(
                 self._client.storage_manager.put_data(
                     data, meta if len(idx) == len(w.ids) else meta.select_samples(idx)
@@ -310,7 +310,7 @@ async def _gather(coroutines) -> list:
 
 
 def _packed(tag: dict[str, Any]) -> dict[str, Any]:
-    """A tag as TransferQueue keeps it: our part as one JSON string (module doc, 1)."""
+    """A tag as TransferQueue keeps it: our part as one JSON string (module doc)."""
     return {**tag, RESERVED_TAG: json.dumps(tag[RESERVED_TAG], separators=(",", ":"))}
 
 
@@ -323,12 +323,12 @@ def _unpacked(tag: dict[str, Any] | None) -> dict[str, Any] | None:
 
 
 def _spec_of(keys: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
-    """The spec in a partition's listing (module doc, 1); None: not registered."""
+    """The spec in a partition's listing (module doc); None: not registered."""
     return (keys.get(_SPEC_KEY) or {}).get("spec")
 
 
 def _inlined(tags: list[dict[str, Any]], rows: RowPieces) -> tuple[list[dict[str, Any]], RowPieces]:
-    """`tags` with the rows of at most INLINE_BYTES in them, and `rows` without those (module doc, 2)."""
+    """`tags` with the rows of at most INLINE_BYTES in them, and `rows` without those (module doc)."""
     tags = [{**t, RESERVED_TAG: {**t[RESERVED_TAG], "inline": dict(t[RESERVED_TAG].get("inline", {}))}} for t in tags]
     kept: RowPieces = {}
     for name, column in rows.items():
