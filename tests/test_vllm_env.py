@@ -211,3 +211,35 @@ def test_the_gpu_recipes_dry_run_with_vllm_shows_the_engines_share_per_phase(tmp
     memory = json.loads(out.stdout)["memory_estimate"]
     assert memory["engine_budget"] > 0 and set(memory["phase_totals"]) == {"forward", "backward", "refit", "generation"}
     assert memory["device_total"] <= memory["limit_bytes"]
+
+
+def test_the_gpu_check_prepares_its_model_and_prompts_here_and_refuses_without_a_gpu(tmp_path):
+    """tools/gpu/vllm_check.py's preparation runs anywhere: a weightless model directory of the 3B
+    layout whose tokenizer and processor make prompts the engine's prompts carry back exactly; the
+    check on a GPU needs one and says so (exit 2). Its CPU run: tests/test_vllm_lane_engine.py."""
+    import subprocess
+    import sys
+
+    from vlmrun.generation.special_tokens import SpecialTokens
+    from vlmrun.generation.vllm import engine_prompts
+
+    tools = str(ROOT / "tools" / "gpu")
+    sys.path.insert(0, tools)
+    try:
+        import vllm_check
+    finally:
+        sys.path.remove(tools)
+    directory, config = vllm_check.model_dir(tmp_path)
+    assert config["text_config"]["vocab_size"] == 151936 and not list(directory.glob("*.safetensors"))
+    batch = vllm_check.prompts(directory, 2)
+    tokens = SpecialTokens.of_directory(directory)
+    assert int((batch.input_ids[0] == tokens.image_token_id).sum()) == 256  # 448 px: 16 x 16 merged patches
+    (sent, _) = engine_prompts(batch, tokens.image_token_id)
+    assert sent["ids"].count(tokens.image_token_id) == 1 and sent["grid"] == [[1, 32, 32]]
+    out = subprocess.run(
+        [sys.executable, "tools/gpu/vllm_check.py"], capture_output=True, text=True, timeout=300, cwd=ROOT
+    )
+    assert out.returncode == 2 and json.loads(out.stdout) == {
+        "ok": False,
+        "error": "no CUDA device: run it on a GPU, or with --device cpu",
+    }

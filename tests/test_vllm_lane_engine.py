@@ -187,3 +187,28 @@ def test_a_release_ends_the_engine_and_the_next_refit_starts_another_beside_an_u
     second = engine.info["pid"]
     engine.shutdown()  # the module's last use of it (the fixture's teardown finds nothing left to end)
     assert not psutil.pid_exists(second) or psutil.Process(second).status() == psutil.STATUS_ZOMBIE
+
+
+def test_the_gpu_checks_sections_run_on_the_cpu_backend(tmp_path):
+    """tools/gpu/vllm_check.py --device cpu: every section of the GPU check (rollouts against hf, sleep
+    and wake, the per-request seeds' cost, the train -> refit -> wake -> generate cycle) runs through
+    the product's code on vLLM's CPU backend and reports what a GPU run reports."""
+    import json
+    import subprocess
+    import sys
+
+    from vlmrun_cli import ROOT
+
+    require_engine_env()
+    out = tmp_path / "check.json"
+    args = ["--device", "cpu", "--prompts", "2", "--rounds", "1", "--out", str(out)]
+    done = subprocess.run(
+        [sys.executable, "tools/gpu/vllm_check.py", *args], capture_output=True, text=True, timeout=600, cwd=ROOT
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    report = json.loads(out.read_text())
+    vllm = report["engines"]["vllm"]
+    assert report["ok"] and set(report["vllm_over_hf_tokens_per_s"]) == {"16", "64"}
+    assert vllm["sleep"]["sleep_mode"] is False and vllm["sleep"]["token_mult_prob_error"]["median"] < 1.001
+    assert vllm["seed_cost"]["per_request_over_one"]["rounds"] == 1
+    assert set(vllm["cycle"]["in_use_gib"]) == {"train", "refit", "generate"}

