@@ -243,3 +243,20 @@ def test_the_gpu_check_prepares_its_model_and_prompts_here_and_refuses_without_a
         "ok": False,
         "error": "no CUDA device: run it on a GPU, or with --device cpu",
     }
+
+
+def test_a_gpu_refits_buffer_comes_from_a_plain_block_under_expandable_segments(monkeypatch):
+    """vllm_wire.classic_buffer: the project runs its ranks with expandable segments, whose IPC handles
+    another torch release may not read; the refit's one buffer is allocated with them off (shown here
+    with the allocator's switch recorded and a host tensor standing in)."""
+    from vlmrun.generation import vllm_wire
+
+    switched: list[str] = []
+    monkeypatch.setattr(torch.cuda.memory, "_set_allocator_settings", switched.append)
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    buffer = vllm_wire.classic_buffer(512, "cpu")
+    assert buffer.numel() == 512 and switched == ["expandable_segments:False", "expandable_segments:True"]
+    switched.clear()
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "")
+    vllm_wire.classic_buffer(512, "cpu")
+    assert switched == []  # nothing to switch

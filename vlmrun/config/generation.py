@@ -9,7 +9,7 @@ from pydantic import Field
 from vlmrun.config.section import Section
 
 #: The families the vllm backend runs (vLLM's class of each takes the policy's names and the
-#: embeddings of our processor's pixels: tests/test_vllm_classes.py, vlmrun/generation/vllm.py).
+#: embeddings of our processor's pixels: tests/test_vllm_lane_engine.py, vlmrun/generation/vllm_engine.py).
 VLLM_FAMILIES = ("qwen2_vl", "qwen2_5_vl")
 #: What the families it does not run would need, for the refusal to say.
 VLLM_MISSING = {

@@ -162,6 +162,8 @@ class VllmEngine:
             return set(model.load_weights(iter(tensors)))
 
         (filled,) = self.llm.apply_model(load)
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.synchronize()  # the copies read the rank's buffer, which it refills once this returns
         self._filled |= filled
         return len(tensors)
 

@@ -8,11 +8,13 @@ which the engine turns back into tensors over the same memory without a copy.
 1. On the host (`HostSegment`): a file in /dev/shm that both processes map (`torch.from_file`, shared).
    The rank unlinks it as soon as the engine has mapped it, so a killed run leaves nothing behind; a
    larger bucket gets a fresh file. One bucket of host memory beyond the engine's weights.
-2. On a GPU (`CudaSegment`): one device buffer, shared through a CUDA IPC handle of its storage (torch's
-   `_share_cuda_` / `_new_shared_cuda`, the pair torch.multiprocessing uses; the same in both torch
-   releases): no trip through the host. One bucket of device memory beyond the engine's weights.
-3. The engine side (`bucket_tensors`) maps the segment a message names and yields (name, tensor) views;
-   the rank writes the next bucket only after the engine's call for this one has returned.
+2. On a GPU (`CudaSegment`): one device buffer from a plain cudaMalloc block (`classic_buffer`), shared
+   through the CUDA IPC handle of its storage (torch's `_share_cuda_` / `_new_shared_cuda`, the pair
+   torch.multiprocessing uses; the same in both torch releases): no trip through the host. One bucket
+   of device memory beyond the engine's weights.
+3. The engine side (`EngineSegments`) maps the segment a message names and yields (name, tensor) views;
+   the rank writes the next bucket only after the engine's call for this one has returned (on a GPU the
+   engine waits for its copies to finish before it returns).
 
 Standard library and torch only: the engine's environment imports this module too.
 """
@@ -140,7 +142,7 @@ class CudaSegment:
         slots, size = bucket_layout(bucket)
         if self._flat is None or self._flat.numel() < size:
             self._flat = None
-            self._flat = torch.empty(size, dtype=torch.uint8, device=self.device)
+            self._flat = classic_buffer(size, self.device)
         _fill(self._flat, bucket, slots)
         torch.cuda.synchronize(self._flat.device)  # written before the engine reads it
         return BucketMessage(slots, size, cuda_handle=tuple(self._flat.untyped_storage()._share_cuda_()))
@@ -150,6 +152,24 @@ class CudaSegment:
 
     def close(self) -> None:
         self._flat = None
+
+
+def classic_buffer(size: int, device: Any):
+    """`size` bytes on `device` from a plain cudaMalloc block even under expandable segments (the
+    project's PYTORCH_CUDA_ALLOC_CONF): their IPC handle is another format, read through pidfd_getfd
+    (refused in unprivileged containers) and laid out differently across torch releases; the legacy
+    handle of a plain block reads the same in both processes."""
+    import torch
+
+    conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "") + "," + os.environ.get("PYTORCH_ALLOC_CONF", "")
+    expandable = "expandable_segments:True" in conf.replace(" ", "")
+    if expandable:
+        torch.cuda.memory._set_allocator_settings("expandable_segments:False")
+    try:
+        return torch.empty(size, dtype=torch.uint8, device=device)
+    finally:
+        if expandable:
+            torch.cuda.memory._set_allocator_settings("expandable_segments:True")
 
 
 def segment_for(bucket: Mapping[str, Any]) -> HostSegment | CudaSegment:
