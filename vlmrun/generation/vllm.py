@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import gc
 import hashlib
+import logging
 import os
 import tempfile
 import time
@@ -51,6 +52,8 @@ from vlmrun.generation.special_tokens import SpecialTokens
 from vlmrun.generation.vllm_env import engine_environment
 from vlmrun.generation.vllm_wire import segment_for
 from vlmrun.models.spec import ModelSpec
+
+log = logging.getLogger(__name__)
 
 NEVER_BIAS = -100.0
 #: The KV cache of an engine on a CPU unless generation.vllm.kv_cache_memory_bytes says otherwise: vLLM
@@ -221,6 +224,7 @@ class VllmGenerator(GenerationBackend):
         if not ray.is_initialized():
             raise RuntimeError("the vllm backend starts its engine as a Ray actor: start Ray in this process first")
         env = engine_environment(self.env_setting, on_gpu=self.on_gpu)
+        return_cached_blocks()  # vLLM takes its share of what the device has free when it starts
         env_vars = {**ENGINE_ENV, "PYTHONPATH": engine_module_path()}
         if self.threads:
             env_vars["OMP_NUM_THREADS"] = str(self.threads)
@@ -255,6 +259,8 @@ class VllmGenerator(GenerationBackend):
         actor, self._actor = self._actor, None
         try:
             ray.get(actor.stop.remote(), timeout=60)
+        except ray.exceptions.RayError as e:  # it died already (what ended it is the caller's error to report)
+            log.warning("the vllm engine (pid %s) did not stop cleanly: %s", self.info.get("pid"), type(e).__name__)
         finally:
             ray.kill(actor)
         wait_gone(self.info.get("pid"))
