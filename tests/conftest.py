@@ -29,6 +29,9 @@ from data_samples import FAMILIES, PER_SHARD, SIZE, TRAIN, VAL
 
 pytest_plugins = ["shared_runs"]
 SLURM_GROUP = "slurm"
+#: The vllm lane's modules (tests/test_vllm_lane_*.py) run together on one worker: each starts engines of
+#: a GiB or more, which two workers at once would double on the same small machine.
+VLLM_GROUP = "vllm"
 #: The tools' lane: each of its tests is a work unit of its own.
 TOOLS_MODULE = "test_tools.py"
 CHAIN_LINK = re.compile(r"test_\d+_")
@@ -58,7 +61,7 @@ def pytest_collection_modifyitems(config, items):
     1. A module runs whole on one worker, in its order: the chains of test_chaos_processes.py and
        test_slurm_sft.py are one run each, and a module fixture may be a real run.
     2. The SLURM modules (tests/test_slurm_*.py) run together, on one worker (one cluster; their jobs
-       expect its nodes free).
+       expect its nodes free); so do the vllm lane's (VLLM_GROUP).
     3. The units go out heaviest first, by their seconds in tests/unit_seconds.json: a worker that
        is free takes the next, so the last units to start are small ones and the workers end together
        (on one run's measured unit times, a simulation of the alphabetical order ends one worker
@@ -140,6 +143,8 @@ def group_of(nodeid: str) -> str:
     module = nodeid.split("::")[0]
     if Path(module).name.startswith("test_slurm_"):
         return SLURM_GROUP
+    if Path(module).name.startswith("test_vllm_lane_"):
+        return VLLM_GROUP
     return nodeid.split("[")[0] if Path(module).name == TOOLS_MODULE else module
 
 

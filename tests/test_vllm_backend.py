@@ -1,9 +1,10 @@
-"""The `vllm` generation backend's parts that run without a GPU (vlmrun/generation/vllm.py): the
-requests it sends (our token ids, images as embeddings with one placeholder each, which vLLM expands
-again to exactly the ids the policy scores), the per-response seeds and their checkpointed stream,
-the results read back into rollouts, and the refusals where vLLM cannot run. vLLM's own
-SamplingParams and output classes through the same functions: tests/test_vllm_classes.py. The
-engine itself: tools/gpu/vllm_check.py on a lent GPU."""
+"""The `vllm` generation backend's logic on either side of the process boundary, without the engine
+(vlmrun/generation/vllm.py, vllm_engine.py): the prompts a rank sends (our token ids, each image's pixel
+rows once, one placeholder each, which vLLM expands again to exactly the ids the policy scores), the
+per-response seeds and their checkpointed stream, the draws read back into rollouts, and the order of
+what a rank asks of an engine that sleeps (a GPU's): its own cached blocks go back to the device before
+every wake, the KV cache wakes only to generate, a release resets both multimodal caches before the
+sleep. The real engine: tests/test_vllm_lane_engine.py; where it may run: tests/test_vllm_env.py."""
 
 from __future__ import annotations
 
@@ -12,25 +13,22 @@ from types import SimpleNamespace
 import pytest
 import torch
 from data_samples import make_recipe
-from vlmrun_cli import ROOT
 
-from vlmrun.config.load import load_recipe
-from vlmrun.errors import InputError
 from vlmrun.generation import open_generator
+from vlmrun.generation import vllm as backend
 from vlmrun.generation.interface import SamplingParams
 from vlmrun.generation.prompts import prompt_media
 from vlmrun.generation.special_tokens import SpecialTokens
 from vlmrun.generation.vllm import (
     VllmGenerator,
     collapse_placeholders,
-    engine_requests,
+    engine_prompts,
     response_seed,
     rollouts_from,
     sampling_options,
 )
+from vlmrun.generation.vllm_engine import EngineGates, VllmEngine
 from vlmrun.models.spec import ModelSpec
-
-GPU_GRPO = "recipes/qwen2.5-vl-3b-clevr-grpo-1n2g.yaml"
 
 
 def test_placeholder_runs_collapse_to_one_token_each():
@@ -53,26 +51,25 @@ def prompts(clevr_set, tiny_dirs):
     return batches[0], SpecialTokens.of_directory(tiny_dirs["qwen2_5_vl"])
 
 
-def test_a_request_is_the_prompts_ids_with_its_images_as_embeddings_vllm_expands_back(prompts):
+def test_an_engine_prompt_is_the_prompts_ids_with_its_own_pixel_rows_vllm_expands_back(prompts):
     """vLLM's processor puts as many placeholder tokens back as an image's embeddings have rows
     (grid / merge^2): what it then runs is the unpadded prompt the policy scores."""
     batch, tokens = prompts
     image = tokens.image_token_id
     media = prompt_media(batch, image)
-    embeds = [
-        {"image_embeds": torch.zeros(int(m["image_grid_thw"].prod()) // 4, 8), "image_grid_thw": m["image_grid_thw"]}
-        for m in media
-    ]
-    requests = engine_requests(batch, image, embeds)
-    assert len(requests) == len(batch) and all(m for m in media)
-    for i, request in enumerate(requests):
-        ids = request["prompt_token_ids"]
-        assert ids.count(image) == 1 and request["multi_modal_data"]["image"] is embeds[i]
+    sent = engine_prompts(batch, image)
+    assert len(sent) == len(batch) and all(m for m in media)
+    for i, prompt in enumerate(sent):
+        ids = prompt["ids"]
+        assert ids.count(image) == 1 and prompt["grid"] == media[i]["image_grid_thw"].tolist()
+        assert torch.equal(torch.from_numpy(prompt["pixels"]), media[i]["pixel_values"].float())
         at = ids.index(image)
-        expanded = ids[:at] + [image] * embeds[i]["image_embeds"].shape[0] + ids[at + 1 :]
+        expanded = ids[:at] + [image] * (int(media[i]["image_grid_thw"].prod()) // 4) + ids[at + 1 :]
         assert expanded == batch.input_ids[i][batch.attention_mask[i].bool()].tolist()
-    text_only = engine_requests(batch, image, [None] * len(batch))
-    assert all("multi_modal_data" not in r and r["prompt_token_ids"].count(image) > 1 for r in text_only)
+    text_only = engine_prompts(
+        batch.__class__(batch.sample_ids, batch.input_ids, batch.attention_mask, batch.answers), image
+    )
+    assert all(set(p) == {"ids"} and p["ids"].count(image) > 1 for p in text_only)
 
 
 def test_sampling_options_draw_with_the_seed_or_greedily(prompts):
@@ -86,135 +83,157 @@ def test_sampling_options_draw_with_the_seed_or_greedily(prompts):
     assert greedy["temperature"] == 0.0 and greedy["seed"] is None
 
 
-def _output(ids, logprobs):
-    entries = (
-        None if logprobs is None else [{t: SimpleNamespace(logprob=lp)} for t, lp in zip(ids, logprobs, strict=True)]
-    )
-    return SimpleNamespace(outputs=[SimpleNamespace(token_ids=ids, logprobs=entries)])
-
-
-def test_results_become_right_padded_rollouts_cut_after_the_end_of_turn(prompts):
+def test_draws_become_right_padded_rollouts_cut_after_the_end_of_turn(prompts):
     batch, tokens = prompts
     eos, pad = tokens.eos_ids[0], tokens.pad_token_id
     two = batch.__class__(
         batch.sample_ids[:1] * 2, batch.input_ids[:1].repeat(2, 1), batch.attention_mask[:1].repeat(2, 1), ["3", "3"]
     )
-    outputs = [_output([5, eos, 9], [-0.1, -0.2, -0.3]), _output([6], [-0.4])]
-    got = rollouts_from(outputs, two, n=2, tokens=tokens, generate_s=1.5)
+    drawn = [([5, eos, 9], [-0.1, -0.2, -0.3]), ([6], [-0.4])]
+    got = rollouts_from(drawn, two, n=2, tokens=tokens, generate_s=1.5)
     assert got.response_ids.tolist() == [[5, eos, pad], [6, pad, pad]]
     assert got.response_mask.tolist() == [[1, 1, 0], [1, 0, 0]]
     assert torch.equal(got.logprobs, torch.tensor([[-0.1, -0.2, 0.0], [-0.4, 0.0, 0.0]]))
     assert got.group_size == 2 and got.generate_s == 1.5 and torch.equal(got.prompt_ids, two.input_ids)
     with pytest.raises(ValueError, match="no log-prob"):
-        rollouts_from([_output([5], None), _output([6], [-0.4])], two, n=2, tokens=tokens, generate_s=0.0)
+        rollouts_from([([5], []), ([6], [-0.4])], two, n=2, tokens=tokens, generate_s=0.0)
     with pytest.raises(ValueError, match="answered 1 requests of 2"):
-        rollouts_from(outputs[:1], two, n=2, tokens=tokens, generate_s=0.0)
+        rollouts_from(drawn[:1], two, n=2, tokens=tokens, generate_s=0.0)
 
 
 def test_the_sampling_stream_is_a_call_count_a_checkpoint_keeps(tiny_dirs):
-    engine = VllmGenerator(model=ModelSpec(directory=tiny_dirs["qwen2_5_vl"]), device="cuda")
+    engine = VllmGenerator(model=ModelSpec(directory=tiny_dirs["qwen2_5_vl"]), device="cpu")
     engine.load_state_dict({"seed": 1234, "calls": 7})
     assert engine.state_dict() == {"seed": 1234, "calls": 7}
     with pytest.raises(ValueError, match="another generation backend"):
         engine.load_state_dict({"seed": 1234, "generator": None})  # the hf backend's
 
 
-def test_where_vllm_cannot_run_it_is_refused_naming_the_fix(tiny_dirs, monkeypatch):
-    spec = ModelSpec(directory=tiny_dirs["qwen2_5_vl"])
-    with pytest.raises(ValueError, match="generation.backend: hf"):
-        open_generator("vllm", model=spec, device="cpu")
-    for key in ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_USE_FLASHINFER_SAMPLER"):
-        monkeypatch.delenv(key, raising=False)  # setup sets them; undone after the test
-    monkeypatch.setitem(__import__("sys").modules, "vllm", None)  # not importable, as on a node without it
-    with pytest.raises(RuntimeError, match="needs the vllm package on the node .* generation.backend: hf"):
-        open_generator("vllm", model=spec, device="cuda").setup()
+def test_the_engine_starts_only_beside_a_running_ray(tiny_dirs):
+    import ray
+
+    if ray.is_initialized():
+        pytest.skip("Ray runs in this test process already")
+    engine = open_generator("vllm", model=ModelSpec(directory=tiny_dirs["qwen2_5_vl"]), device="cpu")
+    with pytest.raises(RuntimeError, match="Ray actor: start Ray in this process first"):
+        engine.setup()
 
 
-@pytest.mark.parametrize(
-    "recipe, sets, field, words",
-    [
-        ("recipes/tiny-grpo-cpu.yaml", ["generation.backend=vllm"], "generation.backend", "needs GPUs"),
-        ("recipes/omni-clevr-grpo-1n8g.yaml", ["generation.backend=vllm"], "generation.backend", "tensor parallel"),
-        ("recipes/qwen2.5-vl-3b-clevr-1n2g.yaml", ["generation.backend=vllm"], "generation.backend", "GRPO's rollouts"),
-        (GPU_GRPO, ["generation.vllm={enforce_eager: true}"], "generation.vllm", "generation.backend: vllm"),
-        (
-            GPU_GRPO,
-            ["generation.backend=vllm", "generation.vllm={max_model_len: 512}"],
-            "generation.vllm.max_model_len",
-            "data.max_seq_len + grpo.max_new_tokens = 528",
-        ),
-        (
-            GPU_GRPO,
-            ["generation.backend=vllm", "generation.vllm={gpu_memory_utilization: 1.5}"],
-            "generation.vllm.gpu_memory_utilization",
-            "less than or equal to 1",
-        ),
-    ],
-)
-def test_a_recipe_vllm_cannot_run_is_refused_at_load(recipe, sets, field, words):
-    with pytest.raises(InputError) as e:
-        load_recipe(recipe, sets)
-    assert str(e.value).startswith(field) and words in str(e.value)
+# ---------------------------------------------------------------- what a rank asks of a sleeping engine
 
 
-def test_the_engine_options_come_from_the_recipe():
-    recipe = load_recipe(GPU_GRPO, ["generation.backend=vllm", "generation.vllm={enforce_eager: true}"])
-    options = recipe.generation.engine_options(max_model_len=528)
-    assert options == {
-        "gpu_memory_utilization": 0.5,
-        "max_model_len": 528,
-        "enforce_eager": True,
-        "enable_prefix_caching": True,
-    }
-    assert load_recipe(GPU_GRPO).generation.engine_options(max_model_len=528) == {}
+class Recorder:
+    """A rank's VllmGenerator with its engine process replaced by a log of the calls it gets."""
 
+    def __init__(self, monkeypatch, tokens, *, sleep_mode: bool, end_on_release: bool = False):
+        self.log: list = []
+        eos = tokens.eos_ids[0]
 
-def test_the_memory_check_counts_the_engines_share_while_it_generates_and_nothing_while_the_policy_trains():
-    from vlmrun.models.fit import check_memory_fit, device_bytes
+        def call(generator, method, *args, timeout=None):
+            self.log.append(method if method != "wake" else f"wake {args[0][0]}")
+            if method == "generate":
+                return [([5, eos], [-0.1, -0.2]) for _ in args[1]]
+            return None
 
-    hf = check_memory_fit(load_recipe(GPU_GRPO)).estimate
-    fit = check_memory_fit(load_recipe(GPU_GRPO, ["generation.backend=vllm"]))
-    e = fit.estimate
-    assert e.engine_budget == int(0.5 * device_bytes(80)) and not e.engine_resident
-    assert e.phase_terms()["generation"] == {
-        "generation engine": e.engine_weights,
-        "generation": e.engine_budget - e.engine_weights,
-    }
-    assert e.phase_total("generation") == sum(e.resident_terms("generation").values()) + e.engine_budget + e.overhead
-    assert {p: e.phase_total(p) for p in ("forward", "backward")} == {
-        p: hf.phase_total(p) for p in ("forward", "backward")
-    }
-    with pytest.raises(InputError) as refused:  # a share that cannot hold the weights: the Omni's case at TP 1
-        check_memory_fit(
-            load_recipe(GPU_GRPO, ["generation.backend=vllm", "generation.vllm={gpu_memory_utilization: 0.05}"])
+        def start(generator):
+            self.log.append("start")
+            generator._actor = object()
+            generator.info = {"params": 1, "pid": None, "gates": {"sleep_mode": sleep_mode}}
+
+        monkeypatch.setattr(VllmGenerator, "_call", call)
+        monkeypatch.setattr(VllmGenerator, "_start_engine", start)
+        monkeypatch.setattr(
+            VllmGenerator, "_end_engine", lambda g: (self.log.append("end"), setattr(g, "_actor", None))
         )
-    assert refused.value.field == "generation.vllm.gpu_memory_utilization" and "tensor parallel" in str(refused.value)
+        monkeypatch.setattr(backend, "return_cached_blocks", lambda: self.log.append("return cached blocks"))
+        self.end_on_release = end_on_release
+
+    def open(self, model_dir: str) -> VllmGenerator:
+        options = {"end_on_release": self.end_on_release}
+        spec = ModelSpec(directory=model_dir)
+        engine = open_generator("vllm", model=spec, device="cuda", weights="refit", options=options)
+        engine.setup()
+        return engine
+
+    def take(self) -> list:
+        taken, self.log[:] = list(self.log), []
+        return taken
 
 
-def test_the_gpu_check_prepares_its_model_and_prompts_here_and_refuses_without_a_gpu(tmp_path):
-    """tools/gpu/vllm_check.py's preparation runs anywhere: a weightless model directory of the 3B
-    layout whose tokenizer and processor make prompts the engine requests carry back exactly; the
-    check itself needs a GPU and says so (exit 2)."""
-    import json
-    import subprocess
-    import sys
+def test_a_sleeping_engine_gets_the_devices_memory_back_before_each_wake_and_its_kv_cache_only_to_generate(
+    monkeypatch, tiny_dirs, prompts
+):
+    """The GPU's order of calls (a training step's peak sits in this process's PyTorch cache, where vLLM
+    cannot map it; parallel.offload_during_generation moves the policy's weights away after the refit)."""
+    batch, tokens = prompts
+    rec = Recorder(monkeypatch, tokens, sleep_mode=True)
+    engine = rec.open(tiny_dirs["qwen2_5_vl"])
+    assert rec.take() == ["start", "sleep"]  # its weights come from the first refit
+    buckets = [{"a": torch.zeros(2)}, {"b": torch.ones(3)}]
+    engine.load_weights(iter(buckets))
+    assert rec.take() == [
+        "return cached blocks",
+        "wake weights",
+        "begin_refit",
+        "load_bucket",
+        "load_bucket",
+        "finish_refit",
+    ]
+    engine.generate(batch, SamplingParams(temperature=0, max_new_tokens=2), n=1)
+    assert rec.take() == ["return cached blocks", "wake kv_cache", "generate"]
+    engine.generate(batch, SamplingParams(temperature=0, max_new_tokens=2), n=1)
+    assert rec.take() == ["generate"]  # awake: nothing to wake
+    engine.release_weights()
+    assert rec.take() == ["sleep"]
+    with pytest.raises(RuntimeError, match="released"):
+        engine.generate(batch, SamplingParams(temperature=0, max_new_tokens=2), n=1)
 
-    tools = str(ROOT / "tools" / "gpu")
-    sys.path.insert(0, tools)
-    try:
-        import vllm_check
-    finally:
-        sys.path.remove(tools)
-    directory, config = vllm_check.model_dir(tmp_path)
-    assert config["text_config"]["vocab_size"] == 151936 and not list(directory.glob("*.safetensors"))
-    batch = vllm_check.prompts(directory, 2)
-    tokens = SpecialTokens.of_directory(directory)
-    assert int((batch.input_ids[0] == tokens.image_token_id).sum()) == 256  # 448 px: 16 x 16 merged patches
-    (request, _) = engine_requests(batch, tokens.image_token_id, [{"image_grid_thw": None}] * 2)
-    assert request["prompt_token_ids"].count(tokens.image_token_id) == 1
-    check = [sys.executable, "tools/gpu/vllm_check.py"]
-    out = subprocess.run(check, capture_output=True, text=True, timeout=300, cwd=ROOT)
-    assert out.returncode == 2 and json.loads(out.stdout) == {
-        "ok": False,
-        "error": "no CUDA device: the vllm backend runs on a GPU only",
-    }
+
+@pytest.mark.parametrize("end_on_release", [True, False])
+def test_without_sleep_mode_a_release_ends_the_engine_only_when_the_recipe_asks(
+    monkeypatch, tiny_dirs, prompts, end_on_release
+):
+    """vLLM's CPU backend: generation.release_weights ends the engine's process (the next refit starts
+    another); otherwise the engine keeps its memory. The first refit never restarts it."""
+    batch, tokens = prompts
+    rec = Recorder(monkeypatch, tokens, sleep_mode=False, end_on_release=end_on_release)
+    engine = rec.open(tiny_dirs["qwen2_5_vl"])
+    engine.load_weights({"a": torch.zeros(2)})
+    assert rec.take() == ["start", "begin_refit", "load_bucket", "finish_refit"]
+    engine.release_weights()
+    assert rec.take() == (["end"] if end_on_release else [])
+    with pytest.raises(RuntimeError, match="released"):
+        engine.generate(batch, SamplingParams(temperature=0, max_new_tokens=2), n=1)
+    engine.load_weights({"a": torch.zeros(2)})
+    restarted = ["start"] if end_on_release else []
+    assert rec.take() == [*restarted, "begin_refit", "load_bucket", "finish_refit"]
+
+
+class FakeLLM:
+    """vLLM's LLM as the engine process drives it: a log of the calls."""
+
+    def __init__(self, log: list):
+        self.log = log
+        self.llm_engine = SimpleNamespace(reset_encoder_cache=lambda: log.append("reset_encoder_cache"))
+
+    def __getattr__(self, name):
+        return lambda *args, **kwargs: self.log.append(name if name != "sleep" else f"sleep level {kwargs['level']}")
+
+
+@pytest.mark.parametrize("has_reset_mm_cache", [True, False])
+def test_the_engine_resets_both_multimodal_caches_before_it_sleeps_and_after_a_refit(has_reset_mm_cache):
+    """vLLM's front-end multimodal cache survives a sleep (only the engine's side is cleared): the same
+    image sent again would name a cached item the engine no longer has. `LLM.reset_mm_cache` clears both,
+    where the installed vLLM has it."""
+    log: list = []
+    engine = VllmEngine(model_dir="unused", dtype="float32", options={}, weights_from_refit=True)
+    engine.llm = FakeLLM(log)
+    engine.gates = EngineGates(
+        sleep_mode=True, layerwise_reload=False, normalizes_pixels=True, reset_mm_cache=has_reset_mm_cache
+    )
+    engine.sleep()
+    mm = ["reset_mm_cache"] if has_reset_mm_cache else []
+    assert log == [*mm, "sleep level 2"]
+    log.clear()
+    engine._reset_caches()
+    assert log == ["reset_prefix_cache", "reset_encoder_cache", *mm]

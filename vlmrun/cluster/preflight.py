@@ -41,12 +41,8 @@ def preflight_run(recipe, *, runs_here: bool, dry_run: bool = False) -> None:
     if runs_here:
         check_local_gpus(recipe.cluster.gpus_per_node)
         check_local_mooncake(recipe.data_plane)
-        check_local_packages(
-            {
-                "model.attn_implementation": recipe.model.attn_implementation,
-                "generation.backend": recipe.generation.backend,
-            }
-        )
+        check_local_packages({"model.attn_implementation": recipe.model.attn_implementation})
+        check_engine_environment(recipe)
 
 
 def check_rewards(recipe) -> None:
@@ -70,20 +66,12 @@ NEEDS_PACKAGE = (
         "pip install 'vlmrun[gpu]' on a CUDA machine, or the container",
         "sdpa",
     ),
-    (
-        "generation.backend",
-        "vllm",
-        "vllm",
-        "vllm",
-        "pip install 'vlmrun[vllm]' where vLLM's torch is, or the container built with WITH_VLLM=1",
-        "hf",
-    ),
 )
 
 
 def check_local_packages(values: dict[str, str]) -> None:
     """Each recipe value of `values` (field -> value) that NEEDS_PACKAGE lists has its package here (found,
-    not imported: flash-attn and vLLM import torch and CUDA's libraries)."""
+    not imported: flash-attn imports torch and CUDA's libraries)."""
     import importlib.util
 
     for field, value, module, package, install, instead in NEEDS_PACKAGE:
@@ -94,6 +82,17 @@ def check_local_packages(values: dict[str, str]) -> None:
                 message=f"{field}: {value} needs the {package} package on the nodes, and it is not installed "
                 f"here ({install}); or set {field}: {instead}",
             )
+
+
+def check_engine_environment(recipe) -> None:
+    """generation.backend: vllm runs its engine in an environment of its own (vlmrun/generation/vllm_env.py),
+    which must be built on this machine, for this Python and the run's kind (CPU or GPU)."""
+    if recipe.generation.backend != "vllm":
+        return
+    from vlmrun.generation.vllm_env import engine_environment
+
+    g = recipe.generation
+    engine_environment(g.vllm.env if g.vllm is not None else None, on_gpu=recipe.cluster.gpus_per_node > 0)
 
 
 def check_local_mooncake(data_plane) -> None:

@@ -31,7 +31,7 @@ class Capabilities:
     """What vlmrun runs a family's models with, each None where it can, else why it cannot (in the
     words the recipe check gives): `packing` data.pack_tokens (models/packing.py); `vllm`
     generation.backend: vllm (vLLM's class of the family takes the policy's names and the embeddings
-    of our processor's pixels: tests/test_vllm_classes.py, vlmrun/generation/vllm.py)."""
+    of our processor's pixels: tests/test_vllm_lane_engine.py, vlmrun/generation/vllm_engine.py)."""
 
     packing: str | None = None
     vllm: str | None = None

@@ -151,12 +151,12 @@ def _check_generation(r: Recipe) -> None:
         raise CrossFieldError("generation.vllm", "set", f"applies to generation.backend: vllm (here {g.backend!r})")
     if g.backend != "vllm":
         return
-    if not r.cluster.gpus_per_node:
+    if r.cluster.gpus_per_node and g.vllm is not None and g.vllm.kv_cache_memory_bytes is not None:
         raise CrossFieldError(
-            "generation.backend",
-            "vllm",
-            "needs GPUs (cluster.gpus_per_node > 0): vLLM's engine runs on CUDA; a CPU run generates with "
-            "generation.backend: hf",
+            "generation.vllm.kv_cache_memory_bytes",
+            g.vllm.kv_cache_memory_bytes,
+            "applies to a CPU run; on a GPU the engine's KV cache is what generation.vllm.gpu_memory_utilization "
+            "leaves, which the memory check counts",
         )
     if r.train.algorithm != "grpo":
         raise CrossFieldError(

@@ -3,8 +3,9 @@ weights from the policy.
 
 `interface.py` is the seam (`GenerationBackend`, `SamplingParams`); `rollouts.py` the record it returns;
 `prompts.py` selects prompts of a `PromptBatch` with their media; `hf.py` the transformers backend (one
-replica in this process), `vllm.py` vLLM's engine in the rank's process on its GPU (`vllm_weights.py`:
-the policy's buckets into a vLLM model class's `load_weights`).
+replica in this process), `vllm.py` the rank's handle on vLLM's engine, which runs in a process of its
+own on vLLM's torch (`vllm_engine.py`; `vllm_wire.py`: a refit's shared segment; `vllm_env.py`: the
+engine's environment).
 
 `open_generator` is the one way to get a backend (keyed on the recipe's `generation.backend`); no
 module outside `vlmrun.generation` imports a backend module (an import-linter contract in

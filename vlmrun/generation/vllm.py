@@ -1,56 +1,66 @@
-"""The `vllm` generation backend: vLLM's engine in the rank's own process, on its GPU, beside the policy.
+"""The `vllm` generation backend: the rank's handle on a vLLM engine that runs in a process of its own.
 
-1. One engine per rank (tensor parallel 1), built in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`:
-   the engine core runs in the caller's process, so a refit and the vision pass below reach its model
-   directly, verl's route) with sleep mode on and `logprobs_mode="raw_logprobs"`: the log-prob of each
-   sampled token under the raw logits, what a teacher-forced forward of the same weights gives (the
-   interface's contract; temperature and top-p shape only the draw). Built with `load_format="dummy"`
-   when its weights come from a refit (a training rank reads nothing from disk twice).
-2. Prompts are ours (`engine_requests`): the token ids the policy scores, left padding dropped. Images
-   are our processor's pixel rows, encoded by the engine's own vision tower in this process
-   (`_image_embeds`) and handed to vLLM as embeddings with their grid; each image's run of
-   placeholder tokens is collapsed to one, which vLLM's processor expands again to as many tokens as
-   the embeddings have. So the engine sees exactly the pixels and ids the policy scores, and a
-   prompt's images are encoded once for its n responses (which the prefix cache also shares).
+1. The engine (vllm_engine.py) is a Ray actor started with the interpreter of the engine's environment
+   (vllm_env.py: vLLM's line and the torch it pins; the policy keeps the project's torch), on this
+   rank's node and, on a GPU, this rank's GPU (its CUDA_VISIBLE_DEVICES; no Ray resources of its own:
+   the policy and the engine share the rank's device and never run at once). Its vlmrun is the rank's
+   own (`engine_module_path`). The trainer's process is left as it was: no process group of vLLM's over
+   the training world, no global RNG reset, no garbage-collector freeze, no torch threads changed.
+2. Prompts are ours (`engine_prompts`): the token ids the policy scores, left padding dropped, and each
+   prompt's pixel rows with their grid, which the engine encodes with its own vision tower and hands
+   to vLLM as embeddings; each image's run of placeholder tokens is collapsed to one, which vLLM
+   expands again to as many tokens as the embeddings have. A prompt's images are sent and encoded once
+   for its n responses.
 3. Sampling is seeded per response (`response_seed`: the run's seed, this replica's call count, the
    prompt's sample id and the response's index), so the responses do not depend on batching or on
-   which engine step a request lands in; `state_dict` keeps the call count, so a resumed run draws
-   the responses an uninterrupted one draws. Greedy calls (validation) draw nothing and count nothing.
-   The model's placeholder tokens and the suppressed ones are never drawn (a -100 logit bias, which
-   the raw log-probs do not see). A response stops at the model's end-of-turn tokens.
-4. `load_weights` wakes the engine's weights when they sleep, feeds the policy's buckets to vLLM's
-   model class (`vllm_weights.refit_model`: every engine parameter filled, bucket by bucket, on the
-   GPU), wakes the KV cache and resets the prefix and encoder caches (they hold the old weights'
-   work). `release_weights` is `sleep(level=2)`: weights and KV cache freed until the next refit.
-
-Nothing here runs without a CUDA device and the vllm package; the pure parts (requests, seeds,
-results) are tested on CPU (tests/test_vllm_backend.py), the naming of the refit against vLLM's real
-classes (tests/test_vllm_classes.py), the engine on a lent GPU (tools/gpu/vllm_check.py).
+   which engine step a request lands in; `state_dict` keeps the call count, so a resumed run draws the
+   responses an uninterrupted one draws. Greedy calls (validation) draw nothing and count nothing.
+   Placeholder and suppressed tokens are never drawn (a -100 logit bias, which the raw log-probs do not
+   see); a response stops at the model's end-of-turn tokens; each sampled token's log-prob is vLLM's
+   raw one (the logits before any processing), what a teacher-forced forward of the same weights gives.
+4. `load_weights` copies each bucket the policy draws into one shared segment (vllm_wire.py: /dev/shm on
+   a host, one CUDA buffer with an IPC handle on a GPU) that the engine loads from before the next is
+   drawn: every weight exactly once, one bucket beyond the engine's weights, nothing through the host
+   on a GPU.
+5. Memory between uses. On a GPU the engine sleeps (`release_weights`: weights and KV cache freed, both
+   multimodal caches reset); before each wake this process's cached blocks go back to the device
+   (`return_cached_blocks`: the training peak, and what `parallel.offload_during_generation` moved to
+   the host, stay in PyTorch's cache otherwise, where vLLM cannot map them). The weights wake for the
+   refit, the KV cache at the next `generate` (after the offload moved the policy's weights away).
+   Where the platform has no sleep mode (vLLM's CPU backend), `release_weights` ends the engine's
+   process when the recipe asks for it (`generation.release_weights`), and the next refit starts a
+   new one; otherwise the engine keeps its memory. Either way `generate` is refused until a refit.
 """
 
 from __future__ import annotations
 
 import gc
 import hashlib
+import logging
 import os
+import tempfile
 import time
 from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
-
-import torch
 
 from vlmrun.data.batch import PromptBatch
 from vlmrun.generation.interface import GenerationBackend, SamplingParams
 from vlmrun.generation.prompts import ROWS_KEY, prompt_media, select_prompts
 from vlmrun.generation.rollouts import Rollouts, response_mask
 from vlmrun.generation.special_tokens import SpecialTokens
-from vlmrun.generation.vllm_weights import refit_model
+from vlmrun.generation.vllm_env import engine_environment
+from vlmrun.generation.vllm_wire import segment_for
 from vlmrun.models.spec import ModelSpec
 
-#: Set for the engine unless the environment says otherwise (module doc, 1; FlashInfer's sampler is
-#: not among the carried wheels).
-ENGINE_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_USE_FLASHINFER_SAMPLER": "0"}
+log = logging.getLogger(__name__)
+
 NEVER_BIAS = -100.0
+#: The KV cache of an engine on a CPU unless generation.vllm.kv_cache_memory_bytes says otherwise: vLLM
+#: would take gpu_memory_utilization of the host's memory, which every rank and engine shares.
+CPU_KV_CACHE_BYTES = 1 << 30
+#: How long a started engine may take to come up (its interpreter's imports and vLLM's start-up).
+START_TIMEOUT_S = 600.0
 
 
 def collapse_placeholders(ids: Sequence[int], token: int) -> list[int]:
@@ -69,23 +79,27 @@ def response_seed(seed: int, call: int, sample_id: str, response: int) -> int:
     return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") >> 1
 
 
-def engine_requests(prompts: PromptBatch, image_token_id: int | None, embeds: Sequence[dict | None]) -> list[dict]:
-    """One vLLM prompt per row of `prompts`: its ids without the left padding (placeholder runs
-    collapsed where it has images) and `embeds[i]`, its images' embeddings with their grid, as
-    multimodal data."""
+def engine_prompts(prompts: PromptBatch, image_token_id: int | None) -> list[dict[str, Any]]:
+    """One engine prompt per row of `prompts` (module doc, 2): {"ids"}, and {"pixels" (float32 numpy
+    rows), "grid" (one [t, h, w] per image)} for a prompt with images."""
+    media = prompt_media(prompts, image_token_id)
     out = []
     for i in range(len(prompts)):
         ids = prompts.input_ids[i][prompts.attention_mask[i].bool()].tolist()
-        request: dict[str, Any] = {"prompt_token_ids": ids}
-        if embeds[i] is not None:
-            request["prompt_token_ids"] = collapse_placeholders(ids, image_token_id)
-            request["multi_modal_data"] = {"image": embeds[i]}
-        out.append(request)
+        prompt: dict[str, Any] = {"ids": ids}
+        if media[i]:
+            grid = next(v for k, v in media[i].items() if k != ROWS_KEY)
+            prompt = {
+                "ids": collapse_placeholders(ids, image_token_id),
+                "pixels": media[i][ROWS_KEY].float().numpy(),
+                "grid": grid.tolist(),
+            }
+        out.append(prompt)
     return out
 
 
 def sampling_options(sampling: SamplingParams, seed: int | None, tokens: SpecialTokens) -> dict[str, Any]:
-    """vLLM's SamplingParams for one response (n=1) drawn with `seed` (None: greedy)."""
+    """vLLM's SamplingParams arguments for one response (n=1) drawn with `seed` (None: greedy)."""
     return {
         "n": 1,
         "temperature": sampling.temperature if seed is not None else 0.0,
@@ -102,41 +116,67 @@ def sampling_options(sampling: SamplingParams, seed: int | None, tokens: Special
 
 
 def rollouts_from(
-    outputs: Sequence[Any], batch: PromptBatch, *, n: int, tokens: SpecialTokens, generate_s: float
+    drawn: Sequence[tuple[Sequence[int], Sequence[float]]],
+    batch: PromptBatch,
+    *,
+    n: int,
+    tokens: SpecialTokens,
+    generate_s: float,
 ) -> Rollouts:
-    """The `Rollouts` of vLLM's outputs, one per row of `batch` (the prompts each repeated n times),
-    in order: response ids right-padded, each sampled token's log-prob (vLLM's `logprobs=0` entry
-    for the token it drew), the mask up to the first end-of-turn token."""
-    drawn = [o.outputs[0] for o in outputs]
+    """The `Rollouts` of the engine's draws ((token ids, log-probs) each), one per row of `batch` (the
+    prompts each repeated n times), in order: response ids right-padded, the mask up to the first
+    end-of-turn token. Each tensor is built from padded lists at once, not token by token."""
+    import torch
+
     if len(drawn) != len(batch):
         raise ValueError(f"the engine answered {len(drawn)} requests of {len(batch)}")
-    width = max(1, max(len(d.token_ids) for d in drawn))
-    ids = torch.full((len(drawn), width), tokens.pad_token_id, dtype=torch.long)
-    logprobs = torch.zeros(len(drawn), width, dtype=torch.float32)
-    for row, d in enumerate(drawn):
-        if d.logprobs is None or len(d.logprobs) != len(d.token_ids):
+    for row, (ids, logprobs) in enumerate(drawn):
+        if len(logprobs) != len(ids):
             raise ValueError(f"request {row}: the engine returned no log-prob for each sampled token")
-        for t, token in enumerate(d.token_ids):
-            ids[row, t] = token
-            logprobs[row, t] = d.logprobs[t][token].logprob
-    lengths = torch.tensor([len(d.token_ids) for d in drawn])
+    width = max(1, max(len(ids) for ids, _ in drawn))
+    pad = tokens.pad_token_id
+    ids = torch.tensor([list(i) + [pad] * (width - len(i)) for i, _ in drawn], dtype=torch.long)
+    logprobs = torch.tensor([list(lp) + [0.0] * (width - len(lp)) for _, lp in drawn], dtype=torch.float32)
+    lengths = torch.tensor([len(i) for i, _ in drawn])
     drew = torch.arange(width)[None, :] < lengths[:, None]  # the padding is not a token (its id may be an eos id)
     mask = response_mask(ids, tokens.eos_ids) * drew
     return Rollouts.sampled(
-        batch,
-        n=n,
-        response_ids=ids,
-        mask=mask,
-        logprobs=logprobs,
-        pad_token_id=tokens.pad_token_id,
-        generate_s=generate_s,
+        batch, n=n, response_ids=ids, mask=mask, logprobs=logprobs, pad_token_id=pad, generate_s=generate_s
     )
 
 
+def return_cached_blocks() -> None:
+    """This process's unreferenced objects collected and PyTorch's cached device blocks given back to
+    the device (module doc, 5); nothing without CUDA."""
+    gc.collect()
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+
+
+def engine_module_path() -> str:
+    """A folder holding only a link to this process's vlmrun package: the engine's PYTHONPATH, so it runs
+    the rank's own code and nothing else of the rank's environment (its torch above all)."""
+    package = Path(__file__).resolve().parents[1]
+    key = hashlib.blake2b(str(package).encode(), digest_size=6).hexdigest()
+    folder = Path(tempfile.gettempdir()) / f"vlmrun-engine-path-{os.getuid()}" / key
+    link = folder / "vlmrun"
+    if not (link.is_symlink() and link.resolve() == package):
+        folder.mkdir(parents=True, exist_ok=True)
+        fresh = folder / f".vlmrun-{os.getpid()}"
+        fresh.unlink(missing_ok=True)
+        fresh.symlink_to(package, target_is_directory=True)
+        fresh.replace(link)  # atomic: ranks starting at once all see a whole link
+    return str(folder)
+
+
 class VllmGenerator(GenerationBackend):
-    """Replica `replica`'s vLLM engine of `model` on this process's GPU, in the spec's dtype; `options`
-    are the recipe's generation.vllm settings (`GenerationConfig.engine_options`). Built by
-    `vlmrun.generation.open_generator`."""
+    """Replica `replica`'s vLLM engine of `model`, in the spec's dtype, for a rank on `device` ("cuda":
+    this rank's GPU; "cpu": vLLM's CPU backend). `options` come from `GenerationConfig.engine_options`:
+    {"engine": vLLM's engine arguments, "env": the engine environment (None: vllm_env.py's default),
+    "end_on_release": bool (module doc, 5)}. Built by `vlmrun.generation.open_generator`; Ray must be
+    running in this process."""
 
     def __init__(
         self,
@@ -148,50 +188,104 @@ class VllmGenerator(GenerationBackend):
         weights_from_refit: bool = False,
         options: Mapping[str, Any] | None = None,
     ):
-        if not str(device).startswith("cuda"):
-            raise ValueError(f"the vllm backend runs on a CUDA device, not {device!r} (generation.backend: hf)")
         if model.directory is None:
             raise ValueError("the vllm backend opens a model directory (random init happens in the policy)")
-        self.spec, self.replica, self.options = model, replica, dict(options or {})
+        options = dict(options or {})
+        self.spec, self.replica, self.threads = model, replica, threads
+        self.on_gpu = str(device).startswith("cuda")
+        self.engine_args = dict(options.get("engine") or {})
+        if not self.on_gpu:  # generation.vllm's CPU defaults (config/generation.py)
+            self.engine_args.setdefault("kv_cache_memory_bytes", CPU_KV_CACHE_BYTES)
+            self.engine_args.setdefault("enforce_eager", True)
+        self.env_setting = options.get("env")
+        self.end_on_release = bool(options.get("end_on_release", False))
         self.weights_from_refit = weights_from_refit
         self.weights_dtype = model.dtype
         self._seed: int | None = None
         self._calls = 0
-        self._asleep = False
+        self._actor: Any = None
+        self.info: dict[str, Any] = {}
+        self._released = False  # generate refused until the next refit
+        self._asleep: set[str] = set()  # what of the engine sleeps ("weights", "kv_cache")
 
-    def setup(self) -> dict[str, Any]:
-        for key, value in ENGINE_ENV.items():
-            os.environ.setdefault(key, value)
+    # ---- the engine's process ----------------------------------------------------------------------
+    def _call(self, method: str, *args, timeout: float | None = None) -> Any:
+        import ray
+
+        return ray.get(getattr(self._actor, method).remote(*args), timeout=timeout)
+
+    def _start_engine(self) -> None:
+        """Start the engine's actor and its engine (module doc, 1)."""
+        import ray
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        from vlmrun.generation.vllm_engine import ENGINE_ENV, VllmEngine
+
+        if not ray.is_initialized():
+            raise RuntimeError("the vllm backend starts its engine as a Ray actor: start Ray in this process first")
+        env = engine_environment(self.env_setting, on_gpu=self.on_gpu)
+        return_cached_blocks()  # vLLM takes its share of what the device has free when it starts
+        env_vars = {**ENGINE_ENV, "PYTHONPATH": engine_module_path()}
+        if self.threads:
+            env_vars["OMP_NUM_THREADS"] = str(self.threads)
+        devices = os.environ.get("CUDA_VISIBLE_DEVICES") if self.on_gpu else None
+        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+        self._actor = (
+            ray.remote(VllmEngine)
+            .options(
+                num_cpus=0,
+                num_gpus=0,
+                scheduling_strategy=here,
+                runtime_env={"py_executable": str(env.python), "env_vars": env_vars},
+            )
+            .remote(
+                model_dir=self.spec.directory,
+                dtype=self.spec.dtype,
+                options=self.engine_args,
+                weights_from_refit=self.weights_from_refit,
+                threads=self.threads,
+                devices=devices,
+            )
+        )
+        self.info = self._call("start", timeout=START_TIMEOUT_S)
+        self._asleep = set()
+
+    def _end_engine(self) -> None:
+        """Stop the engine and end its process (waiting until it is gone)."""
+        import ray
+
+        if self._actor is None:
+            return
+        actor, self._actor = self._actor, None
         try:
-            import vllm
-        except ImportError as e:
-            raise RuntimeError(
-                "generation.backend: vllm needs the vllm package on the node (the `vllm` extra, or the "
-                "container's image); or set generation.backend: hf"
-            ) from e
+            ray.get(actor.stop.remote(), timeout=60)
+        except ray.exceptions.RayError as e:  # it died already (what ended it is the caller's error to report)
+            log.warning("the vllm engine (pid %s) did not stop cleanly: %s", self.info.get("pid"), type(e).__name__)
+        finally:
+            ray.kill(actor)
+        wait_gone(self.info.get("pid"))
+
+    @property
+    def sleep_mode(self) -> bool:
+        return bool(self.info.get("gates", {}).get("sleep_mode"))
+
+    def _wake(self, tag: str) -> None:
+        if tag in self._asleep:
+            return_cached_blocks()  # module doc, 5
+            self._call("wake", [tag])
+            self._asleep.discard(tag)
+
+    # ---- the interface -------------------------------------------------------------------------------
+    def setup(self) -> dict[str, Any]:
         self.tokens = SpecialTokens.of_directory(self.spec.directory)
         self.eos_ids, self.pad_token_id = list(self.tokens.eos_ids), self.tokens.pad_token_id
-        self.llm = vllm.LLM(
-            model=self.spec.directory,
-            dtype=self.spec.dtype,
-            seed=0,  # every request carries its own seed (module doc, 3)
-            tensor_parallel_size=1,
-            load_format="dummy" if self.weights_from_refit else "auto",
-            enable_sleep_mode=True,
-            enable_mm_embeds=True,
-            logprobs_mode="raw_logprobs",
-            **self.options,
-        )
-        (params,) = self.llm.apply_model(lambda model: sum(p.numel() for p in model.parameters()))
-        if self.weights_from_refit:
-            self.release_weights()  # filled by the first refit
-        return {"replica": self.replica, "params": params, "image_token_id": self.tokens.image_token_id}
+        self._start_engine()
+        if self.weights_from_refit:  # filled by the first refit: asleep until then where it can sleep
+            self._release(end=False)
+        return {"replica": self.replica, "params": self.info["params"], "image_token_id": self.tokens.image_token_id}
 
-    @torch.no_grad()
     def generate(self, prompts: PromptBatch, sampling: SamplingParams, *, n: int) -> Rollouts:
-        from vllm import SamplingParams as EngineSampling
-
-        if self._asleep:
+        if self._released:
             raise RuntimeError("the engine's weights were released (generation.release_weights): refit it first")
         if n < 1 or len(prompts) == 0:
             raise ValueError(f"generate needs at least one prompt and n >= 1, got {len(prompts)} prompts and n={n}")
@@ -201,66 +295,56 @@ class VllmGenerator(GenerationBackend):
             if sampling.seed != self._seed:
                 self._seed, self._calls = sampling.seed, 0
             call, self._calls = self._calls, self._calls + 1
-        rows = [i for i in range(len(prompts)) for _ in range(n)]
-        batch = select_prompts(prompts, rows, self.tokens.image_token_id)
-        per_prompt = engine_requests(prompts, self.tokens.image_token_id, self._image_embeds(prompts))
-        requests = [per_prompt[i] for i in rows]
-        params = [
-            EngineSampling(
-                **sampling_options(
+        self._wake("kv_cache")
+        draws = [
+            (
+                i,
+                sampling_options(
                     sampling,
                     None if greedy else response_seed(sampling.seed, call, prompts.sample_ids[i], g),
                     self.tokens,
-                )
+                ),
             )
             for i in range(len(prompts))
             for g in range(n)
         ]
-        outputs = self.llm.generate(requests, params, use_tqdm=False)
-        return rollouts_from(outputs, batch, n=n, tokens=self.tokens, generate_s=time.perf_counter() - t0)
+        drawn = self._call("generate", engine_prompts(prompts, self.tokens.image_token_id), draws)
+        batch = select_prompts(prompts, [i for i, _ in draws], self.tokens.image_token_id)
+        return rollouts_from(drawn, batch, n=n, tokens=self.tokens, generate_s=time.perf_counter() - t0)
 
-    def _image_embeds(self, prompts: PromptBatch) -> list[dict | None]:
-        """Each prompt's images through the engine's vision tower, {image_embeds, image_grid_thw} (or
-        None for a text-only prompt): our processor's pixel rows, on the engine's device and dtype."""
-        media = prompt_media(prompts, self.tokens.image_token_id)
-        if not any(media):
-            return [None] * len(media)
-
-        @torch.no_grad()
-        def encode(model: torch.nn.Module) -> list[dict | None]:  # in this process (module doc, 1)
-            device, dtype = next(model.parameters()).device, model.visual.dtype
-            out: list[dict | None] = []
-            for m in media:
-                if not m:
-                    out.append(None)
-                    continue
-                grid = m["image_grid_thw"]
-                pixels = m[ROWS_KEY].to(device=device, dtype=dtype)
-                parts = model._process_image_input(
-                    {"type": "pixel_values", "pixel_values": pixels, "image_grid_thw": grid}
-                )
-                out.append({"image_embeds": torch.cat(list(parts)), "image_grid_thw": grid})
-            return out
-
-        (embeds,) = self.llm.apply_model(encode)
-        return embeds
-
-    @torch.no_grad()
     def load_weights(self, weights: Mapping[str, Any] | Iterable[Mapping[str, Any]]) -> None:
-        if self._asleep:
-            self.llm.wake_up(tags=["weights"])
-        buckets = [weights] if isinstance(weights, Mapping) else weights
-        self.llm.apply_model(lambda model: refit_model(model, buckets))  # in this process: no copy of a bucket
-        if self._asleep:
-            self.llm.wake_up(tags=["kv_cache"])
-            self._asleep = False
-        self.llm.reset_prefix_cache()
-        self.llm.llm_engine.reset_encoder_cache()
+        if self._actor is None:  # ended at the last release (module doc, 5)
+            self._start_engine()
+        self._wake("weights")
+        self._call("begin_refit")
+        segment = None
+        try:
+            for bucket in [weights] if isinstance(weights, Mapping) else weights:
+                if not bucket:
+                    continue
+                segment = segment or segment_for(bucket)
+                self._call("load_bucket", segment.put(bucket))
+                segment.mapped()
+                bucket = None  # before the next is drawn: the policy gathers it with this one freed
+            self._call("finish_refit")
+        finally:
+            if segment is not None:
+                segment.close()
+        self._released = False
 
     def release_weights(self) -> None:
-        if not self._asleep:
-            self.llm.sleep(level=2)
-            self._asleep = True
+        self._release(end=self.end_on_release)
+
+    def _release(self, *, end: bool) -> None:
+        """Sleep where the platform can, else end the engine's process when `end` (module doc, 5)."""
+        if self._released:
+            return
+        if self.sleep_mode:
+            self._call("sleep")
+            self._asleep = {"weights", "kv_cache"}
+        elif end:
+            self._end_engine()
+        self._released = True
 
     def state_dict(self) -> dict[str, Any]:
         return {"seed": self._seed, "calls": self._calls}
@@ -271,6 +355,19 @@ class VllmGenerator(GenerationBackend):
         self._seed, self._calls = state["seed"], state["calls"]
 
     def shutdown(self) -> None:
-        self.llm = None
-        gc.collect()
-        torch.cuda.empty_cache()
+        self._end_engine()
+        return_cached_blocks()
+
+
+def wait_gone(pid: int | None, timeout: float = 60.0) -> None:
+    """Until process `pid` has ended (Ray ends a killed actor's process a moment later)."""
+    import psutil
+
+    deadline = time.monotonic() + timeout
+    while pid is not None and psutil.pid_exists(pid) and time.monotonic() < deadline:
+        try:
+            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                return
+        except psutil.NoSuchProcess:
+            return
+        time.sleep(0.05)

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import tempfile
 from collections.abc import Iterator
 from dataclasses import asdict
@@ -192,16 +193,18 @@ def score_model(recipe, model_dir: Path, *, samples: int, threads: int = 1) -> d
     val = val_batches(
         recipe, processor_dir=str(model_dir), samples=samples, batch_size=max(1, recipe.train.micro_batch_size)
     )
-    policy, engine, decode = _open(recipe, model_dir, threads)
-    answers = _Answers(recipe, engine.eos_ids)
-    try:
-        scores = [
-            evaluate(share, policy=policy, generator=engine, decode=decode, on_answers=answers.add)
-            for share in _unpadded(validation_shares(val.loss_batches, val.prompt_batches, recipe.parallel.world_size))
-        ]
-    finally:
-        engine.shutdown()
-        policy.shutdown()
+    with _engine_ray(recipe):
+        policy, engine, decode = _open(recipe, model_dir, threads)
+        answers = _Answers(recipe, engine.eos_ids)
+        try:
+            shares = validation_shares(val.loss_batches, val.prompt_batches, recipe.parallel.world_size)
+            scores = [
+                evaluate(share, policy=policy, generator=engine, decode=decode, on_answers=answers.add)
+                for share in _unpadded(shares)
+            ]
+        finally:
+            engine.shutdown()
+            policy.shutdown()
     references = [a for b in val.prompt_batches for a in b.answers]
     row = validation_row(sum(scores, ValidationScore()), references, dropped=val.dropped, requested=samples)
     return {
@@ -211,6 +214,22 @@ def score_model(recipe, model_dir: Path, *, samples: int, threads: int = 1) -> d
         **asdict(row),
         **answers.summary(),
     }
+
+
+@contextlib.contextmanager
+def _engine_ray(recipe):
+    """A private local Ray for the command while an engine that runs as a Ray actor (vllm: a process of
+    its own, on vLLM's torch) is open; nothing for an engine in this process (hf)."""
+    if recipe.generation.backend != "vllm":
+        yield
+        return
+    from vlmrun.cluster.ray.local import start_local_ray, stop_local_ray
+
+    start_local_ray(f"eval-{os.getpid()}", 1)
+    try:
+        yield
+    finally:
+        stop_local_ray()
 
 
 def _unpadded(shares: list) -> list:

@@ -95,7 +95,7 @@ def check_memory_fit(recipe) -> MemoryFit:
     if e.engine_budget and e.engine_weights >= e.engine_budget:
         raise InputError(
             "generation.vllm.gpu_memory_utilization",
-            recipe.generation.engine_options(max_model_len=1)["gpu_memory_utilization"],
+            _vllm_options(recipe).gpu_memory_utilization,
             message=(
                 f"generation.vllm.gpu_memory_utilization: the vllm engine's share of the GPU, {_gib(e.engine_budget)}, "
                 f"cannot hold its whole copy of the weights ({_gib(e.engine_weights)}, {_count(e.params)} parameters in "
@@ -161,12 +161,18 @@ def training_shape(recipe) -> tuple[TrainingShape, str]:
 
 
 def _engine_budget(recipe) -> int:
-    """The bytes a vLLM engine may take on its GPU (0 for other backends): its gpu_memory_utilization
-    of what the device offers."""
-    g = recipe.generation
-    if g.backend != "vllm":
+    """The bytes a vLLM engine may take on its GPU (0 for other backends, and on a CPU run): its
+    gpu_memory_utilization of what the device offers (its own process's CUDA context comes on top:
+    memory.py, item 18)."""
+    if recipe.generation.backend != "vllm" or not recipe.cluster.gpus_per_node:
         return 0
-    return int(g.engine_options(max_model_len=1)["gpu_memory_utilization"] * device_bytes(recipe.cluster.gpu_memory_gb))
+    return int(_vllm_options(recipe).gpu_memory_utilization * device_bytes(recipe.cluster.gpu_memory_gb))
+
+
+def _vllm_options(recipe):
+    from vlmrun.config.generation import VllmOptions
+
+    return recipe.generation.vllm or VllmOptions()
 
 
 def _fit(recipe, found: ArchitectureSource, limit: int | None) -> MemoryFit:

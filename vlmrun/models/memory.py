@@ -12,6 +12,9 @@ from vlmrun.models.params import Architecture, Block
 
 GIB = 1 << 30
 GPU_OVERHEAD = 2 * GIB
+#: A vllm engine's own process on the rank's GPU (item 18): its CUDA context and allocator slack, held
+#: while it sleeps too.
+ENGINE_PROCESS_OVERHEAD = 1 * GIB
 ADAMW_STATES = 2
 
 
@@ -114,6 +117,7 @@ class MemoryEstimate:
             "optimizer": 0 if away and phase in ("refit", "generation") else self.optimizer * on_device,
             "reference model": 0 if away and phase == "generation" else self.reference * on_device,
             "generation engine": self.engine_weights if self.engine_resident else 0,
+            "engine process": ENGINE_PROCESS_OVERHEAD if self.engine_budget else 0,
         }
 
     def phase_terms(self) -> dict[str, dict[str, int]]:
@@ -215,11 +219,15 @@ def estimate_memory(arch: Architecture, shape: TrainingShape) -> MemoryEstimate:
     14. Generation engine: its own whole copy of the model in the compute dtype, on every rank
         (sharding does not reach it); resident through the step unless `generation.release_weights`.
     15. Refit bucket: the whole tensors the policy streams to the engine at once
-        (`generation.refit_bucket_mb`; a tensor larger than that alone).
+        (`generation.refit_bucket_mb`; a tensor larger than that alone); twice that for a vLLM engine
+        (18), whose process reads each bucket from a copy in a buffer it maps (generation/vllm_wire.py).
     13. Overhead: CUDA context, NCCL buffers and allocator slack, 2 GiB on a GPU; none on CPU.
     18. A vLLM engine (generation.backend: vllm) takes `engine_budget` while it generates (its
         weights, 14, and a KV cache pool filling the rest of its gpu_memory_utilization: 11 is that
-        rest) and sleeps while the policy trains (weights and KV cache freed: never resident).
+        rest) and sleeps while the policy trains (weights and KV cache freed: never resident). It runs
+        in a process of its own on the rank's GPU, whose CUDA context and allocator slack
+        (ENGINE_PROCESS_OVERHEAD) stay through every phase, asleep or not. A CPU run's engine is not
+        counted (its estimate is the policy's host memory per rank).
     17. offload_during_generation (GRPO): the optimizer's state (3) leaves the device before the refit,
         the weights (1) and the reference (10) right after it; all come back once the engine has
         generated. The refit phase then holds no optimizer state, generation none of the policy; the
@@ -254,7 +262,9 @@ def estimate_memory(arch: Architecture, shape: TrainingShape) -> MemoryEstimate:
         overhead=GPU_OVERHEAD if shape.on_gpu else 0,
         replica_accumulates=accumulates and not shape.fsdp,
         engine_weights=arch.total * compute if shape.engine else 0,
-        refit_bucket=min(shape.refit_bucket, arch.total * compute) if shape.engine else 0,
+        refit_bucket=min(shape.refit_bucket, arch.total * compute) * (2 if shape.engine_budget else 1)
+        if shape.engine
+        else 0,
         engine_resident=shape.engine and shape.engine_resident and not shape.engine_budget,
         load_host=_load_host(arch, shape, sharded * master, master),
         load_sharded=shape.fsdp,
