@@ -16,7 +16,7 @@ from vlmrun.config.families import FAMILIES
 from vlmrun.config.load import load_recipe
 from vlmrun.errors import InputError
 from vlmrun.models.architecture import REFERENCE_DIR, load_architecture
-from vlmrun.models.fit import check_memory_fit, device_bytes
+from vlmrun.models.fit import SYNTHETIC_ANSWER_TOKENS, check_memory_fit, device_bytes, training_shape
 from vlmrun.models.memory import GIB, TrainingShape, estimate_memory
 from vlmrun.models.params import UnknownArchitecture, count_architecture
 
@@ -194,6 +194,30 @@ def test_dry_run_json_carries_the_estimate(tmp_path):
     memory = data["memory_estimate"]
     assert memory["config"] == "vlmrun/models/reference/nemotron_omni_30b_a3b.json"
     assert memory["device_total"] < memory["limit_bytes"] == device_bytes(80) and memory["warning"] is None
+    assert memory["tokens_per_s"] == memory["throughput_estimate"]["tokens_per_s"] > 0 and memory["phase_totals"]
+
+
+def test_the_dry_run_prints_a_tokens_per_second_estimate_that_says_it_is_one(tmp_path):
+    out = vlmrun(
+        "submit", str(OMNI), "--dry-run", "--cluster", "slurm", "--set", f"model.path={placeholder_model(tmp_path)}"
+    )
+    assert out.returncode == 0, out.stderr
+    line = next(x for x in out.stdout.splitlines() if x.startswith("# throughput:"))
+    assert "tokens/s per GPU (estimate)" in line and "traffic" in line and "host" in line
+
+
+def test_the_throughput_estimate_sees_what_bounds_a_step():
+    """The Omni layout is bound by its traffic (every micro-batch gathers the 33B model; offloaded shards
+    cross PCIe), the 3B by its FLOPs; a GPU rank's host threads shorten the offloaded optimizer step."""
+    omni = check_memory_fit(load_recipe(OMNI)).throughput
+    small = check_memory_fit(load_recipe(OMNI, ["train.micro_batch_size=1"])).throughput
+    one_thread = check_memory_fit(load_recipe(OMNI, ["cluster.cpus_per_node=8"])).throughput
+    qwen = check_memory_fit(load_recipe(RECIPES / "qwen2.5-vl-3b-clevr-1n2g.yaml")).throughput
+    assert omni.traffic_s > 10 * omni.compute_s and qwen.compute_s > 3 * qwen.traffic_s
+    assert small.tokens_per_step == omni.tokens_per_step and small.traffic_s == 8 * omni.traffic_s
+    assert omni.tokens_per_s > 3 * small.tokens_per_s
+    assert one_thread.host_s == 8 * omni.host_s and omni.host_s > 0 == qwen.host_s
+    assert check_memory_fit(load_recipe(TINY)).throughput is None  # a CPU recipe: no GPU rate to estimate
 
 
 def test_cpu_recipes_are_estimated_never_refused():
@@ -317,6 +341,98 @@ def test_each_setting_moves_the_term_it_should():
     assert phases["refit"]["refit bucket"] == 256 << 20 and released.device_total < grpo.device_total
     sft_validation = estimate_memory(arch, replace(base, engine=True, refit_bucket=1 << 20))
     assert "generation" not in sft_validation.phase_terms() and sft_validation.phase_terms()["refit"]
+
+
+def test_the_rollout_counts_every_sequence_of_the_step_s_one_generate_call():
+    """GrpoWorker.rollout samples the replica's whole step in one call: global_batch_size / dp prompts,
+    each num_generations times, not one micro-batch's (the slow test below runs the worker)."""
+    for name, sequences in (("omni-clevr-grpo-1n8g.yaml", 32 * 8 // 8), ("qwen2.5-vl-3b-clevr-grpo-1n2g.yaml", 16 * 8)):
+        fit = check_memory_fit(load_recipe(RECIPES / name))
+        shape = training_shape(load_recipe(RECIPES / name))[0]
+        assert shape.generation_sequences == sequences
+        assert f"the rollout generates {sequences} sequences in one call" in fit.assumption
+    one = check_memory_fit(load_recipe(RECIPES / "qwen2.5-vl-3b-clevr-grpo-1n2g.yaml")).estimate
+    two = check_memory_fit(load_recipe(RECIPES / "qwen2.5-vl-3b-clevr-grpo-1n2g.yaml", ["train.global_batch_size=64"]))
+    assert two.estimate.generation > 1.9 * one.generation  # twice the prompts per call, twice the KV cache
+
+
+def test_an_image_is_bounded_by_the_sequence_where_the_data_does_not_say():
+    """A user's data (data.synthetic unset) may hold images as large as data.max_seq_len tokens: the
+    estimate sizes the vision tower's activations for that one, not for 448 px."""
+    arch = count_architecture("qwen2_5_vl", reference("qwen2_5_vl_3b"))
+    qwen3b = RECIPES / "qwen2.5-vl-3b-clevr-1n2g.yaml"
+    synthetic, said = training_shape(load_recipe(qwen3b), arch)
+    user = load_recipe(qwen3b, ["data.synthetic=null", "data.max_seq_len=4096"])
+    bounded, said_user = training_shape(user, arch)
+    assert synthetic.image_size == 448 and bounded.image_size == 128 * 14  # 16384 patches = 4096 tokens
+    assert "the largest image 4096 tokens (data.max_seq_len) hold" in said_user
+    assert estimate_memory(arch, bounded).vision_activations > 10 * estimate_memory(arch, synthetic).vision_activations
+
+
+def test_sft_counts_logits_for_the_labelled_tokens_only_where_the_data_bounds_them():
+    qwen3b = RECIPES / "qwen2.5-vl-3b-clevr-1n2g.yaml"
+    clevr = check_memory_fit(load_recipe(qwen3b)).estimate
+    user = check_memory_fit(load_recipe(qwen3b, ["data.synthetic=null", "data.max_seq_len=512"])).estimate
+    assert training_shape(load_recipe(qwen3b))[0].scored_tokens == SYNTHETIC_ANSWER_TOKENS
+    assert clevr.logits == 4 * SYNTHETIC_ANSWER_TOKENS * clevr_vocab(qwen3b) * (2 + 8)
+    assert user.logits == 4 * 512 * clevr_vocab(qwen3b) * (2 + 8)  # a user's answers may be any length
+
+
+def clevr_vocab(recipe: Path) -> int:
+    return load_architecture(load_recipe(recipe).model).architecture.vocab
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_synthetic_clevr_sample_labels_at_most_the_tokens_the_estimate_counts(family, clevr_set, tiny_dirs):
+    pytest.importorskip("torch")
+    from data_samples import make_recipe
+
+    from vlmrun.data.batch import IGNORE_INDEX
+    from vlmrun.data.loader import val_batches
+
+    recipe = make_recipe(clevr_set, family=family)
+    loss_batches, _, _ = val_batches(recipe, processor_dir=tiny_dirs[family], samples=64, batch_size=4)
+    labelled = [int(n) for b in loss_batches for n in (b.labels != IGNORE_INDEX).sum(dim=1)]
+    assert len(labelled) >= 16 and 0 < max(labelled) <= SYNTHETIC_ANSWER_TOKENS  # every val sample
+
+
+@pytest.mark.slow
+def test_one_generate_call_holds_the_sequences_the_estimate_counts(clevr_set, tiny_dirs):
+    """The GRPO rank itself (in this process, the driver path): the prompts of its replica's step, as the
+    controller hands them over, go to the engine in one call of as many sequences as the fit check counts."""
+    pytest.importorskip("torch")
+    from data_samples import free_port, make_recipe
+
+    from vlmrun.algorithms.common.steps import plan_steps
+    from vlmrun.algorithms.grpo.worker import GrpoWorker
+    from vlmrun.data.loader import val_batches
+
+    sets = {"task_encoder": "chat_grpo"}
+    train = {"algorithm": "grpo", "micro_batch_size": 2, "global_batch_size": 8}
+    recipe = make_recipe(clevr_set, train=train, dp=2, **sets).model_copy(
+        update={"grpo": load_recipe(RECIPES / "tiny-grpo-cpu.yaml").grpo.model_copy(update={"num_generations": 3})}
+    )
+    n_micro = plan_steps(recipe, 64).micro_batches_per_replica
+    _, prompts, _ = val_batches(recipe, processor_dir=tiny_dirs["qwen2_5_vl"], samples=2 * n_micro, batch_size=2)
+    worker = GrpoWorker(
+        rank=0,
+        world_size=1,
+        recipe_json=recipe.model_dump_json(),
+        model_dir=tiny_dirs["qwen2_5_vl"],
+        plane_enabled=False,
+    )
+    calls = []
+    try:
+        worker.setup("127.0.0.1", free_port(), 1)
+        generate = worker.generator.generate
+        worker.generator.generate = lambda batch, sampling, *, n: (
+            calls.append(len(batch) * n) or generate(batch, sampling, n=n)
+        )
+        worker.rollout(1, prompts=prompts[:n_micro])
+    finally:
+        worker.shutdown()
+    assert calls == [training_shape(recipe)[0].generation_sequences] == [4 * 3]
 
 
 # ---------------------------------------------------------------- counts against transformers

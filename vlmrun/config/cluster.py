@@ -69,6 +69,12 @@ class ClusterConfig(Section):
     extra_sbatch_args: dict[str, str] = Field(default_factory=dict)
     extra_srun_args: list[str] = Field(default_factory=list)
 
+    @property
+    def threads_per_gpu_rank(self) -> int:
+        """CPU threads a GPU rank computes with: the node's CPUs shared by its GPUs' ranks (a GPU rank's
+        host side: parallel.cpu_offload's optimizer step and gradient norm, batch preparation)."""
+        return max(1, self.cpus_per_node // max(1, self.gpus_per_node))
+
     @field_validator("time_limit", mode="before")
     @classmethod
     def _minutes(cls, value):

@@ -9,17 +9,23 @@ lower this estimate: each candidate is applied to the recipe and estimated again
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from typing import Any
 
 from vlmrun.errors import InputError
 from vlmrun.models.architecture import ArchitectureSource, load_architecture
 from vlmrun.models.memory import GIB, MemoryEstimate, TrainingShape, estimate_memory
-from vlmrun.models.params import UnknownArchitecture
+from vlmrun.models.params import Architecture, UnknownArchitecture
+from vlmrun.models.throughput import ThroughputEstimate, estimate_throughput
 
 WARN_FRACTION = 0.9
-# the image side assumed when the recipe does not say (data.synthetic unset)
-DEFAULT_IMAGE_SIZE = 448
+#: Vision-tower patches per language-model token: both families merge 2 x 2 patches into one token
+#: (Qwen's spatial merge, Nemotron-Omni's pixel shuffle at downsample_ratio 0.5).
+PATCHES_PER_TOKEN = 4
+#: Labelled tokens of a synthetic CLEVR sample at most: its answer (a count, yes or no: a few bytes) and the
+#: template's end of turn, with room to spare for any byte-level tokenizer (tests/test_fit_check.py counts them).
+SYNTHETIC_ANSWER_TOKENS = 16
 
 
 @dataclass(frozen=True)
@@ -34,6 +40,7 @@ class MemoryFit:
     ranks_per_node: int = 1
     warning: str | None = None
     assumption: str = ""
+    throughput: ThroughputEstimate | None = None  # a GPU recipe's tokens/s per GPU, estimated (throughput.py)
 
     @property
     def host_per_node(self) -> int:
@@ -46,6 +53,9 @@ class MemoryFit:
         if self.estimate is not None:
             out |= self.estimate.to_json() | {"host_per_node": self.host_per_node, "assumption": self.assumption}
             out["device_total_gib"] = round(self.estimate.device_total / GIB, 2)
+        if self.throughput is not None:
+            out["tokens_per_s"] = round(self.throughput.tokens_per_s, 1)
+            out["throughput_estimate"] = self.throughput.to_json()
         return out
 
     def report_lines(self) -> list[str]:
@@ -64,6 +74,8 @@ class MemoryFit:
         if self.limit is not None:
             lines.append(f"  {'host, per node':<22} {_size(self.host_per_node):>10} ({_host_words(self)})")
         lines.append(f"  assuming {self.assumption}")
+        if self.throughput is not None:
+            lines += [f"throughput: {self.throughput.line()}", f"  assuming {self.throughput.assumption}"]
         return lines + ([f"warning: {self.warning}"] if self.warning else [])
 
 
@@ -111,8 +123,9 @@ def check_memory_fit(recipe) -> MemoryFit:
     return _with_warning(fit)
 
 
-def training_shape(recipe) -> tuple[TrainingShape, str]:
-    """The per-rank shape of `recipe`'s biggest step, and the assumption it makes, in words."""
+def training_shape(recipe, arch: Architecture | None = None) -> tuple[TrainingShape, str]:
+    """The per-rank shape of `recipe`'s biggest step, and the assumption it makes, in words. `arch` sizes
+    the largest image a sample may hold where the recipe does not say (`image_bound`)."""
     t, d, p = recipe.train, recipe.data, recipe.parallel
     grpo = t.algorithm == "grpo"
     per_prompt = recipe.grpo.num_generations if grpo else 1
@@ -121,7 +134,7 @@ def training_shape(recipe) -> tuple[TrainingShape, str]:
     seq_len = d.max_seq_len + (
         recipe.grpo.max_new_tokens if grpo else 0
     )  # a GRPO prompt fits max_seq_len, its responses add
-    image = d.synthetic.image_size if d.synthetic is not None else DEFAULT_IMAGE_SIZE
+    image, where = image_bound(recipe, arch)
     sequences = t.micro_batch_size * per_prompt
     if d.pack_tokens is not None and d.pack_by == "tokens":  # a micro-batch is a row of data.pack_tokens
         sequences = max(sequences, d.pack_tokens // d.max_seq_len)  # each with its image, at full length
@@ -140,24 +153,60 @@ def training_shape(recipe) -> tuple[TrainingShape, str]:
         image_size=image,
         on_gpu=recipe.cluster.gpus_per_node > 0,
         reference_model=grpo and recipe.grpo.kl_coef > 0,
-        generation_sequences=t.micro_batch_size * per_prompt if grpo else 0,
+        generation_sequences=rollout_sequences(recipe),
         engine=grpo or t.val_samples > 0,
         engine_resident=grpo and not recipe.generation.sleeps_between_uses,
         refit_bucket=recipe.generation.refit_bucket_mb << 20,
         image_share=per_prompt,  # a GRPO prompt's responses read one encoding of its image
-        scored_tokens=recipe.grpo.max_new_tokens if grpo else None,  # a GRPO row's labels are its response
+        scored_tokens=scored_tokens(recipe),
         # on a CPU rank the host is the device: the moves free nothing there
         offload_during_generation=p.offload_during_generation and recipe.cluster.gpus_per_node > 0,
         engine_budget=_engine_budget(recipe),
     )
     seqs = f"{t.micro_batch_size} x {per_prompt}" if grpo else f"{sequences}"
-    where = "data.synthetic.image_size" if d.synthetic is not None else "assumed: data.synthetic is unset"
     length = f"data.max_seq_len={d.max_seq_len}" + (f" + grpo.max_new_tokens={seq_len - d.max_seq_len}" if grpo else "")
     said = (
         f"{micro_batches} micro-batch(es) per step of {seqs} sequence(s) of {length} tokens, one {image} px image "
         f"{'per prompt, encoded once for its responses' if grpo else 'each'} ({where})"
     )
+    if grpo:
+        said += f"; the rollout generates {shape.generation_sequences} sequences in one call (the rank's whole step)"
     return shape, said
+
+
+def rollout_sequences(recipe) -> int:
+    """The sequences one generate call holds on a rank (0 without GRPO): `GrpoWorker.rollout` samples
+    its replica's whole step at once (every prompt micro-batch of the step, each prompt
+    `grpo.num_generations` times), not a micro-batch at a time; one replica per dp rank."""
+    t = recipe.train
+    if t.algorithm != "grpo":
+        return 0
+    prompts = t.global_batch_size // recipe.parallel.dp // t.micro_batch_size * t.micro_batch_size
+    return prompts * recipe.grpo.num_generations
+
+
+def image_bound(recipe, arch: Architecture | None) -> tuple[int, str]:
+    """(the side in px of the largest image a sample may hold, where that bound comes from): a synthetic
+    set's size; else the square image whose tokens fill `data.max_seq_len` (a longer sample is cut or
+    refused, data/task_encoder.py), which a user's high-resolution images may reach (Qwen2.5-VL's
+    processor allows 16k tokens an image)."""
+    d = recipe.data
+    if d.synthetic is not None:
+        return d.synthetic.image_size, "data.synthetic.image_size"
+    patch = arch.vision.patch_size if arch is not None else 14
+    side = math.isqrt(d.max_seq_len * PATCHES_PER_TOKEN) * patch
+    return side, f"data.synthetic is unset: the largest image {d.max_seq_len} tokens (data.max_seq_len) hold"
+
+
+def scored_tokens(recipe) -> int | None:
+    """The most labelled tokens of a sequence (the positions the policy projects onto the vocabulary):
+    GRPO's response bound, a synthetic CLEVR answer with its end of turn, or every token (None) for a
+    user's SFT conversations, whose answers may be any length."""
+    if recipe.train.algorithm == "grpo":
+        return recipe.grpo.max_new_tokens
+    if recipe.data.synthetic is not None:
+        return SYNTHETIC_ANSWER_TOKENS
+    return None
 
 
 def _engine_budget(recipe) -> int:
@@ -176,14 +225,18 @@ def _vllm_options(recipe):
 
 
 def _fit(recipe, found: ArchitectureSource, limit: int | None) -> MemoryFit:
-    shape, said = training_shape(recipe)
+    shape, said = training_shape(recipe, found.architecture)
     c = recipe.cluster
     host_limit = c.mem_gb * GIB if (c.mem_gb and shape.on_gpu) else None
     estimate = estimate_memory(found.architecture, shape)
     ranks = max(1, c.gpus_per_node)
-    return MemoryFit(
-        estimate, found.source, limit, found.note, host_limit, ranks, warning=found.warning, assumption=said
-    )
+    rate = _throughput(recipe, found.architecture, shape) if shape.on_gpu else None
+    return MemoryFit(estimate, found.source, limit, found.note, host_limit, ranks, found.warning, said, throughput=rate)
+
+
+def _throughput(recipe, arch: Architecture, shape: TrainingShape) -> ThroughputEstimate:
+    compute = 2 if shape.mixed_precision == "bf16" or shape.master_dtype == "bfloat16" else 4
+    return estimate_throughput(arch, recipe, compute_bytes=compute, scored=shape.scored_tokens)
 
 
 def _with_warning(fit: MemoryFit) -> MemoryFit:
@@ -262,7 +315,7 @@ def _remedies(recipe, found: ArchitectureSource, total: int) -> list[str]:
             changed = validate(raw)
         except InputError:
             continue
-        after = estimate_memory(found.architecture, training_shape(changed)[0]).device_total
+        after = estimate_memory(found.architecture, training_shape(changed, found.architecture)[0]).device_total
         if after < total:
             lowered.append((after, f"{words} (-> {_gib(after)})"))
     return [words for _, words in sorted(lowered, key=lambda item: item[0])]
