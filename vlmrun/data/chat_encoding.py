@@ -38,6 +38,7 @@ import torch
 from vlmrun.config.families import FamilySpec
 from vlmrun.data.batch import IGNORE_INDEX, Batch, PromptBatch, media_into, media_layout
 from vlmrun.data.cookers import Conversation, MalformedSample, media_pixels
+from vlmrun.data.malloc import retain_freed_memory_in_worker
 from vlmrun.data.packing import pack, packed_layout
 
 
@@ -126,6 +127,7 @@ class ConversationEncoder:
     def encode(self, conv: Conversation) -> Encoded:
         """The full conversation with labels on assistant spans, cut to `max_seq_len` where that keeps
         its media and a labelled token; raises `SampleTooLong` where it does not."""
+        retain_freed_memory_in_worker()
         encoded = self._encode_messages(conv, conv.messages)
         labelled = (encoded.labels != IGNORE_INDEX).nonzero()
         if not labelled.numel():
@@ -163,6 +165,7 @@ class ConversationEncoder:
     def encode_prompt(self, conv: Conversation) -> EncodedPrompt:
         """Prompt for generation (with the template's generation prompt) and the reference answer; a
         prompt longer than `max_seq_len` raises `SampleTooLong` (it is never cut)."""
+        retain_freed_memory_in_worker()
         prompt = conv.messages[:-1] if conv.messages[-1]["role"] == "assistant" else conv.messages
         text = self._render(prompt, generation_prompt=True)
         images = self._images_of(conv, prompt)

@@ -11,9 +11,9 @@
    Energon batches `transfer_group` micro-batches at a time into one shared-memory block
    (`vlmrun.data.transport`); the shard hands them out one by one. A state saved in the middle of
    a group records the group's restore key and how many micro-batches were taken.
-4. The process that opens a shard keeps its freed heap memory (`vlmrun.data.malloc`), and so do
-   the workers it forks: memory handed back to the kernel after every sample is faulted in again by
-   the next one.
+4. The shard's worker processes keep their freed heap memory (`vlmrun.data.malloc`): memory handed
+   back to the kernel after every sample is faulted in again by the next one. The process that opens
+   the shard (a rank) keeps its own allocator policy.
 5. Corrupt samples are skipped and counted per shard up to `data.error_tolerance`
    (`vlmrun.data.error_budget`); one more fails the shard with its key and tar file. A sample that
    does not fit `data.max_seq_len` is refused (`SampleRefused`) or, with `data.on_bad_sample: drop`,
@@ -41,7 +41,6 @@ from vlmrun.data.batch import Batch, PromptBatch, SampleCounts
 from vlmrun.data.epochs import epoch_layout
 from vlmrun.data.error_budget import CorruptDataError, ErrorBudget, SampleRefused
 from vlmrun.data.fingerprint import LOADER_FORMAT, LOADER_FORMATS, LoaderStateRefused, continues, loader_fingerprint
-from vlmrun.data.malloc import retain_freed_memory
 from vlmrun.data.splits import split_size
 from vlmrun.data.transport import SlotPool, transfer_group
 from vlmrun.errors import InputError
@@ -139,7 +138,6 @@ class LoaderShard:
         self._pool = task_encoder.slot_pool = SlotPool(num_workers=d.num_workers)
         task_encoder.budget = self._budget
         task_encoder.epoch_samples = self.epochs.worker_samples if self.epochs is not None else None
-        retain_freed_memory()  # in this process and the workers it forks (see vlmrun.data.malloc)
         group_samples = t.micro_batch_size * transfer_group(t.micro_batch_size, d.transfer_samples)
         epoch_groups = max(1, d.virtual_epoch_length // group_samples) if d.virtual_epoch_length else 0
         dataset = get_train_dataset(

@@ -12,8 +12,11 @@
    sample reuses it (docs/measurements.md has the per-sample CPU before and after). The cost is that a
    process keeps up to 128 MiB of freed heap mapped instead of returning it.
 
-`retain_freed_memory()` applies this to the calling process; processes forked later (loader
-workers) inherit it. It does nothing where the C library has no `mallopt` (not glibc).
+`retain_freed_memory()` applies this to the calling process; processes forked later inherit it.
+The encoders call `retain_freed_memory_in_worker()` for every sample, which applies it once in each
+loader worker process and never in the process that trains: a rank keeps its host memory near what it
+holds instead (vlmrun/policy/host_memory.py), and a loader without workers runs inside it. It does
+nothing where the C library has no `mallopt` (not glibc).
 """
 
 from __future__ import annotations
@@ -32,6 +35,14 @@ _M_MMAP_THRESHOLD = -3
 MMAP_THRESHOLD = 32 << 20
 #: Free memory at the top of the heap kept before any is returned to the kernel.
 TRIM_THRESHOLD = 128 << 20
+
+
+def retain_freed_memory_in_worker() -> None:
+    """`retain_freed_memory()` when this process is a DataLoader worker (once: it is cached); else nothing."""
+    from torch.utils.data import get_worker_info
+
+    if get_worker_info() is not None:
+        retain_freed_memory()
 
 
 @functools.cache

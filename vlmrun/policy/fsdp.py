@@ -81,13 +81,27 @@ def _contains(outer: torch.nn.Module, inner: torch.nn.Module) -> bool:
 
 
 def touch_towers(model: torch.nn.Module, loss: torch.Tensor) -> torch.Tensor:
-    """`loss` plus 0 x the sum of every media tower parameter, called after the forward (the root's
-    parameters are still gathered then): each tower parameter gets a gradient in this micro-batch,
-    zero where the micro-batch did not use it, and used ones get exactly their own gradient."""
-    touched = [p.sum() for tower in media_towers(model) for p in tower.parameters() if p.requires_grad]
+    """`loss` plus 0 x the first element of every media tower parameter, called after the forward (the
+    root's parameters are still gathered then) of a step's first micro-batch and of each whose backward
+    reduce-scatters: each tower parameter gets a gradient there, zero where the micro-batch did not use it,
+    and used ones get exactly their own gradient; so every gradient a reduce-scatter sees is in one dtype
+    (accumulated ones in the reduce dtype from the first micro-batch on). One element each: the zero
+    gradient is the parameter's whole either way, and reading every weight of the towers a micro-batch
+    would cost what their forward reads."""
+    touched = [p.view(-1)[0] for tower in media_towers(model) for p in tower.parameters() if p.requires_grad]
     if not touched:
         return loss
     return loss + 0.0 * torch.stack(touched).sum().to(loss.dtype)
+
+
+def reshard_root(model: torch.nn.Module) -> None:
+    """Give a sharded model's root unit back its shards after a forward that no backward follows
+    (logprobs, the reference's, validation): FSDP2 keeps the root gathered from a forward to its
+    backward (the decoder layers reshard after their forward themselves), so without this the root
+    (embeddings, head, media towers) stays whole on every rank until the next training step. A model
+    that is not sharded is left alone."""
+    if hasattr(model, "reshard"):
+        model.reshard()
 
 
 def shard_mesh(device_type: str, layout: RankLayout):
@@ -160,7 +174,9 @@ def grad_norm(params: list[torch.nn.Parameter], *, sharded: bool) -> float:
     gradient (a shard's whole gradient is gathered one tensor at a time), then the norm of those. So a
     sharded run on CPU reports, and clips with, the bits of the replicated run (and of runs written
     before FSDP existed). On a GPU mesh gathering every gradient would cost a second all-gather of
-    the model: each rank sums the squares of its shards in fp64 and the sums are all-reduced.
+    the model: each rank sums the squares of its shards in fp64 (each shard's fp64 norm, squared: no
+    fp64 copy of a gradient, which on an offloaded rank's CPU would be twice its size again) and the sums
+    are all-reduced over the shard group.
     """
     grads = [p.grad.detach() for p in params if p.grad is not None]
     if not grads:
@@ -169,7 +185,7 @@ def grad_norm(params: list[torch.nn.Parameter], *, sharded: bool) -> float:
     if sharded and mesh is not None and mesh.device_type != "cpu":
         total = torch.zeros((), dtype=torch.float64, device=local_tensor(grads[0]).device)
         for g in grads:
-            total += local_tensor(g).to(torch.float64).pow(2).sum()
+            total += torch.linalg.vector_norm(local_tensor(g), 2, dtype=torch.float64).square()
         if mesh.size() > 1:  # over one shard group: HSDP's replicas hold the same shards
             group = mesh.get_group("shard") if mesh.ndim > 1 else mesh.get_group()
             dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
@@ -180,14 +196,19 @@ def grad_norm(params: list[torch.nn.Parameter], *, sharded: bool) -> float:
 
 def clip_gradients(params: list[torch.nn.Parameter], norm: float, max_norm: float) -> None:
     """Scale gradients in place so their norm is at most `max_norm` (<= 0: no clipping), with the
-    fp32 coefficient torch's clip_grad_norm_ computes (so the scaled bits match it)."""
+    fp32 coefficient torch's clip_grad_norm_ computes (so the scaled bits match it), copied once to
+    each device and dtype the gradients live in (not once per parameter)."""
     if max_norm <= 0:
         return
     coef = torch.clamp(max_norm / (torch.tensor(norm, dtype=torch.float32) + 1e-6), max=1.0)
+    placed: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
     for p in params:
         if p.grad is not None:
             g = local_tensor(p.grad).detach()
-            g.mul_(coef.to(device=g.device, dtype=g.dtype))
+            key = (g.device, g.dtype)
+            if key not in placed:
+                placed[key] = coef.to(device=g.device, dtype=g.dtype)
+            g.mul_(placed[key])
 
 
 def checkpoint_layers(model: torch.nn.Module, layers: list[torch.nn.Module]) -> list[torch.nn.Module]:

@@ -20,8 +20,6 @@ else the CPU. Micro-batches arrive on the CPU and are moved here.
 from __future__ import annotations
 
 import gc
-import os
-import resource
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -48,17 +46,24 @@ from vlmrun.policy.fsdp import (
     clip_gradients,
     decoder_layers,
     grad_norm,
+    reshard_root,
     set_gradient_sync,
     shard_mesh,
     shard_model,
     touch_towers,
 )
 from vlmrun.policy.grad_sync import all_reduce_gradients, all_reduce_sum
+from vlmrun.policy.host_memory import StepPeak, trim
 from vlmrun.policy.host_offload import HostCopies
 from vlmrun.policy.interface import REFIT_BUCKET_BYTES, PolicyBackend, StepResult, TokenLoss
-from vlmrun.policy.loss import LossStats, NllLoss, labelled_logprobs, scored_positions
+from vlmrun.policy.kernels import check_cuda_kernels
+from vlmrun.policy.loss import LossStats, NllLoss, kept_logits, labelled_logprobs, logits_to_keep, scored_positions
 from vlmrun.policy.optimizer import allocate_state, build_optimizer
 from vlmrun.policy.refit_stream import refit_buckets
+
+#: Minutes a collective waits for its slowest rank before the group fails: on a GPU the ranks may wait
+#: out one rank's checkpoint write of its shard of a 30B model (tens of GB) on a slow file system.
+COLLECTIVE_TIMEOUT_MIN = {"cpu": 10, "cuda": 60}
 
 
 class HfPolicy(PolicyBackend):
@@ -79,6 +84,7 @@ class HfPolicy(PolicyBackend):
         # the hf backend's ranks are data-parallel only; HSDP: shard groups of dp_shard ranks
         self.ranks = RankLayout(dp=world_size, dp_shard=getattr(parallel, "dp_shard", None))
         self.gpus = gpus
+        self._peak = StepPeak()
         if gpus:  # before anything in this rank's process touches CUDA (its generation engine too)
             prepare_cuda_allocator()
 
@@ -92,7 +98,7 @@ class HfPolicy(PolicyBackend):
                 init_method=f"tcp://{master_addr}:{master_port}",
                 rank=self.rank,
                 world_size=self.world_size,
-                timeout=timedelta(minutes=10),
+                timeout=timedelta(minutes=COLLECTIVE_TIMEOUT_MIN[self.device.type]),
             )
         self.max_steps = max_steps
         self._build(unread=weights == "checkpoint")
@@ -109,7 +115,7 @@ class HfPolicy(PolicyBackend):
         self.model = self._build_unread() if unread else self._build_model()
         self.model.train()
         self.params = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer, self.scheduler = build_optimizer(self.params, self.train, self.max_steps)
+        self.optimizer, self.scheduler = build_optimizer(self.params, self.train, self.max_steps, fused=self.gpus)
 
     def load_model_weights(self) -> None:
         self.model = self.params = self.optimizer = self.scheduler = None  # the unread build goes first
@@ -141,6 +147,7 @@ class HfPolicy(PolicyBackend):
             load = "whole on every rank (replicated)"
         if trainable:
             self.weights_load = load  # job.json's attempt says it (policy_load)
+        check_cuda_kernels(model, self.device)
         if not trainable:
             model.requires_grad_(False)
         if self.sharded:
@@ -173,21 +180,27 @@ class HfPolicy(PolicyBackend):
 
     def train_step(self, micro_batches: list, loss: TokenLoss | None = None) -> StepResult:
         t0 = time.perf_counter()
+        self._peak.reset()
         loss = loss or NllLoss()
         local_tokens = sum(loss.tokens(b) for b in micro_batches)
         (global_tokens,) = all_reduce_sum([float(local_tokens)])
         denom = max(global_tokens, 1.0)
         for p in self.params:  # not the optimizer's zero_grad: a resume may still be restoring the optimizer
             p.grad = None
-        local_loss, stats = 0.0, LossStats()
+        # summed in fp64 where the losses are (python's float addition, without a host sync a micro-batch)
+        local_loss, stats = torch.zeros((), dtype=torch.float64, device=self.device), LossStats()
         for k, b in enumerate(micro_batches):
+            syncs = self.sync_every or k == len(micro_batches) - 1
             if self.sharded:  # reduce-scatter once, after the step's last micro-batch (or after each)
-                set_gradient_sync(self.model, self.sync_every or k == len(micro_batches) - 1)
+                set_gradient_sync(self.model, syncs)
             b = to_device(b, self.device)
             terms = loss(self._logprobs(self.model, b), b)
-            total = touch_towers(self.model, terms.total) if self.sharded else terms.total
+            # every tower parameter gets a gradient in the micro-batch that starts each one's accumulation
+            # and in each that reduces: then every one reduces in the same dtype (fsdp.py, 1)
+            touch = self.sharded and (syncs or k == 0)
+            total = touch_towers(self.model, terms.total) if touch else terms.total
             (total / denom).backward()
-            local_loss += float(terms.total.detach())
+            local_loss += terms.total.detach()
             stats.add(terms)
         self._phase_done("forward_backward")
         if not self.sharded:
@@ -202,15 +215,16 @@ class HfPolicy(PolicyBackend):
         # the gradients are spent: freed now, not at the next step, so a rollout, refit or validation
         # between steps has their memory (the fit check counts none there)
         self.optimizer.zero_grad(set_to_none=True)
+        trim()  # the step's freed host memory back to the kernel (host_memory.py)
         self._phase_done("optimizer")
-        (total_loss,) = all_reduce_sum([local_loss])
+        (total_loss,) = all_reduce_sum([float(local_loss)])
         return StepResult(
             loss=total_loss / denom,
             grad_norm=norm,
             lr=lr,
             valid_tokens=int(global_tokens),
             compute_s=time.perf_counter() - t0,
-            peak_rss_mb=peak_rss_mb(),
+            peak_rss_mb=self._peak.peak_mb(),
             stats=stats.reduced(),
         )
 
@@ -235,25 +249,28 @@ class HfPolicy(PolicyBackend):
         # a packed batch may run as one row (flash-attention: models/packing.py), the same tokens in order
         keep = scored_positions(b.labels).reshape(inputs["input_ids"].shape)
         with vision_once(model, b.image_source):
-            logits = model(**inputs, use_cache=False, logits_to_keep=keep).logits
-        return labelled_logprobs(logits, b.labels)
+            logits = model(**inputs, use_cache=False, logits_to_keep=logits_to_keep(keep)).logits
+        return labelled_logprobs(kept_logits(logits, keep), b.labels)
 
     @torch.no_grad()
     def logprobs(self, batch) -> torch.Tensor:
-        was_training = self.model.training
-        self.model.eval()
+        """In train mode, as the training step's forward (dropout is 0 in every family's config): a model
+        may take other kernels in eval mode (NemotronH's Mamba takes its fused kernel in train mode only),
+        and GRPO's old and new log-probs must come from the same ones."""
         try:
-            b = to_device(batch, self.device)
-            return self._logprobs(self.model, b).cpu()
+            return self._logprobs(self.model, to_device(batch, self.device)).cpu()
         finally:
-            self.model.train(was_training)
+            reshard_root(self.model)
 
     @torch.no_grad()
     def reference_logprobs(self, batch) -> torch.Tensor:
+        """The frozen reference's, in train mode too (`logprobs`)."""
         if getattr(self, "_reference", None) is None:
-            self._reference = self._build_model(trainable=False).eval()
-        b = to_device(batch, self.device)
-        return self._logprobs(self._reference, b).cpu()
+            self._reference = self._build_model(trainable=False).train()
+        try:
+            return self._logprobs(self._reference, to_device(batch, self.device)).cpu()
+        finally:
+            reshard_root(self._reference)
 
     def checkpoint_state(self) -> PolicyState:
         self._restored()
@@ -377,10 +394,3 @@ class HfPolicy(PolicyBackend):
         gc.collect()
         if dist.is_initialized():
             dist.destroy_process_group()
-
-
-def peak_rss_mb() -> float:
-    """Peak RSS of this process and its loader worker children, in MB."""
-    own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    children = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-    return round(max(own, children) / 1024.0, 1) if os.name == "posix" else 0.0

@@ -61,12 +61,13 @@ class StepResult:
 class LossTerms:
     """One micro-batch's part of a `TokenLoss`: `total` is the tensor to backpropagate (summed over the
     micro-batch's tokens, not normalized); `sums`, `mins` and `maxs` are statistics the backend reduces
-    over every micro-batch of every rank by sum, min and max (every call returns the same keys)."""
+    over every micro-batch of every rank by sum, min and max (every call returns the same keys): floats,
+    or 0-d tensors where they were computed, which the backend brings to the host once a step."""
 
     total: Any
-    sums: dict[str, float] = field(default_factory=dict)
-    mins: dict[str, float] = field(default_factory=dict)
-    maxs: dict[str, float] = field(default_factory=dict)
+    sums: dict[str, Any] = field(default_factory=dict)
+    mins: dict[str, Any] = field(default_factory=dict)
+    maxs: dict[str, Any] = field(default_factory=dict)
 
 
 class TokenLoss(abc.ABC):

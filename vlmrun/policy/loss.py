@@ -8,11 +8,20 @@ step (vocab x tokens x 4 bytes, twice with the log-softmax). The values are thos
 sequence's logits (`token_logprobs`, the definition) to fp32 round-off: the same rows of the same
 matmul, taken from a smaller one. A `TokenLoss` gets these per-token log-probs, never logits.
 
+transformers before 5.20 read a tensor `logits_to_keep` only as positions kept in every row
+(`hidden_states[:, keep]`): a 2-D mask raises IndexError there. `logits_to_keep` passes such a
+transformers the columns any row scores instead, and `kept_logits` takes each row's own out of them
+(the same values to fp32 round-off: a wider matmul); with a transformers that takes the mask
+(`slice_logits_to_keep`), the mask itself, and the bits stay those of the mask.
+
 `NllLoss` is the `TokenLoss` `train_step` uses when the algorithm gives none (SFT). `LossStats` gathers a
-loss's statistics (`LossTerms`) over a rank's micro-batches, then over every rank.
+loss's statistics (`LossTerms`) over a rank's micro-batches, then over every rank; values may be
+tensors on the device, brought to the host together once a step (one copy, not one a value).
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -34,6 +43,27 @@ def scored_positions(labels: torch.Tensor) -> torch.Tensor:
     keep = torch.zeros_like(labels, dtype=torch.bool)
     keep[:, :-1] = labels[:, 1:] != IGNORE_INDEX
     return keep
+
+
+@functools.cache
+def takes_a_mask() -> bool:
+    """Whether the installed transformers reads a 2-D boolean `logits_to_keep` as a mask (module doc)."""
+    from transformers import modeling_utils
+
+    return hasattr(modeling_utils, "slice_logits_to_keep")
+
+
+def logits_to_keep(keep: torch.Tensor) -> torch.Tensor:
+    """What to pass transformers as `logits_to_keep` for the [B, T] mask `keep` (module doc)."""
+    return keep if takes_a_mask() else keep.any(dim=0).nonzero().squeeze(-1)
+
+
+def kept_logits(logits: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """The logits of `keep`'s True positions, [N, vocab] in row-major order, from what the model returned
+    for `logits_to_keep(keep)`: those already, or [B, K, vocab] over the columns any row keeps."""
+    if logits.dim() == 2:
+        return logits
+    return logits[keep[:, keep.any(dim=0)]]
 
 
 def labelled_logprobs(kept_logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -75,30 +105,51 @@ class NllLoss(TokenLoss):
 
 
 class LossStats:
-    """A loss's statistics over this rank's micro-batches, then over all ranks (`LossTerms`)."""
+    """A loss's statistics over this rank's micro-batches, then over all ranks (`LossTerms`). Values
+    (floats, or 0-d tensors on the device) are kept as they come and brought to the host in `reduced`:
+    one copy for the step; the sums are then added in micro-batch order, as floats, as they always were."""
 
     def __init__(self):
-        self.sums: dict[str, float] = {}
-        self.mins: dict[str, float] = {}
-        self.maxs: dict[str, float] = {}
+        self._terms: list[LossTerms] = []
 
     def add(self, terms: LossTerms) -> None:
-        for k, v in terms.sums.items():
-            self.sums[k] = self.sums.get(k, 0.0) + v
-        for k, v in terms.mins.items():
-            self.mins[k] = min(self.mins.get(k, float("inf")), v)
-        for k, v in terms.maxs.items():
-            self.maxs[k] = max(self.maxs.get(k, float("-inf")), v)
+        self._terms.append(terms)
+
+    def _on_host(self) -> tuple[dict[str, float], dict[str, float], dict[str, float]]:
+        values = [v for t in self._terms for part in (t.sums, t.mins, t.maxs) for v in part.values()]
+        floats = iter(_host_floats(values))
+        sums: dict[str, float] = {}
+        mins: dict[str, float] = {}
+        maxs: dict[str, float] = {}
+        for t in self._terms:
+            for k in t.sums:
+                sums[k] = sums.get(k, 0.0) + next(floats)
+            for k in t.mins:
+                mins[k] = min(mins.get(k, float("inf")), next(floats))
+            for k in t.maxs:
+                maxs[k] = max(maxs.get(k, float("-inf")), next(floats))
+        return sums, mins, maxs
 
     def reduced(self) -> dict[str, float]:
         """Every statistic over all ranks; the same keys on every rank (collectives in sorted key order)."""
+        sums, mins, maxs = self._on_host()
         out: dict[str, float] = {}
         for values, reduce in (
-            (self.sums, all_reduce_sum),
-            (self.mins, lambda v: all_reduce_extreme(v, largest=False)),
-            (self.maxs, lambda v: all_reduce_extreme(v, largest=True)),
+            (sums, all_reduce_sum),
+            (mins, lambda v: all_reduce_extreme(v, largest=False)),
+            (maxs, lambda v: all_reduce_extreme(v, largest=True)),
         ):
             keys = sorted(values)
             if keys:
                 out |= dict(zip(keys, reduce([values[k] for k in keys]), strict=True))
         return out
+
+
+def _host_floats(values: list) -> list[float]:
+    """`values` (floats, ints or 0-d tensors) as floats, every tensor copied to the host in one transfer;
+    each the float `float(value)` would give (fp64 holds every fp32 and int32 value exactly)."""
+    tensors = [v for v in values if torch.is_tensor(v)]
+    if not tensors:
+        return [float(v) for v in values]
+    host = iter(torch.stack([t.detach().reshape(()).to(torch.float64) for t in tensors]).tolist())
+    return [next(host) if torch.is_tensor(v) else float(v) for v in values]

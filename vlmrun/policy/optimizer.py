@@ -24,15 +24,16 @@ if TYPE_CHECKING:  # tools/gpu/check.py runs the policy where pydantic is not in
     from vlmrun.config.train import TrainConfig
 
 
-def build_optimizer(params, train: TrainConfig, max_steps: int):
-    """(optimizer, LR scheduler) for `params` as `train` asks; `foreach=False` on every device: the
-    per-tensor loop whose order the bitwise checks rely on."""
+def build_optimizer(params, train: TrainConfig, max_steps: int, *, fused: bool = False):
+    """(optimizer, LR scheduler) for `params` as `train` asks. A CPU rank's optimizer takes torch's
+    per-tensor loop (`foreach=False`), whose order the bitwise checks rely on; a GPU rank's (`fused`)
+    its multi-tensor kernels, on the GPU or, with parallel.cpu_offload, on the host's threads: AdamW's
+    fused kernel, SGD's foreach one (torch has no DTensor rule for SGD's fused kernel)."""
     if train.optimizer == "adamw":
-        optimizer = torch.optim.AdamW(
-            params, lr=train.lr, betas=train.betas, weight_decay=train.weight_decay, foreach=False
-        )
+        kernel = {"fused": True} if fused else {"foreach": False}
+        optimizer = torch.optim.AdamW(params, lr=train.lr, betas=train.betas, weight_decay=train.weight_decay, **kernel)
     else:
-        optimizer = torch.optim.SGD(params, lr=train.lr, weight_decay=train.weight_decay, foreach=False)
+        optimizer = torch.optim.SGD(params, lr=train.lr, weight_decay=train.weight_decay, foreach=fused)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer,
         lambda s: lr_factor(

@@ -1,6 +1,9 @@
 """The rank worker every algorithm's per-rank actor extends: what SFT and GRPO ranks hold and do alike.
 
-1. Construction: the rank's policy (the recipe's `model.backend`) and, when the algorithm generates
+1. Construction: the rank's host side first (its malloc thresholds, policy/host_memory.py; a GPU rank
+   computes on its share of the node's CPUs, `cluster.threads_per_gpu_rank`: the host's part of its step,
+   AdamW over offloaded state included, would crawl on one thread, while a CPU rank keeps the one thread
+   its CPU was given), then the rank's policy (the recipe's `model.backend`) and, when the algorithm generates
    (GRPO), its generation engine (`generation.backend`), on the rank's GPU when it has one, in the
    compute dtype, refit from the policy in memory: both opened by rank_backends.py, as `vlmrun eval`
    opens them.
@@ -62,12 +65,16 @@ class RankWorker(RankActor):
         import torch
 
         from vlmrun.config.recipe import Recipe
+        from vlmrun.policy.host_memory import keep_near_live
         from vlmrun.startup import freeze_imports
 
         freeze_imports()  # the imports are done; set-up's own collection walks only what set-up makes
+        keep_near_live()
+        r = Recipe.model_validate_json(recipe_json)
+        threads = r.cluster.threads_per_gpu_rank if r.cluster.gpus_per_node else threads
         torch.set_num_threads(threads)
         self.rank, self.replica, self.owner, self.threads = rank, replica, owner, threads
-        self.recipe = r = Recipe.model_validate_json(recipe_json)
+        self.recipe = r
         self.model_dir = model_dir
         self.policy: PolicyBackend = open_rank_policy(
             r, model_dir, rank=rank, world_size=world_size, parallel=r.parallel, gpus=r.cluster.gpus_per_node > 0

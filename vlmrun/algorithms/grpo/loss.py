@@ -45,21 +45,30 @@ class ClippedPgLoss(TokenLoss):
             per_token = per_token + self.kl_coef * kl
         total = per_token.masked_fill(~mask, 0.0).sum()
         with torch.no_grad():
-            gen, prev = mb.generation_logprobs, mb.prev_logprobs
-            kept = ratio.detach()[mask]
+            gen, prev, r = mb.generation_logprobs, mb.prev_logprobs, ratio.detach()
             sums = {
-                "kl": kl.detach()[mask].sum(),
-                "token_mult_prob_error": torch.exp((gen - prev).abs())[mask].sum(),
-                "sampling_importance_ratio": torch.exp(prev - gen)[mask].sum(),
-                "gen_kl_error": k3(prev, gen)[mask].sum(),
-                "clipped": (ratio.detach() != clipped.detach())[mask].sum(),
+                "kl": masked_sum(kl.detach(), mask),
+                "token_mult_prob_error": masked_sum(torch.exp((gen - prev).abs()), mask),
+                "sampling_importance_ratio": masked_sum(torch.exp(prev - gen), mask),
+                "gen_kl_error": masked_sum(k3(prev, gen), mask),
+                "clipped": masked_sum(r != clipped.detach(), mask),
             }
+        # tensors: the policy brings a step's statistics to the host at once (policy/loss.py LossStats)
         return LossTerms(
             total=total,
-            sums={k: float(v) for k, v in sums.items()},
-            mins={"probs_ratio_min": float(kept.min()) if kept.numel() else float("inf")},
-            maxs={"probs_ratio_max": float(kept.max()) if kept.numel() else float("-inf")},
+            sums=sums,
+            mins={"probs_ratio_min": r.masked_fill(~mask, float("inf")).min()},
+            maxs={"probs_ratio_max": r.masked_fill(~mask, float("-inf")).max()},
         )
+
+
+def masked_sum(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """The sum of `values` where `mask`, a 0-d tensor on their device. On a CPU, the sum of the selected
+    values (the bits every CPU run has logged); on a GPU, the masked sum over all of them: boolean
+    indexing would wait for the device to learn how many there are, a host sync per statistic."""
+    if values.device.type == "cpu":
+        return values[mask].sum()
+    return torch.where(mask, values, torch.zeros((), dtype=values.dtype, device=values.device)).sum()
 
 
 def k3(ref: torch.Tensor, logp: torch.Tensor) -> torch.Tensor:
