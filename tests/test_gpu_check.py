@@ -114,3 +114,67 @@ def test_a_bad_section_name_is_a_usage_error():
         timeout=60,
     )
     assert proc.returncode == 2 and "nope" in proc.stderr
+
+
+def test_the_multi_gpu_check_answers_help_without_a_gpu():
+    proc = subprocess.run(
+        [sys.executable, "-c", WITHOUT_ABSENT, "tools/gpu/multi_gpu_check.py", "--help"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 0 and "--time-limit" in proc.stdout and "hsdp" in proc.stdout
+
+
+@pytest.mark.slow  # 2 gloo ranks per layout, FSDP2 and HSDP, a DCP round trip each: ~30 s
+def test_the_multi_gpu_check_runs_its_cases_on_two_cpu_ranks(tmp_path):
+    out = tmp_path / "multi.json"
+    env = {k: v for k, v in os.environ.items() if k != "OUT"} | {"CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(REPO)}
+    proc = subprocess.run(
+        [sys.executable, "tools/gpu/multi_gpu_check.py", "--cpu-smoke", "--steps", "2", "--out", str(out)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    report = json.loads(out.read_text())
+    assert proc.returncode == 0 and report["ok"], (report, proc.stderr[-3000:])
+    assert set(report["cases"]) == {"tiny-fsdp", "tiny-hsdp"}
+    fsdp, hsdp = report["cases"]["tiny-fsdp"], report["cases"]["tiny-hsdp"]
+    assert fsdp["policy_layout"] == "FSDP2 over 2 ranks" and hsdp["policy_layout"].startswith("HSDP: 2 replicas")
+    for case in (fsdp, hsdp):  # rank 0's second micro-batch was text-only: the step went through
+        assert case["dcp_equal"] and case["ranks_agree"] and len(case["losses"]) == 2
+        assert case["tokens_per_s_per_gpu"] > 0 and case["mfu_vs_ceiling"] > 0
+
+
+@pytest.mark.slow  # an hf engine and a policy of the tiny model, 4 prompts x 2 responses
+def test_the_vllm_check_s_prompts_of_mixed_image_sizes_score_as_they_were_sampled(tiny_dirs):
+    """Its prompts are left-padded as the product pads prompts (the tiny tokenizer pads on the right, and
+    with images of different sizes generation went on after the pads): the hf policy's log-probs of what
+    the hf engine sampled are the engine's own, to fp32 round-off."""
+    import importlib.util
+
+    from vlmrun.generation import open_generator
+    from vlmrun.generation.interface import SamplingParams
+    from vlmrun.models.spec import ModelSpec
+    from vlmrun.policy import open_policy
+
+    spec = importlib.util.spec_from_file_location("vllm_check", REPO / "tools" / "gpu" / "vllm_check.py")
+    check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(check)
+    model_dir = tiny_dirs["qwen2_5_vl"]
+    batch = check.prompts(model_dir, 4, 112)
+    assert batch.media["image_grid_thw"][:, 1].tolist() == [8, 6, 8, 6]  # two sizes, two prompt lengths
+    assert (batch.attention_mask[:, -1] == 1).all() and (batch.attention_mask[:, 0] == 0).any()  # padded left
+    engine = open_generator("hf", model=ModelSpec(directory=model_dir))
+    engine.setup()
+    sys.path.insert(0, str(REPO / "tools" / "gpu"))
+    from workload import TRAIN
+
+    policy = open_policy("hf", model=ModelSpec(directory=model_dir), rank=0, world_size=1, train=TRAIN)
+    policy.setup(master_addr="127.0.0.1", master_port=0, max_steps=1)
+    rollouts = engine.generate(batch, SamplingParams(temperature=1.0, max_new_tokens=6, seed=3), n=2)
+    error = check.prob_error(policy, rollouts)
+    assert 1.0 <= error["max"] < 1.0001, error

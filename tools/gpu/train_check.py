@@ -2,7 +2,7 @@
 
 The step is the policy's own `train_step` (workload.open_check_policy: FSDP2 on one rank, bf16 mixed
 precision over fp32 master weights): the NLL summed over labelled tokens and divided by the step's
-global count of them, the gradient sync schedule, norm and clipping, AdamW(foreach=False) and the LR
+global count of them, the gradient sync schedule, norm and clipping, AdamW (fused on a GPU) and the LR
 schedule, exactly as a training rank takes it. The policy reports the end of each phase
 (`PolicyBackend.on_phase`); the clock synchronizes the device there, so asynchronous CUDA work is
 charged to the phase that queued it. MFU is reported for the whole step and for forward + backward.
@@ -84,7 +84,7 @@ def fsdp_throughput(scale: workload.Scale, *, ceiling_tflops: float | None, spec
         "attn_implementation": attention,
         "activation_checkpointing": scale.activation_checkpointing,
         "mixed_precision": "bf16 params and compute, fp32 master weights and gradient reduction",
-        "optimizer": f"{workload.TRAIN.optimizer} (the policy's, foreach=False), grad_clip {workload.TRAIN.grad_clip}",
+        "optimizer": f"{workload.TRAIN.optimizer} (the policy's: fused on a GPU, foreach=False on a CPU), grad_clip {workload.TRAIN.grad_clip}",
         "warmup_steps": scale.warmup_steps,
         "timed_steps": scale.steps,
         "losses": [round(r.loss, 4) for r in results],

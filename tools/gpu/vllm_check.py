@@ -93,17 +93,20 @@ def model_dir(folder: Path) -> tuple[Path, dict]:
 
 
 def prompts(directory: Path, count: int, side: int = 448) -> PromptBatch:
-    """`count` prompts as the GRPO prompt encoder makes them: the chat template with one `side` px image."""
+    """`count` prompts as the GRPO prompt encoder makes them: the chat template with one image each, of
+    `side` px and, every other prompt, 3/4 of it (a batch of different lengths), left-padded as the
+    product pads prompts (the tiny tokenizer pads on the right: generation would go on after the pads)."""
     from PIL import Image
     from transformers import AutoProcessor
 
     processor = AutoProcessor.from_pretrained(directory)
+    processor.tokenizer.padding_side = "left"
     messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": QUESTION}]}]
     text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     g = torch.Generator().manual_seed(0)
+    sides = [side if i % 2 == 0 else side * 3 // 4 // 28 * 28 for i in range(count)]
     images = [
-        Image.fromarray(torch.randint(0, 256, (side, side, 3), generator=g, dtype=torch.uint8).numpy())
-        for _ in range(count)
+        Image.fromarray(torch.randint(0, 256, (s, s, 3), generator=g, dtype=torch.uint8).numpy()) for s in sides
     ]
     out = processor(images=images, text=[text] * count, return_tensors="pt", padding=True)
     token_inputs = {"mm_token_type_ids": out["mm_token_type_ids"]} if "mm_token_type_ids" in out else {}
