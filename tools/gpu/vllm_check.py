@@ -105,9 +105,7 @@ def prompts(directory: Path, count: int, side: int = 448) -> PromptBatch:
     text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     g = torch.Generator().manual_seed(0)
     sides = [side if i % 2 == 0 else side * 3 // 4 // 28 * 28 for i in range(count)]
-    images = [
-        Image.fromarray(torch.randint(0, 256, (s, s, 3), generator=g, dtype=torch.uint8).numpy()) for s in sides
-    ]
+    images = [Image.fromarray(torch.randint(0, 256, (s, s, 3), generator=g, dtype=torch.uint8).numpy()) for s in sides]
     out = processor(images=images, text=[text] * count, return_tensors="pt", padding=True)
     token_inputs = {"mm_token_type_ids": out["mm_token_type_ids"]} if "mm_token_type_ids" in out else {}
     return PromptBatch(
