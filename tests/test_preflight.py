@@ -284,6 +284,22 @@ def test_flash_attention_needs_bf16_compute_and_the_package_where_the_ranks_run(
     preflight.check_local_packages({"model.attn_implementation": "sdpa"})  # needs nothing
 
 
+def test_a_nemotron_gpu_run_needs_the_mamba_kernels_where_the_ranks_run(monkeypatch):
+    """transformers runs NemotronH's reference Mamba path without a word when the kernels do not import."""
+    omni = load_recipe(TINY, ["model.family=nemotron_omni", "data.family=nemotron_omni"])
+    gpu = load_recipe(TINY, ["model.family=nemotron_omni", "data.family=nemotron_omni", "cluster.gpus_per_node=2"])
+    present = {"causal_conv1d"}
+    monkeypatch.setattr("importlib.util.find_spec", lambda name: object() if name in present else None)
+    with pytest.raises(
+        InputError, match=r"model.family: nemotron_omni on GPUs needs .*mamba_ssm is not installed.*vlmrun\[gpu\]"
+    ):
+        preflight.check_model_kernels(gpu)
+    preflight.check_model_kernels(omni)  # a CPU run takes the reference path
+    preflight.check_model_kernels(load_recipe(TINY, ["cluster.gpus_per_node=2"]))  # Qwen needs none
+    present.add("mamba_ssm")
+    preflight.check_model_kernels(gpu)
+
+
 def test_the_vllm_engine_needs_its_own_environment_where_the_ranks_run(monkeypatch, tmp_path):
     """Not the vllm package beside the ranks' torch: an engine environment of its own
     (vlmrun/generation/vllm_env.py; tests/test_vllm_env.py has the rest)."""

@@ -42,6 +42,7 @@ def preflight_run(recipe, *, runs_here: bool, dry_run: bool = False) -> None:
         check_local_gpus(recipe.cluster.gpus_per_node)
         check_local_mooncake(recipe.data_plane)
         check_local_packages({"model.attn_implementation": recipe.model.attn_implementation})
+        check_model_kernels(recipe)
         check_engine_environment(recipe)
 
 
@@ -82,6 +83,28 @@ def check_local_packages(values: dict[str, str]) -> None:
                 message=f"{field}: {value} needs the {package} package on the nodes, and it is not installed "
                 f"here ({install}); or set {field}: {instead}",
             )
+
+
+#: A family whose GPU ranks need compiled kernels (transformers falls back to a slow reference path
+#: without saying so: policy/kernels.py, which the ranks check again by importing them).
+FAMILY_KERNELS = {"nemotron_omni": ("mamba_ssm", "causal_conv1d")}
+
+
+def check_model_kernels(recipe) -> None:
+    """A GPU run of a family in FAMILY_KERNELS needs them where its ranks run (found, not imported)."""
+    import importlib.util
+
+    needed = FAMILY_KERNELS.get(recipe.model.family, ())
+    missing = [m for m in needed if recipe.cluster.gpus_per_node > 0 and importlib.util.find_spec(m) is None]
+    if missing:
+        raise InputError(
+            "model.family",
+            recipe.model.family,
+            message=f"model.family: {recipe.model.family} on GPUs needs the Mamba kernels ({', '.join(needed)}) on the "
+            f"nodes, and {', '.join(missing)} is not installed here: transformers would fall back to its slow reference "
+            "path; install the gpu extra (pip install --no-build-isolation 'vlmrun[gpu]', against the nodes' torch) "
+            "or use the container (container/README.md)",
+        )
 
 
 def check_engine_environment(recipe) -> None:
