@@ -356,6 +356,18 @@ def test_the_rollout_counts_every_sequence_of_the_step_s_one_generate_call():
     assert two.estimate.generation > 1.9 * one.generation  # twice the prompts per call, twice the KV cache
 
 
+def test_gpu_sft_validation_answers_with_the_sharded_policy_and_holds_no_engine_copy():
+    """On GPUs with a sharded hf policy SFT's validation generates with the policy's own model (worker.py):
+    no refit phase with a whole bf16 copy; a CPU run, or a replicated one, still opens an engine."""
+    omni = check_memory_fit(load_recipe(OMNI)).estimate
+    assert load_recipe(OMNI).validates_with_the_policy and "refit" not in omni.phase_terms()
+    assert omni.peak_phase == "backward" and omni.engine_weights == 0
+    tiny = check_memory_fit(load_recipe(TINY)).estimate
+    assert not load_recipe(TINY).validates_with_the_policy and "refit" in tiny.phase_terms()
+    grpo = load_recipe(RECIPES / "omni-clevr-grpo-1n8g.yaml")
+    assert not grpo.validates_with_the_policy  # GRPO validates with its own engine
+
+
 def test_an_image_is_bounded_by_the_sequence_where_the_data_does_not_say():
     """A user's data (data.synthetic unset) may hold images as large as data.max_seq_len tokens: the
     estimate sizes the vision tower's activations for that one, not for 448 px."""

@@ -201,3 +201,62 @@ def test_fsdp_ranks_make_the_same_collective_calls_and_score_what_one_replica_sc
         want = evaluate(shares[rank], policy=one, generator=engine, decode=decode)
         assert got[rank]["score"] == want, rank
     one.shutdown()
+
+
+def _policy_answers_rank(rank, world, recipe, model_dir, shares, port, out):
+    """One FSDP2 rank that answers with the policy's own model (no engine copy): its score, its generate
+    calls, and whether the engine held a model of its own."""
+    from transformers import AutoTokenizer
+
+    from vlmrun.generation import open_generator
+    from vlmrun.models.spec import ModelSpec
+    from vlmrun.policy import open_policy
+
+    torch.set_num_threads(1)
+    parallel = recipe.parallel.model_copy(update={"dp": world, "fsdp": True})
+    policy = open_policy(
+        "hf", model=ModelSpec(directory=model_dir), rank=rank, world_size=world, train=recipe.train, parallel=parallel
+    )
+    policy.setup(master_addr="127.0.0.1", master_port=port, max_steps=4)
+    engine = open_generator(
+        "hf", model=ModelSpec(directory=model_dir), weights="policy", policy_model=policy.generation_model()
+    )
+    engine.setup()
+    calls = []
+    generate = engine.generate
+    engine.generate = lambda prompts, sampling, *, n: calls.append(len(prompts)) or generate(prompts, sampling, n=n)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    decode = lambda rollouts: tokenizer.batch_decode(rollouts.response_ids, skip_special_tokens=True)  # noqa: E731
+    score = evaluate(shares[rank], policy=policy, generator=engine, decode=decode)
+    own = engine.model is policy.model and engine.reads_policy_weights
+    torch.save({"score": score, "calls": calls, "own_model": not own}, f"{out}.{rank}")
+    policy.shutdown()
+    os._exit(0)
+
+
+@pytest.mark.slow  # two spawned FSDP2 ranks
+def test_fsdp_ranks_answer_with_the_policy_s_own_model_as_an_engine_copy_would(clevr_set, tiny_dirs, tmp_path):
+    """A GPU SFT run's validation (Recipe.validates_with_the_policy): no rank builds a copy of the weights;
+    the ranks answer with the sharded policy itself, each as many (collective) generate calls as the
+    others, and score what a whole model and its engine score."""
+    from data_samples import free_port, make_recipe, start_ranks
+
+    from vlmrun.data.loader import val_batches
+    from vlmrun.models.spec import ModelSpec
+    from vlmrun.policy import open_policy
+
+    model_dir = tiny_dirs["qwen2_5_vl"]
+    recipe = make_recipe(clevr_set)
+    loss_b, prompt_b, _ = val_batches(recipe, processor_dir=model_dir, samples=6, batch_size=2)
+    shares = validation_shares(loss_b[:2], prompt_b, ranks=2)  # rank 0: 2 prompt batches, rank 1: 1 + 1 padding
+    assert [len(s.prompt_batches) for s in shares] == [2, 1] and len(shares[1].prompt_padding) == 1
+    start_ranks(_policy_answers_rank, (2, recipe, model_dir, shares, free_port(), str(tmp_path / "r")))
+    got = [torch.load(tmp_path / f"r.{rank}", weights_only=False) for rank in range(2)]
+    assert [len(g["calls"]) for g in got] == [2, 2] and not any(g["own_model"] for g in got)
+
+    one = open_policy("hf", model=ModelSpec(directory=model_dir), rank=0, world_size=1, train=recipe.train)
+    one.setup(master_addr="127.0.0.1", master_port=0, max_steps=4)
+    engine, decode = _answers(model_dir)
+    for rank in range(2):
+        assert got[rank]["score"] == evaluate(shares[rank], policy=one, generator=engine, decode=decode), rank
+    one.shutdown()

@@ -144,6 +144,19 @@ class Recipe(Section):
     def family(self) -> str:
         return self.data.family or self.model.family
 
+    @property
+    def validates_with_the_policy(self) -> bool:
+        """SFT on GPUs with a sharded hf policy answers its validation prompts with the policy's own model,
+        a layer gathered at a time, instead of an engine's whole copy of the weights on every rank
+        (algorithms/common/worker.py); elsewhere an engine is opened for the pass."""
+        return (
+            self.train.algorithm != "grpo"
+            and self.cluster.gpus_per_node > 0
+            and self.parallel.sharded
+            and self.model.backend == "hf"
+            and self.generation.backend == "hf"
+        )
+
 
 def _check_generation(r: Recipe) -> None:
     g = r.generation

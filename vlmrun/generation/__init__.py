@@ -14,7 +14,7 @@ pyproject.toml). A new backend is a new entry in `BACKENDS`. Importing this pack
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from vlmrun.config.registry import load_entry
 
@@ -35,6 +35,7 @@ def open_generator(
     threads: int | None = None,
     weights: str = "load",
     options: dict | None = None,
+    policy_model: Any = None,
 ) -> GenerationBackend:
     """Replica `replica` of the `backend` engine in this process, on `device` (call `setup` next).
 
@@ -42,13 +43,19 @@ def open_generator(
     init); its dtype is the engine's. `weights="load"` reads them at `setup`; `weights="refit"` reads
     none: the engine is built without them and gets them from its first `load_weights` (a policy
     refit; `generate` before it is refused), so a training rank never holds a second whole copy from
-    disk, in host memory or on its GPU, before it needs one. `threads` caps torch's CPU threads.
+    disk, in host memory or on its GPU, before it needs one. `weights="policy"` (hf only) generates with
+    `policy_model` (`PolicyBackend.generation_model`) itself: no copy at all (interface.py, 6).
+    `threads` caps torch's CPU threads.
     `options` are the engine's own settings (`GenerationConfig.engine_options`: vLLM's; none for hf).
     Raises InputError naming `generation.backend` for a backend that is not in BACKENDS.
     """
-    if weights not in ("load", "refit"):
-        raise ValueError(f"open_generator: weights={weights!r}, allowed: load, refit")
+    if weights not in ("load", "refit", "policy"):
+        raise ValueError(f"open_generator: weights={weights!r}, allowed: load, refit, policy")
+    if (weights == "policy") != (policy_model is not None) or (weights == "policy" and backend != "hf"):
+        raise ValueError("open_generator: weights='policy' takes a policy_model, and the hf backend")
     extra = {"options": options} if options else {}
+    if policy_model is not None:
+        extra["policy_model"] = policy_model
     cls = load_entry(BACKENDS, backend, "generation.backend")
     return cls(
         model=model, replica=replica, device=device, threads=threads, weights_from_refit=weights == "refit", **extra

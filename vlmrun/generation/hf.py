@@ -18,17 +18,25 @@
    through the vision tower, as tools/bench_vision.py compares).
 5. Greedy sampling (`temperature=0`, validation's answers) draws nothing: it neither starts nor moves
    the replica's sampling stream, so validating between GRPO steps leaves their responses as they were.
+6. With `policy_model` the engine has no model of its own: it generates with the policy's (interface.py,
+   6). A sharded (FSDP2) model keeps its decoder layers sharded, each gathered for its forward as in
+   training; its root (embeddings, head, media towers) is gathered for the call, because transformers
+   runs the vision tower outside the model's forward, where FSDP2 gathers nothing; and every rank
+   takes as many forward passes as the slowest (`synced_gpus`), since each pass gathers collectively.
+   The per-token log-probs stay on the device until the call ends (one copy, not one a token).
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import numpy as np
 import torch
 
+from vlmrun.config.dtype import torch_dtype
 from vlmrun.data.batch import PromptBatch
 from vlmrun.generation.interface import GenerationBackend, SamplingParams
 from vlmrun.generation.prompts import select_prompts, shared_prompt_media
@@ -52,6 +60,7 @@ class HfGenerator(GenerationBackend):
         threads: int | None = None,
         weights_from_refit: bool = False,
         share_images: bool = True,
+        policy_model: torch.nn.Module | None = None,
     ):
         self.spec, self.replica, self.device, self.threads = model, replica, device, threads
         self.share_images = share_images
@@ -60,13 +69,17 @@ class HfGenerator(GenerationBackend):
         self._seed: int | None = None
         self._generator: torch.Generator | None = None
         self._released: dict[torch.nn.Parameter, torch.Size] | None = None  # release_weights: what to allocate again
+        self._policy_model = policy_model
+        self.reads_policy_weights = policy_model is not None
 
     def setup(self) -> dict[str, Any]:
         from transformers import GenerationConfig
 
         if self.threads:
             torch.set_num_threads(self.threads)
-        if self.weights_from_refit:  # nothing read: buffers computed, parameters left to the first refit
+        if self.reads_policy_weights:  # module doc, 6
+            self.model = self._policy_model
+        elif self.weights_from_refit:  # nothing read: buffers computed, parameters left to the first refit
             self.model = build_model(self.spec, device=self.device, on_meta=True).eval()
             materialize_buffers(self.model, torch.device(self.device))
         else:
@@ -77,7 +90,7 @@ class HfGenerator(GenerationBackend):
         self.token_ids = self.tokens.generation_ids()
         self.model.generation_config = GenerationConfig(**self.token_ids)
         params = sum(p.numel() for p in self.model.parameters())
-        if self.weights_from_refit:
+        if self.weights_from_refit and not self.reads_policy_weights:
             self.release_weights()  # allocated again, and filled, by the first refit
         return {"replica": self.replica, "params": params, "image_token_id": self.image_token_id}
 
@@ -99,10 +112,16 @@ class HfGenerator(GenerationBackend):
             media, source = shared_prompt_media(prompts, rows, self.image_token_id)
             inputs.update(media)
         inputs = {k: v.to(self.device) for k, v in inputs.items()}
+        if self.reads_policy_weights:  # pixels in the compute dtype, as the policy's own forward casts them
+            compute = torch_dtype(self.weights_dtype)
+            inputs = {k: v.to(compute) if v.is_floating_point() else v for k, v in inputs.items()}
         config = GenerationConfig(**self.token_ids, do_sample=False, max_new_tokens=sampling.max_new_tokens)
-        with vision_once(self.model, source):
+        with vision_once(self.model, source), _root_gathered(self.model):
             sequences = self.model.generate(
-                **inputs, generation_config=config, logits_processor=LogitsProcessorList([sampler])
+                **inputs,
+                generation_config=config,
+                logits_processor=LogitsProcessorList([sampler]),
+                synced_gpus=self.reads_policy_weights and _world_size() > 1,
             ).cpu()
         responses = sequences[:, batch.input_ids.shape[1] :]
         mask = response_mask(responses, self.eos_ids)
@@ -159,7 +178,7 @@ class HfGenerator(GenerationBackend):
     def release_weights(self) -> None:
         """Every parameter's storage freed (the module, shapes and dtypes kept; buffers stay: they are
         small and the refit does not bring the non-persistent ones)."""
-        if self._released is not None:
+        if self._released is not None or self.reads_policy_weights:  # the policy's weights are not ours
             return
         self._released = {}
         for param in self.model.parameters():  # a tied weight is one parameter: freed once, filled once
@@ -209,13 +228,33 @@ class TokenSampler:
         else:
             probs = torch.softmax(top_p_filter(allowed / self.sampling.temperature, self.sampling.top_p), dim=-1)
             token = torch.multinomial(probs, 1, generator=self.generator).squeeze(1)
-        self.steps.append(torch.log_softmax(raw, dim=-1).gather(1, token[:, None]).squeeze(1).cpu())
+        self.steps.append(torch.log_softmax(raw, dim=-1).gather(1, token[:, None]).squeeze(1))
         forced = torch.full_like(scores, -float("inf"))
         return forced.scatter_(1, token[:, None], 0.0)
 
     def logprobs(self, length: int) -> torch.Tensor:
-        """[N, length]: the first `length` steps (generate may run a step it then drops)."""
-        return torch.stack(self.steps[:length], dim=1)
+        """[N, length] on the CPU: the first `length` steps (generate may run a step it then drops)."""
+        return torch.stack(self.steps[:length], dim=1).cpu()
+
+
+@contextlib.contextmanager
+def _root_gathered(model: torch.nn.Module) -> Iterator[None]:
+    """A sharded (FSDP2) model's root unit gathered for the block, and sharded again after it (module
+    doc, 6); any other model as it is."""
+    if not hasattr(model, "unshard"):
+        yield
+        return
+    model.unshard()
+    try:
+        yield
+    finally:
+        model.reshard()
+
+
+def _world_size() -> int:
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_initialized() else 1
 
 
 def top_p_filter(logits: torch.Tensor, top_p: float) -> torch.Tensor:

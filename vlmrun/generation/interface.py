@@ -20,6 +20,9 @@ Algorithms call only these methods and attributes; a backend (`hf`, `vllm`) impl
    under any one of them: the policy sends it once); `weights_dtype` is the dtype it holds them in.
 5. `release_weights` frees the weights' memory between uses (`generation.release_weights`); the next
    `load_weights` allocates them again, and `generate` before it is refused.
+6. An engine that `reads_policy_weights` has no weights of its own: it generates with the policy's
+   model itself (a sharded one gathers a layer at a time, as its forward does), so a refit gives it
+   nothing, and each `generate` is collective over the policy's ranks: every rank calls it as often.
 """
 
 from __future__ import annotations
@@ -69,6 +72,9 @@ class GenerationBackend(abc.ABC):
 
     #: The token ids that end a response (the model's end-of-turn tokens); set by `setup`.
     eos_ids: Sequence[int] = ()
+
+    #: The engine generates with the policy's own model (module doc, 6).
+    reads_policy_weights: bool = False
 
     @abc.abstractmethod
     def load_weights(self, weights: Mapping[str, Any] | Iterable[Mapping[str, Any]]) -> None:

@@ -154,7 +154,7 @@ def training_shape(recipe, arch: Architecture | None = None) -> tuple[TrainingSh
         on_gpu=recipe.cluster.gpus_per_node > 0,
         reference_model=grpo and recipe.grpo.kl_coef > 0,
         generation_sequences=rollout_sequences(recipe),
-        engine=grpo or t.val_samples > 0,
+        engine=grpo or validation_engine(recipe),
         engine_resident=grpo and not recipe.generation.sleeps_between_uses,
         refit_bucket=recipe.generation.refit_bucket_mb << 20,
         image_share=per_prompt,  # a GRPO prompt's responses read one encoding of its image
@@ -183,6 +183,13 @@ def rollout_sequences(recipe) -> int:
         return 0
     prompts = t.global_batch_size // recipe.parallel.dp // t.micro_batch_size * t.micro_batch_size
     return prompts * recipe.grpo.num_generations
+
+
+def validation_engine(recipe) -> bool:
+    """Whether SFT's validation opens an engine with a whole copy of the weights on every rank: not where
+    it generates with the sharded policy's own model (`Recipe.validates_with_the_policy`), whose
+    gathers, a layer at a time, are those of a forward."""
+    return recipe.train.val_samples > 0 and not recipe.validates_with_the_policy
 
 
 def image_bound(recipe, arch: Architecture | None) -> tuple[int, str]:

@@ -17,8 +17,9 @@ GPU machine that has nothing but torch and transformers.
 3. With gradient sync only on the last micro-batch (`set_requires_gradient_sync`), and the gradient
    norm taken over whole gradients as clip_grad_norm_ does (`grad_norm`), the parameters and norms
    are bitwise those of a replicated model with one flat all-reduce (dp=2, CPU).
-4. `generate` would need the whole weights (transformers calls the vision tower outside `forward`,
-   where FSDP2 does not gather it): answers come from a generation engine refit from the shards instead.
+4. `generate` runs the vision tower outside `forward`, where FSDP2 gathers nothing: GRPO's answers come
+   from a generation engine refit from the shards; SFT's validation on GPUs generates with the sharded
+   model itself, its root gathered for the call (generation/hf.py, 6).
 """
 
 from __future__ import annotations

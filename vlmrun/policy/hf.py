@@ -319,6 +319,10 @@ class HfPolicy(PolicyBackend):
         if restoring is not None:
             self.load_checkpoint_state(restoring.result())
 
+    def generation_model(self) -> torch.nn.Module:
+        """The policy's own model (FSDP2 units or whole): the hf engine generates with it (interface doc)."""
+        return self.model
+
     def weights_for_refit(
         self, *, dtype: str | None = None, bucket_bytes: int = REFIT_BUCKET_BYTES, into=None
     ) -> Iterator[dict[str, torch.Tensor]]:

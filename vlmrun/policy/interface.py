@@ -136,6 +136,11 @@ class PolicyBackend(abc.ABC):
         must not use the process group the steps use, nor the model. This default restores now."""
         self.load_checkpoint_state(read())
 
+    def generation_model(self) -> Any:
+        """The model a generation engine may generate with in place of a copy of its own (the hf engine,
+        `open_generator(weights="policy")`), or None where the backend's model cannot (the default)."""
+        return None
+
     @abc.abstractmethod
     def weights_for_refit(
         self, *, dtype: str | None = None, bucket_bytes: int = REFIT_BUCKET_BYTES, into: Mapping | None = None

@@ -39,12 +39,14 @@ def open_rank_policy(
 
 
 def open_rank_engine(
-    recipe, model_dir: str, *, replica: int = 0, gpus: bool, threads: int | None = None
+    recipe, model_dir: str, *, replica: int = 0, gpus: bool, threads: int | None = None, policy_model=None
 ) -> GenerationBackend:
     """The recipe's generation engine of data-parallel replica `replica` (its sampling stream), in the
     compute dtype, on the rank's GPU (`gpus`: Ray made it cuda:0) or the CPU, with the recipe's engine
-    options (call `setup` next). It reads no weights: every use refits it from the policy first."""
+    options (call `setup` next). It reads no weights: every use refits it from the policy first; or,
+    given `policy_model` (`PolicyBackend.generation_model`), it generates with that model itself."""
     m = recipe.model
+    weights = {"weights": "policy", "policy_model": policy_model} if policy_model is not None else {"weights": "refit"}
     return open_generator(
         recipe.generation.backend,
         model=ModelSpec(
@@ -55,6 +57,6 @@ def open_rank_engine(
         replica=replica,
         device="cuda" if gpus else "cpu",
         threads=threads,
-        weights="refit",
+        **weights,
         options=recipe.generation.engine_options(max_model_len=recipe.data.max_seq_len + recipe.grpo.max_new_tokens),
     )

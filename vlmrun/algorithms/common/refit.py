@@ -15,7 +15,9 @@ from vlmrun.policy.interface import REFIT_BUCKET_BYTES, PolicyBackend
 
 def refit(engine: GenerationBackend, policy: PolicyBackend, *, bucket_bytes: int = REFIT_BUCKET_BYTES) -> None:
     """Fill `engine`'s weights from `policy`'s, `bucket_bytes` at a time; straight into the engine's own
-    tensors where it offers them (`refit_targets`)."""
+    tensors where it offers them (`refit_targets`). Nothing for an engine that reads the policy's weights."""
+    if getattr(engine, "reads_policy_weights", False):
+        return
     targets = engine.refit_targets()
     into = {} if targets is None else {"into": targets}
     engine.load_weights(policy.weights_for_refit(dtype=engine.weights_dtype, bucket_bytes=bucket_bytes, **into))

@@ -10,7 +10,9 @@
 3. Collectives: a sharded (FSDP2) forward gathers parameters from every rank, so every rank makes the
    same number of `logprobs` calls: a share with fewer loss batches is padded with repeats of a batch
    whose result is discarded. The refit is collective too: every rank refits, also one with no prompt.
-   Generation itself runs on the engine's own copy of the weights, with no collective.
+   Generation itself runs on the engine's own copy of the weights, with no collective; an engine that
+   generates with the sharded policy's own model (a GPU SFT run: worker.py) gathers collectively, so
+   its share's prompt batches are padded the same way (`prompt_padding`, answered and discarded).
 4. The shares' `ValidationScore`s sum to one pass; `validation_row` makes the metrics row's keys of it.
    A pass that scored no token (every label cut away) has no loss: `val_loss` is null, `val_tokens` 0.
 """
@@ -33,11 +35,12 @@ GREEDY = SamplingParams(temperature=0.0, max_new_tokens=4)
 @dataclass(frozen=True)
 class ValidationShare:
     """One rank's part of a pass: `loss_batches` are scored, `padding` run and discarded (module doc, 3),
-    `prompt_batches` answered."""
+    `prompt_batches` answered (`prompt_padding` answered and discarded by a collective engine)."""
 
     loss_batches: list
     prompt_batches: list
     padding: list = field(default_factory=list)
+    prompt_padding: list = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -78,13 +81,17 @@ class ValidationScore:
 def validation_shares(loss_batches: list, prompt_batches: list, ranks: int) -> list[ValidationShare]:
     """Every rank's share, each with as many forward calls as the largest (module doc, 3)."""
     scored = [loss_batches[r::ranks] for r in range(ranks)]
-    calls = max(len(s) for s in scored)
-    shares = []
-    for r, mine in enumerate(scored):
-        filler = mine[-1] if mine else (loss_batches[0] if loss_batches else None)
-        padding = [filler] * (calls - len(mine)) if filler is not None else []
-        shares.append(ValidationShare(mine, prompt_batches[r::ranks], padding))
-    return shares
+    answered = [prompt_batches[r::ranks] for r in range(ranks)]
+    return [
+        ValidationShare(mine, asked, _padding(mine, loss_batches, scored), _padding(asked, prompt_batches, answered))
+        for mine, asked in zip(scored, answered, strict=True)
+    ]
+
+
+def _padding(mine: list, every: list, shares: list[list]) -> list:
+    """Repeats of a batch that bring `mine` to the longest share's length (none when there is no batch)."""
+    filler = mine[-1] if mine else (every[0] if every else None)
+    return [filler] * (max(len(s) for s in shares) - len(mine)) if filler is not None else []
 
 
 def evaluate(
@@ -118,6 +125,8 @@ def evaluate(
         for text, answer in zip(texts, prompts.answers, strict=True):
             correct += text.strip() == answer.strip()
             answered += 1
+    for prompts in share.prompt_padding if getattr(generator, "reads_policy_weights", False) else ():
+        generator.generate(prompts, GREEDY, n=1)  # as many collective calls as every other rank
     return ValidationScore(nll, tokens, correct, answered)
 
 

@@ -11,7 +11,9 @@
 3. `attach_loader`: the loader shard this rank owns (`open_train_shard`, the one way a loop opens one).
 4. `validate`: this rank's share of a validation pass (validation.py), with the algorithm's engine, or,
    for an algorithm that has none (SFT), an engine opened for the pass and released after it: a second
-   copy of the weights must not sit beside the training state for the whole run.
+   copy of the weights must not sit beside the training state for the whole run. On GPUs with a sharded
+   policy (`Recipe.validates_with_the_policy`) that engine generates with the policy's own model: not
+   even for the pass does a rank hold a whole copy (a 30B model's would be ~62 GiB of each GPU).
 5. Checkpoints: `save` writes the policy's state (`PendingCheckpoint.write_policy`), this rank's RNG,
    the owned loader shard's position and what the algorithm adds (`_save_own`); `load` reads them back.
 
@@ -159,7 +161,11 @@ class RankWorker(RankActor):
             if self.recipe.generation.sleeps_between_uses:
                 self.generator.release_weights()
             return
-        engine = self._open_engine()
+        shared = self.policy.generation_model() if self.recipe.validates_with_the_policy else None
+        gpus = self.recipe.cluster.gpus_per_node > 0
+        engine = open_rank_engine(
+            self.recipe, self.model_dir, replica=self.replica, gpus=gpus, threads=self.threads, policy_model=shared
+        )
         engine.setup()
         try:
             yield engine
