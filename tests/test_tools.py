@@ -196,3 +196,19 @@ def test_bench_resume_times_a_resumes_first_step_against_a_cold_starts():
     assert d["resume"]["policy_load"] == "from the checkpoint it resumed (the model's own weights not read)"
     assert all(finite(s) for side in ("cold", "resume") for s in d[side]["first_step_s"])
     assert set(d["resume_over_cold_first_step"]) == SPREAD_KEYS and finite(d["resume_over_cold_first_step"]["median"])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_measure_rank_memory_reads_each_rank_s_peak_from_outside(tmp_path):
+    d = run_tool(
+        "tools/measure_rank_memory.py",
+        *("--hidden", "128", "--layers", "2", "--intermediate", "256", "--work", str(tmp_path)),
+        timeout=600,
+    )
+    assert d["model_params"] > 0 and d["model_fp32_mb"] > 0
+    for run in ("tiny", "large"):  # two ranks each (their loader workers left out), one step row
+        assert len(d[run]["ranks_vmhwm_mb"]) == 2 and all(finite(x) for x in d[run]["ranks_vmhwm_mb"])
+        assert len(d[run]["rows_peak_rss_mb"]) == 1 and finite(d[run]["rows_peak_rss_mb"][0])
+        assert d[run]["rows_peak_rss_mb"][0] <= max(d[run]["ranks_vmhwm_mb"]) + 1  # the step's, within the life's
+    assert len(d["ratio_to_fp32_model"]) == 2
