@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     from vlmrun.policy.interface import PolicyBackend
 
 #: model.backend -> "module:class" of its PolicyBackend.
-BACKENDS = {"hf": "vlmrun.policy.hf:HfPolicy"}
+BACKENDS = {"hf": "vlmrun.policy.hf:HfPolicy", "megatron": "vlmrun.policy.megatron.backend:MegatronPolicy"}
 
 
 def open_policy(
