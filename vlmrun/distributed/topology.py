@@ -3,6 +3,10 @@
 One loader shard per data-parallel replica. Shard `d` is read by the replica's owner rank (the rank
 with dp=d and tp=pp=cp=0) and its batches are delivered to every rank of that replica. Ranks are
 counted as the layout counts them (config/layout.py: Megatron's default order "tp-cp-ep-dp-pp").
+Two roles per replica (`Role`): its owner reads the loader and the data plane, holds the generation
+engine and the sampling stream; its result rank (tp=cp=0 of the last pipeline stage) is where a
+policy's numbers are whole (the loss, the logprobs), and where the worker group collects them from.
+With tp = pp = cp = 1 both are the replica's one rank.
 
 We compute that order ourselves instead of calling megatron-core's `RankGenerator`: megatron-core is an
 optional GPU extra, and importing `megatron.core.parallel_state` pulls in torch (~3.5 s on CPU), too slow
@@ -12,6 +16,7 @@ for `vlmrun submit --dry-run` on a login node. tests/test_topology.py checks our
 
 from __future__ import annotations
 
+import enum
 import hashlib
 import json
 from dataclasses import dataclass
@@ -22,17 +27,29 @@ from vlmrun.config.layout import MEGATRON_ORDER, RankLayout
 _PLAN_SCHEMA = "vlmrun.placement/1"
 
 
+class Role(enum.Enum):
+    """A rank's role in its data-parallel replica (module doc)."""
+
+    OWNER = "owner"
+    RESULT = "result"
+
+
 @dataclass(frozen=True, kw_only=True)
 class LoaderShardPlacement:
-    """Where one loader shard lives: `owner_rank` reads it, every rank of `delivery_ranks` gets it.
+    """Where one loader shard lives: `owner_rank` reads it, every rank of `delivery_ranks` gets it;
+    `result_rank` holds the replica's results (module doc).
 
-    `delivery_ranks` is ascending and holds the owner.
+    `delivery_ranks` is ascending and holds the owner and the result rank.
     """
 
     shard: int
     num_shards: int
     owner_rank: int
     delivery_ranks: tuple[int, ...]
+    result_rank: int
+
+    def rank_of(self, role: Role) -> int:
+        return self.owner_rank if role is Role.OWNER else self.result_rank
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -69,6 +86,11 @@ class PlacementPlan:
             raise ValueError(f"shard {shard} does not exist: {self.describe()} has shards 0..{last}")
         return self.shards[shard].owner_rank
 
+    @property
+    def replica_size(self) -> int:
+        """Ranks per data-parallel replica (tp x pp x cp)."""
+        return len(self.shards[0].delivery_ranks)
+
     def describe(self) -> str:
         """One line naming the layout, e.g. "dp=2 tp=1 pp=1 cp=1 (2 ranks)"."""
         return self.layout.describe()
@@ -82,6 +104,7 @@ def plan_placement(layout: RankLayout) -> PlacementPlan:
             num_shards=layout.dp,
             owner_rank=layout.rank_of(dp=dp),
             delivery_ranks=layout.replica_ranks(dp),
+            result_rank=layout.rank_of(dp=dp, pp=layout.pp - 1),
         )
         for dp in range(layout.dp)
     )

@@ -369,10 +369,10 @@ class StepLoop:
             # imported; the shares' tensors never come here (this process holds no torch)
             size = max(1, r.train.micro_batch_size)
             self._val = self.group.on_rank(
-                0, "val_set", samples=r.train.val_samples, batch_size=size, ranks=self.group.world_size
+                0, "val_set", samples=r.train.val_samples, batch_size=size, ranks=self.plan.layout.dp
             )
         val: ValidationSet = self._val
-        scores = self.group.per_rank("validate", lambda rank: {"share": val.shares[rank]})
+        scores = self.group.replicas("validate", lambda shard: {"share": val.shares[shard]})
         validation = val.row(sum(scores, ValidationScore()))
         if validation.val_loss is None:
             log.warning(
