@@ -19,6 +19,7 @@ from __future__ import annotations
 import enum
 import hashlib
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -75,6 +76,16 @@ class PlacementPlan:
         text = json.dumps(payload, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(text.encode("ascii")).hexdigest()[:16]
 
+    @cached_property
+    def loader_hash(self) -> str:
+        """The placement a loader shard's fingerprint records: this layout's data-parallel part alone (its
+        replicas, each as one rank), so that cutting a replica over other tp x pp ranks leaves its loader's
+        state valid; with tp = pp = cp = 1 it is `placement_hash` itself."""
+        layout = self.layout
+        if (layout.tp, layout.pp, layout.cp) == (1, 1, 1):
+            return self.placement_hash
+        return plan_placement(RankLayout(dp=layout.dp, dp_shard=layout.dp_shard)).placement_hash
+
     def shard_of_rank(self, rank: int) -> int:
         """The loader shard whose batches `rank` receives (its dp index); ValueError if out of range."""
         return self.layout.coords(rank).dp
@@ -109,3 +120,13 @@ def plan_placement(layout: RankLayout) -> PlacementPlan:
         for dp in range(layout.dp)
     )
     return PlacementPlan(layout=layout, shards=shards)
+
+
+def rng_source(layout: RankLayout, saved: dict) -> Callable[[int], int] | None:
+    """rank -> the rank whose saved RNG it takes, from a checkpoint whose run identity is `saved`: None
+    (each its own) at the layout that wrote it; at another tp x pp of the same dp (config/identity.py
+    RELAYOUTABLE), its replica's owner as it was then (the rank that drew from the replica's streams)."""
+    then = RankLayout(dp=layout.dp, tp=saved.get("parallel.tp") or 1, pp=saved.get("parallel.pp") or 1)
+    if (then.tp, then.pp) == (layout.tp, layout.pp):
+        return None
+    return lambda rank: then.rank_of(dp=layout.coords(rank).dp)

@@ -212,10 +212,11 @@ class RankWorker(RankActor):
             return None
         return self._writing.result()
 
-    def load(self, checkpoint: Checkpoint, restart_data: bool = False) -> None:
+    def load(self, checkpoint: Checkpoint, restart_data: bool = False, rng_rank: int | None = None) -> None:
         """Restore this rank's parts; with `restart_data` (another dp wrote it) only the policy's.
         InputError when the checkpoint's policy was written in the other layout (parallel.fsdp) or by the
-        other backend (model.backend)."""
+        other backend (model.backend). `rng_rank`: the rank whose saved RNG this rank takes (default its
+        own; another layout's ranks: its replica owner's)."""
         state = self.policy.checkpoint_state()
         if checkpoint.policy_storage is not state.storage:
             raise _storage_refusal(checkpoint, state.storage, self.recipe)
@@ -226,7 +227,7 @@ class RankWorker(RankActor):
         self.policy.load_checkpoint_state_later(lambda: checkpoint.read_policy(rest, group=self._checkpoint_group))
         if restart_data:
             return
-        rng.set_rng_state(checkpoint.read("rng", index=self.rank))
+        rng.set_rng_state(checkpoint.read("rng", index=self.rank if rng_rank is None else rng_rank))
         self._load_own(checkpoint)
         if self.loader is not None:
             self.loader.load_state_dict(checkpoint.read("loader", index=self.loader.shard))
