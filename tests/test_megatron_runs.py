@@ -3,9 +3,11 @@
 SFT: a tp=2 run of 6 steps (`tp2`, one replica of 2 ranks) against the hf backend at dp=1 (to 1e-5),
 the v1 loop (bitwise), a SIGKILL at a random step and its resume (bitwise), a run stopped at step 4 and
 resumed at tp=1 x pp=2 (the data order carries on: within 1e-5), then at another layout with
---restart-data-order; 2 replicas x tp=2 (4 ranks) against the hf run at dp=2 (`sft_baseline`); the
+--restart-data-order; packed rows at pp=2 (to 1e-5 of the padded run); 2 replicas x tp=2 (4 ranks)
+against the hf run at dp=2 (`sft_baseline`); the
 export of the tp=2 run loads in transformers with the megatron model's log-probs. GRPO: step 1 of the
-tiny recipe at tp=2 (local plane), pp=2 (TransferQueue) and tp=2 (the driver path) gives the hf
+tiny recipe at tp=2 (local plane, the policy offloaded around the rollout), pp=2 (TransferQueue) and
+tp=2 (the driver path) gives the hf
 backend's rewards exactly and its loss to 1e-5; every ratio is exactly 1.
 """
 
@@ -93,6 +95,11 @@ def test_a_resume_at_another_tp_and_pp_continues_the_run(tmp_path, tp2, sft):
     assert "restarted_data_order" in job(run)["attempts"][-1] and last_step(run) == 7
 
 
+def test_packed_rows_through_two_pipeline_stages_give_the_padded_runs_losses(tmp_path, tp2, sft):
+    run = submit(tmp_path / "packed", *sft, *sets("model.backend=megatron", "parallel.pp=2", "data.pack_tokens=512"))
+    _close(history(run / "metrics.jsonl"), history(tp2 / "metrics.jsonl"), range(1, 7), 1e-5)
+
+
 def test_two_replicas_of_two_tensor_parallel_ranks_give_the_hf_runs_losses(tmp_path, sft_sets, sft_baseline):
     run = tmp_path / "dp2tp2"
     out = vlmrun(*submit_args(run, *sft_sets, *sets(*MEGATRON, "cluster.cpus_per_node=4", "train.stop_after=4")))
@@ -155,7 +162,7 @@ def grpo_hf(tmp_path_factory, run_data):
 @pytest.mark.parametrize(
     "plane",
     [
-        ["parallel.tp=2"],  # the local plane (the recipe's)
+        ["parallel.tp=2", "parallel.offload_during_generation=true"],  # the local plane (the recipe's)
         ["parallel.pp=2", "data_plane.impl=transfer_queue"],
         ["parallel.tp=2", "data_plane.enabled=false"],
     ],
