@@ -36,7 +36,7 @@ def _batches(clevr_set, model_dir):
 
 
 def _rank_main(rank, world, recipe, model_dir, batches, layout, port, out, pending, checkpoint):
-    """One rank of one layout (module doc); rank 0 writes what the test reads."""
+    """One rank of one layout: its refit, reference check, steps, checkpoint write or read; its results to `out`."""
     torch.set_num_threads(1)
     from vlmrun.checkpoint.parts import MODEL_PART, OPTIMIZER_PART, PolicyState
     from vlmrun.models.spec import ModelSpec

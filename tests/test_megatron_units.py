@@ -62,6 +62,16 @@ def test_every_megatron_parameter_round_trips_through_its_hf_pieces(tp):
                     assert all(torch.equal(back[n], pieces[n]) for n in m.hf), m.mcore
 
 
+def test_transformer_engines_spec_holds_the_norms_in_its_linears_and_the_same_hf_tensors():
+    plan = stage_plan(SHAPE, 0, 1)
+    local, fused = stage_params(SHAPE, plan, []), stage_params(SHAPE, plan, [], fused_norms=True)
+    assert [m.hf for m in local] == [m.hf for m in fused]
+    names = {m.mcore for m in fused}
+    assert "lm.decoder.layers.0.self_attention.linear_qkv.layer_norm_weight" in names
+    assert "lm.decoder.layers.0.mlp.linear_fc1.layer_norm_weight" in names
+    assert not any("input_layernorm" in n or "pre_mlp_layernorm" in n for n in names)
+
+
 def test_fused_qkv_is_group_major_and_each_tp_rank_holds_whole_groups():
     qkv = ParamMap(mcore="qkv", hf=("q", "k", "v"), kind="qkv", split=0, q_per_group=2, head_dim=1)
     q, k, v = torch.arange(4.0), torch.tensor([10.0, 11.0]), torch.tensor([20.0, 21.0])  # 4 q heads, 2 groups

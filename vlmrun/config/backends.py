@@ -22,7 +22,7 @@ AXES = ("dp", "tp", "pp", "cp", "ep")
 
 @dataclass(frozen=True, kw_only=True)
 class PolicyCapabilities:
-    """What a policy backend runs (module doc). `families`: family -> why it cannot run it (absent: it
+    """What a policy backend runs. `families`: family -> why it cannot run it (absent: it
     can). `axes`: the parallel axes it may run above 1. Each other field: None where it runs that
     recipe setting, else why not (`experts`: parallel.ep, spreading a mixture of experts' experts). `storage`: the checkpoint storage kinds it writes (checkpoint/parts.py)."""
 

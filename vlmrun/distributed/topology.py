@@ -29,7 +29,8 @@ _PLAN_SCHEMA = "vlmrun.placement/1"
 
 
 class Role(enum.Enum):
-    """A rank's role in its data-parallel replica (module doc)."""
+    """A rank's role in its data-parallel replica: the owner reads its data and holds its engine, the
+    result rank (tp 0 of the last pipeline stage) holds the policy's numbers whole."""
 
     OWNER = "owner"
     RESULT = "result"
@@ -38,7 +39,7 @@ class Role(enum.Enum):
 @dataclass(frozen=True, kw_only=True)
 class LoaderShardPlacement:
     """Where one loader shard lives: `owner_rank` reads it, every rank of `delivery_ranks` gets it;
-    `result_rank` holds the replica's results (module doc).
+    `result_rank` holds the replica's results (`Role.RESULT`).
 
     `delivery_ranks` is ascending and holds the owner and the result rank.
     """

@@ -246,7 +246,7 @@ class WorkerGroup:
 
     def replicas(self, method: str, per_shard: Callable[[int], dict[str, Any]], role: Role = Role.OWNER) -> list:
         """`method(**per_shard(shard))` on every rank of each replica; the result of each replica's `role`
-        rank, in shard order (module doc, 2)."""
+        rank, in shard order."""
         results = gather(self.submit_replicas(method, per_shard))
         ranks = [rank for s in self.plan.shards for rank in s.delivery_ranks]
         by_rank = dict(zip(ranks, results, strict=True))

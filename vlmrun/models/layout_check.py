@@ -14,7 +14,8 @@ from vlmrun.models.params import Architecture
 
 
 def check_layout(recipe, arch: Architecture, source: str) -> None:
-    """InputError naming parallel.tp or parallel.pp when the layout does not split `arch` (module doc)."""
+    """InputError naming parallel.tp or parallel.pp when the layout does not split `arch`'s heads, key/value heads,
+    vocabulary (tp) or layers (pp)."""
     p = recipe.parallel
     if p.tp > 1 and arch.heads:
         for count, what in ((arch.heads, "attention heads"), (arch.kv_heads, "key/value heads (query groups)")):

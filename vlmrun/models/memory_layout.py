@@ -1,25 +1,25 @@
 """Per-rank memory of a tensor- and pipeline-parallel step (model.backend megatron), stage by stage.
 
 `estimate` is what the fit check calls: this module's `estimate_stages` when the layout has tp or pp
-above 1, `memory.estimate_memory` otherwise. Pure arithmetic, no torch. The terms are those of
-`memory.estimate_memory` (its numbers), divided by the layout:
+above 1, `memory.estimate_memory` otherwise. Pure arithmetic, no torch. The terms are
+`memory.estimate_memory`'s, divided by the layout:
 
-1-3. Weights, gradients and AdamW's two states: the stage's decoder layers (layers / pp of them) and,
-     on the first stage, the vision tower (whole: replicated over tp) and the embedding, on the last
-     the final norm and the head (a tied head is a copy there: megatron builds it untied), every
-     tensor-parallel tensor divided by tp. No FSDP terms (5, 6). Gradients accumulate in place over a
-     step's micro-batches, so they are resident from the first backward on.
-7.   Activations: per micro-batch, the stage's layers with the attention and MLP widths divided by
-     tp and the hidden-size tensors too under sequence parallelism; 1F1B keeps min(pp - stage,
-     micro-batches) micro-batches in flight on stage `stage`. Recompute keeps each layer's input.
-8.   Vision activations: on the first stage, per micro-batch in flight.
-9.   Logits: on the last stage, every position's vocabulary-parallel logits (vocab / tp) in the compute
-     dtype, plus the labelled ones in fp32 for the loss.
-10, 14, 15, 11. The reference stage (GRPO with KL) on every rank; the generation engine (the whole
-     model in the compute dtype), its refit bucket and its generation, on each replica's first rank
-     (stage 0, tp rank 0) only.
-16.  Load: each rank reads one whole HF tensor at a time and keeps its pieces: its share of the weights
-     plus the largest tensor (the embedding).
+- weights, gradients and AdamW's two states: the stage's decoder layers (layers / pp of them) and,
+  on the first stage, the vision tower (whole: replicated over tp) and the embedding, on the last the
+  final norm and the head (a tied head is a copy there: megatron builds it untied), every
+  tensor-parallel tensor divided by tp. No FSDP gathers. Gradients accumulate in place over a step's
+  micro-batches, so they are resident from the first backward on;
+- activations: per micro-batch, the stage's layers with the attention and MLP widths divided by tp,
+  and the hidden-size tensors too under sequence parallelism; 1F1B keeps min(pp - stage,
+  micro-batches) micro-batches in flight on stage `stage`. Recompute keeps each layer's input;
+- vision activations: on the first stage, per micro-batch in flight;
+- logits: on the last stage, every position's vocabulary-parallel logits (vocab / tp) in the compute
+  dtype, plus the labelled ones in fp32 for the loss;
+- the reference stage (GRPO with KL) on every rank; the generation engine (the whole model in the
+  compute dtype), its refit bucket and its generation, on each replica's first rank (stage 0, tp
+  rank 0) only;
+- the load: each rank reads one whole HF tensor at a time and keeps its pieces: its share of the
+  weights plus the largest tensor (the embedding).
 The estimate is the stage whose peak is highest (`MemoryEstimate.stage`).
 """
 
@@ -42,14 +42,14 @@ from vlmrun.models.params import Architecture, Block
 
 
 def estimate(arch: Architecture, shape: TrainingShape) -> MemoryEstimate:
-    """The per-rank estimate of `shape`'s layout (module doc)."""
+    """The per-rank estimate of `shape`'s layout: per stage above tp = pp = 1, as `estimate_memory` otherwise."""
     if shape.tp > 1 or shape.pp > 1:
         return estimate_stages(arch, shape)
     return estimate_memory(arch, shape)
 
 
 def estimate_stages(arch: Architecture, shape: TrainingShape) -> MemoryEstimate:
-    """The estimate of the pipeline stage that peaks highest (module doc)."""
+    """The estimate of the pipeline stage that peaks highest."""
     stages = [_stage(arch, shape, s) for s in range(shape.pp)]
     return max(stages, key=lambda e: e.device_total)
 

@@ -77,7 +77,7 @@ class RankWorker(RankActor):
         self.policy: PolicyBackend = open_rank_policy(
             r, model_dir, rank=rank, world_size=world_size, parallel=r.parallel, gpus=r.cluster.gpus_per_node > 0
         )
-        engine = self.needs_generator and owner  # one engine per replica, on its owner (module doc, 1)
+        engine = self.needs_generator and owner  # one engine per replica, on its owner
         self.generator: GenerationBackend | None = self._open_engine() if engine else None
         self.refit_bytes = r.generation.refit_bucket_mb << 20
         self.loader = None

@@ -85,7 +85,7 @@ class GrpoWorker(RankWorker):
         self.reward_terms = reward_terms(r.grpo)  # imported and checked again here, on the rank's node
         self.rows_per_micro = r.train.micro_batch_size * r.grpo.num_generations
         self.on_plane = plane_enabled
-        reads = plane_enabled and self.owner  # one plane reader per replica: its owner (module doc)
+        reads = plane_enabled and self.owner  # one plane reader per replica: its owner
         self.plane = StagePlane.open(plane_endpoint, pixel_dtype=self.dtype) if reads else None
         self._advantages = StepGate()
 
@@ -204,7 +204,7 @@ class GrpoWorker(RankWorker):
         (while the steps run: the plane is empty when the stage returns)."""
         try:
             got = self._fetch(step, sample_ids, GrpoStage.TRAIN, rows)
-        finally:  # the owner's plane (module doc)
+        finally:  # the owner's plane
             if self.plane is not None:
                 self.plane.clear(partition_name(step, self.replica), wait=False)
         t0 = time.perf_counter()

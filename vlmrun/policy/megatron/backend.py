@@ -40,7 +40,7 @@ from vlmrun.policy.optimizer import build_optimizer
 
 
 class MegatronPolicy(PolicyBackend):
-    """Rank `rank` of `world_size` of the model `model` (module doc); `parallel` the recipe's parallel
+    """Rank `rank` of `world_size` of the model `model`; `parallel` the recipe's parallel
     section (None: one rank, one stage: the export's and eval's policy). Built by `open_policy`."""
 
     def __init__(self, *, model: ModelSpec, rank: int, world_size: int, train, parallel=None, gpus: bool = False):

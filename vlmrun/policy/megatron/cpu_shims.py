@@ -49,7 +49,7 @@ def cuda_absent() -> bool:
 
 
 def apply_cpu_shims() -> bool:
-    """Apply shims 1-3, 5 and 6 of the module doc, once per process, where CUDA is absent; returns
+    """Apply the CPU shims (every one but the RNG tracker: `install_cpu_rng_tracker`), once per process, where CUDA is absent; returns
     whether they are applied. Call before megatron-core builds a model (the tracker: `install_cpu_rng_tracker`)."""
     if not cuda_absent():
         return False
@@ -140,7 +140,7 @@ def install_cpu_rng_tracker(seed: int, *, tp_rank: int, ep_rank: int = 0, etp_ra
 
 
 def allow_sequence_parallel_norms() -> None:
-    """Let the local spec's torch norms run under sequence parallelism (module doc), once per process:
+    """Let the local spec's torch norms run under sequence parallelism, once per process:
     built with sequence parallelism off, their weights marked `sequence_parallel`."""
     if _APPLIED["sp_norms"]:
         return

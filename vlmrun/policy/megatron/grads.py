@@ -54,7 +54,7 @@ def groups_of_megatron() -> GradGroups:
 
 
 def sync_gradients(params: list[torch.nn.Parameter], tied: tuple | None, groups: GradGroups) -> None:
-    """Module doc, 1. `tied`: (embedding, output layer) parameters this stage holds of a tied head
+    """Sum the gradients over sequence-parallel norms, a tied head and the replicas, in that order. `tied`: (embedding, output layer) parameters this stage holds of a tied head
     (either may be None on a stage without it), or None when the head is untied."""
     for p in params:
         if p.grad is None:
@@ -88,14 +88,15 @@ def _sum_tied(tied: tuple, groups: GradGroups) -> None:
 
 
 def counts_in_norm(p: torch.nn.Parameter, tp_rank: int) -> bool:
-    """Whether this rank counts `p` in the gradient norm (module doc, 2)."""
+    """Whether this rank counts `p` in the gradient norm: a tensor-parallel shard on every rank, a replicated
+    tensor on tp rank 0 only, the tied head's copy never."""
     if getattr(p, "vlmrun_tied_copy", False):
         return False
     return bool(getattr(p, "vlmrun_tp_split", False)) or tp_rank == 0
 
 
 def grad_norm(params: list[torch.nn.Parameter], groups: GradGroups) -> float:
-    """The L2 norm of the whole model's gradient, the same on every rank (module doc, 2)."""
+    """The L2 norm of the whole model's gradient, the same on every rank (each parameter counted once)."""
     device = params[0].device if params else torch.device("cpu")
     total = torch.zeros((), dtype=torch.float64, device=device)
     for p in params:
@@ -107,7 +108,7 @@ def grad_norm(params: list[torch.nn.Parameter], groups: GradGroups) -> float:
 
 
 def clip_and_norm(params: list[torch.nn.Parameter], groups: GradGroups, max_norm: float, clip) -> float:
-    """The gradient norm (module doc, 2), gradients clipped to `max_norm` by `clip(params, norm, max_norm)`."""
+    """The gradient norm (`grad_norm`), gradients clipped to `max_norm` by `clip(params, norm, max_norm)`."""
     norm = grad_norm(params, groups)
     clip(params, norm, max_norm)
     return norm

@@ -22,7 +22,7 @@ from vlmrun.policy.megatron.grads import GradGroups, groups_of_megatron
 
 @dataclass
 class Groups:
-    """This rank's place and groups (module doc); built by `initialize`."""
+    """This rank's place, megatron's groups and the result ranks' group; built by `initialize`."""
 
     layout: RankLayout
     coords: RankCoords
@@ -44,7 +44,8 @@ class Groups:
         return t.tolist()
 
     def results(self, loss_sum: float, stats: LossStats) -> tuple[float, dict[str, float]]:
-        """(the summed loss, every statistic) over all replicas, the same on every rank (module doc)."""
+        """(the summed loss, every statistic) over all replicas, reduced by the result ranks and broadcast
+        from the first of them: the same on every rank."""
         payload: list = [None]
         if self.holds_results:
             total = torch.tensor([loss_sum], dtype=torch.float64)

@@ -76,7 +76,7 @@ class LmShape:
 
 @dataclass(frozen=True, kw_only=True)
 class ParamMap:
-    """One megatron parameter of a stage and the HF tensors it holds pieces of (module doc, 2)."""
+    """One megatron parameter of a stage and the HF tensors it holds pieces of, and how (`kind`, `split`)."""
 
     mcore: str
     hf: tuple[str, ...]
@@ -158,15 +158,18 @@ def stage_plan(shape: LmShape, pp_rank: int, pp: int) -> StagePlan:
     return StagePlan(first=pp_rank * count, count=count, is_first=pp_rank == 0, is_last=pp_rank == pp - 1)
 
 
-def stage_params(shape: LmShape, stage: StagePlan, visual_names: list[str]) -> list[ParamMap]:
-    """Every megatron parameter of `stage` and the HF tensors it holds (module doc); `visual_names` are
-    the vision tower's parameter names under `visual.` (first stage only)."""
+def stage_params(
+    shape: LmShape, stage: StagePlan, visual_names: list[str], *, fused_norms: bool = False
+) -> list[ParamMap]:
+    """Every megatron parameter of `stage` and the HF tensors it holds; `visual_names` are
+    the vision tower's parameter names under `visual.` (first stage only). `fused_norms`: Transformer
+    Engine's layer spec, whose q/k/v and fc1 linears hold the norm before them (`layer_norm_weight`)."""
     maps: list[ParamMap] = []
     if stage.is_first:
         maps += [ParamMap(mcore=f"visual.{n}", hf=(VISUAL + n,)) for n in visual_names]
         maps.append(ParamMap(mcore="lm.embedding.word_embeddings.weight", hf=(LM + "embed_tokens.weight",), split=0))
     for j in range(stage.count):
-        maps += _layer(shape, j, stage.first + j)
+        maps += _layer(shape, j, stage.first + j, fused_norms)
     if stage.is_last:
         maps.append(ParamMap(mcore="lm.decoder.final_layernorm.weight", hf=(LM + "norm.weight",)))
         head = LM + "embed_tokens.weight" if shape.tied else HEAD
@@ -174,12 +177,14 @@ def stage_params(shape: LmShape, stage: StagePlan, visual_names: list[str]) -> l
     return maps
 
 
-def _layer(shape: LmShape, local: int, layer: int) -> list[ParamMap]:
+def _layer(shape: LmShape, local: int, layer: int, fused_norms: bool) -> list[ParamMap]:
     m, h = f"lm.decoder.layers.{local}.", f"{LM}layers.{layer}."
     attn = f"{h}self_attn."
     qkv = dict(kind="qkv", split=0, q_per_group=shape.q_per_group, head_dim=shape.head_dim)
+    first_norm = "self_attention.linear_qkv.layer_norm_weight" if fused_norms else "input_layernorm.weight"
+    second_norm = "mlp.linear_fc1.layer_norm_weight" if fused_norms else "pre_mlp_layernorm.weight"
     return [
-        ParamMap(mcore=m + "input_layernorm.weight", hf=(h + "input_layernorm.weight",)),
+        ParamMap(mcore=m + first_norm, hf=(h + "input_layernorm.weight",)),
         ParamMap(
             mcore=m + "self_attention.linear_qkv.weight",
             hf=tuple(f"{attn}{p}_proj.weight" for p in "qkv"),
@@ -187,7 +192,7 @@ def _layer(shape: LmShape, local: int, layer: int) -> list[ParamMap]:
         ),
         ParamMap(mcore=m + "self_attention.linear_qkv.bias", hf=tuple(f"{attn}{p}_proj.bias" for p in "qkv"), **qkv),
         ParamMap(mcore=m + "self_attention.linear_proj.weight", hf=(attn + "o_proj.weight",), split=1),
-        ParamMap(mcore=m + "pre_mlp_layernorm.weight", hf=(h + "post_attention_layernorm.weight",)),
+        ParamMap(mcore=m + second_norm, hf=(h + "post_attention_layernorm.weight",)),
         ParamMap(
             mcore=m + "mlp.linear_fc1.weight",
             hf=(h + "mlp.gate_proj.weight", h + "mlp.up_proj.weight"),

@@ -46,7 +46,8 @@ class StageOptions:
 
 
 def transformer_config(hf_config, opts: StageOptions):
-    """megatron-core's TransformerConfig of the HF config's language model (module doc, 1)."""
+    """megatron-core's TransformerConfig of the HF config's language model: RMSNorm, SwiGLU, q/k/v bias, mRoPE,
+    every fusion off, nothing initialized (the HF weights fill it)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     from vlmrun.policy.megatron.mapping import LmShape
@@ -94,21 +95,22 @@ def transformer_config(hf_config, opts: StageOptions):
     )
 
 
-def layer_spec(config):
-    """Transformer Engine's layer spec where it is installed and CUDA runs (GPU only), else the local one."""
+def layer_spec(config) -> tuple:
+    """(spec, whether its linears hold the norms before them): Transformer Engine's layer spec where it
+    is installed and CUDA runs (GPU only, not run here), else the local one."""
     from megatron.core.models.gpt import gpt_layer_specs as specs
 
     if torch.cuda.is_available() and getattr(specs, "HAVE_TE", False):
-        return specs.get_gpt_layer_with_transformer_engine_spec()
+        return specs.get_gpt_layer_with_transformer_engine_spec(), True
     if config.sequence_parallel:
         from vlmrun.policy.megatron.cpu_shims import allow_sequence_parallel_norms
 
         allow_sequence_parallel_norms()
-    return specs.get_gpt_layer_local_spec(normalization="RMSNorm")
+    return specs.get_gpt_layer_local_spec(normalization="RMSNorm"), False
 
 
 class VisionLanguageStage(torch.nn.Module):
-    """One pipeline stage (module doc): `visual` (first stage) and `lm` (GPTModel); `shell` is the HF
+    """One pipeline stage: `visual` (first stage) and `lm` (GPTModel); `shell` is the HF
     model built on the meta device, whose `get_rope_index` and `get_image_features` this stage uses."""
 
     def __init__(self, lm, visual, shell, *, image_token_id: int, sequence_parallel: bool):
@@ -168,7 +170,7 @@ class VisionLanguageStage(torch.nn.Module):
 
 @dataclass
 class StageInputs:
-    """A micro-batch as every stage takes it (module doc, 3-4): tokens, mRoPE ids [3, B, T], the mask,
+    """A micro-batch as every stage takes it: tokens, mRoPE ids [3, B, T], the mask,
     media (first stage), and for scoring the next token of each position (`targets`, 0 where
     `scored` is False)."""
 
@@ -218,7 +220,7 @@ def stage_inputs(batch, shell, *, multiple: int = 1, device: torch.device | None
 
 
 def _positions(batch, shell) -> torch.Tensor:
-    """[3, B, T] mRoPE ids as transformers computes them for the batch (module doc, 2)."""
+    """[3, B, T] mRoPE ids as transformers computes them for the batch (a packed one's per sequence)."""
     if batch.is_packed:
         return packed_position_ids(shell, batch)[1:]
     grid = batch.media.get("image_grid_thw")
@@ -233,7 +235,8 @@ def _positions(batch, shell) -> torch.Tensor:
 
 
 def attention_mask(sequences: torch.Tensor) -> torch.Tensor:
-    """[B, 1, T, T] bool, True where a query must not see a key (module doc, 3), from [B, T] sequence
+    """[B, 1, T, T] bool, True where a query must not see a key (causal, padding keys, another sequence of a
+    packed row), from [B, T] sequence
     numbers (1 for every token of a padded row, 1, 2, ... for a packed row's sequences; 0: padding)."""
     width = sequences.shape[1]
     future = torch.triu(torch.ones(width, width, dtype=torch.bool), 1)

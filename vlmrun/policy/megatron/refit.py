@@ -31,7 +31,7 @@ from vlmrun.policy.megatron.mapping import ParamMap, stage_params, stage_plan
 def refit_buckets(
     policy, *, dtype: str | None, bucket_bytes: int, into: Mapping[str, torch.Tensor] | None
 ) -> Iterator[dict[str, torch.Tensor]]:
-    """Module doc. `dtype`: the engine's dtype name (None: the policy's own)."""
+    """The refit's buckets, every rank of the replica drawing them in order. `dtype`: the engine's dtype name (None: the policy's own)."""
     from vlmrun.config.dtype import torch_dtype
 
     want = torch_dtype(dtype) if dtype is not None else policy.opts.dtype
@@ -60,7 +60,8 @@ def _order(policy) -> Iterator[tuple[int, ParamMap, str]]:
     shape = policy.built.shape
     visual = [n for n, _ in policy.built.shell.visual.named_parameters()]
     for s in range(policy.ranks.pp):
-        for m in stage_params(shape, stage_plan(shape, s, policy.ranks.pp), visual):
+        plan = stage_plan(shape, s, policy.ranks.pp)
+        for m in stage_params(shape, plan, visual, fused_norms=policy.built.fused_norms):
             if not m.copy:
                 for name in m.hf:
                     yield s, m, name
@@ -75,7 +76,8 @@ def _whole_on_first_rank(
     shape: tuple[int, ...],
     target: torch.Tensor | None,
 ) -> torch.Tensor | None:
-    """The whole HF tensor `name` on the replica's first rank (module doc, 1-2); None elsewhere."""
+    """The whole HF tensor `name` on the replica's first rank: gathered over tp by its stage, sent
+    there from a later stage; None elsewhere."""
     c, r = policy.coords, policy.ranks
     mine = None
     if c.pp == stage:
@@ -95,7 +97,7 @@ def _whole_on_first_rank(
 
 
 def _gathered(part: torch.Tensor, split: int | None, group, tp: int, out: torch.Tensor | None) -> torch.Tensor:
-    """The whole tensor from every tensor-parallel rank's `part` (module doc, 1), into `out` if given."""
+    """The whole tensor from every tensor-parallel rank's `part` (cat along `split`), into `out` if given."""
     if split is None or tp == 1 or group is None:
         return out.copy_(part) if out is not None else part
     parts = [torch.empty_like(part) for _ in range(tp)]

@@ -27,7 +27,7 @@ def run_micro_batches(
     *,
     forward_only: bool,
 ) -> None:
-    """Forward (and backward, unless `forward_only`) of every micro-batch in order (module doc);
+    """Forward (and backward, unless `forward_only`) of every micro-batch in order, the loss on the last stage;
     `widths[k]` is micro-batch k's token count before any sequence-parallel padding."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 

@@ -29,6 +29,7 @@ class BuiltStage:
     coords: RankCoords
     tp: int
     tied: tuple | None
+    fused_norms: bool = False
     _params: dict | None = None
 
     def fill(self) -> str:
@@ -58,9 +59,10 @@ def build_stage(spec: ModelSpec, opts: StageOptions, coords: RankCoords, device:
     plan = stage_plan(shape, coords.pp, opts.pp)
     config = transformer_config(hf_config, opts)
     text = hf_config.text_config
+    layers_spec, fused_norms = layer_spec(config)
     lm = GPTModel(  # allocated on the current CUDA device, or the CPU (use_cpu_initialization)
         config=config,
-        transformer_layer_spec=layer_spec(config),
+        transformer_layer_spec=layers_spec,
         vocab_size=shape.vocab,
         max_sequence_length=text.max_position_embeddings,
         pre_process=plan.is_first,
@@ -78,13 +80,13 @@ def build_stage(spec: ModelSpec, opts: StageOptions, coords: RankCoords, device:
         lm, visual, shell, image_token_id=hf_config.image_token_id, sequence_parallel=opts.sequence_parallel
     )
     visual_names = [n for n, _ in visual.named_parameters()] if visual is not None else []
-    maps = stage_params(shape, plan, visual_names)
+    maps = stage_params(shape, plan, visual_names, fused_norms=fused_norms)
     params = dict(stage.named_parameters())
     for m in maps:  # what the gradient norm counts once (grads.py)
         if m.mcore in params:
             params[m.mcore].vlmrun_tp_split = m.split is not None and opts.tp > 1
     tied = _tied(stage, maps) if shape.tied else None
-    return BuiltStage(stage, shell, meta_model, spec, shape, plan, maps, coords, opts.tp, tied)
+    return BuiltStage(stage, shell, meta_model, spec, shape, plan, maps, coords, opts.tp, tied, fused_norms)
 
 
 def _inner(model: torch.nn.Module) -> torch.nn.Module:

@@ -28,7 +28,8 @@ MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
 def _own_pieces(policy, tensor_of: Callable[[torch.nn.Parameter], torch.Tensor | None]) -> dict:
-    """{HF name: this rank's piece} of `tensor_of(parameter)` over the stage's maps (module doc, 1)."""
+    """{HF name: this rank's piece} of `tensor_of(parameter)` over the stage's maps (a replicated tensor on tp rank 0
+    only, the tied copy never)."""
     params = policy.built.params_by_name()
     out: dict[str, torch.Tensor] = {}
     for m in policy.built.maps:
@@ -41,7 +42,7 @@ def _own_pieces(policy, tensor_of: Callable[[torch.nn.Parameter], torch.Tensor |
 
 
 def checkpoint_state(policy) -> PolicyState:
-    """Module doc, 1."""
+    """This rank's pieces of the model and of AdamW's state, its writer index on the first replica."""
     from vlmrun.policy.optimizer import allocate_state
 
     allocate_state(policy.optimizer)
@@ -70,7 +71,7 @@ def checkpoint_state(policy) -> PolicyState:
 
 
 class WholeTensors:
-    """Every HF tensor of one part, whole, from the writers' pieces (module doc, 2); `key` picks the
+    """Every HF tensor of one part, whole, from the writers' pieces, in tensor-parallel order; `key` picks the
     pieces' dict in each writer's state (e.g. ("pieces",) or ("moments", "exp_avg"))."""
 
     def __init__(self, files: PieceFiles, key: tuple[str, ...]):
@@ -95,7 +96,7 @@ class WholeTensors:
 
 
 def load_checkpoint_state(policy, state: PolicyState) -> None:
-    """Module doc, 2."""
+    """Each parameter (and AdamW's moments) from the HF tensors its map names, cut for this layout."""
     if state.storage is not Storage.PIECES:
         raise ValueError(f"the megatron backend reads its own checkpoints (pieces), not {state.storage.value} ones")
     params = policy.built.params_by_name()
@@ -151,7 +152,7 @@ def offload(policy, parts: tuple[str, ...]) -> int:
 
 
 def export(spec: ModelSpec, read: Callable[[PolicyState], PolicyState], out: Path) -> None:
-    """Module doc, 3: a transformers model directory (config, generation config, safetensors in the
+    """A transformers model directory (config, generation config, safetensors in the
     spec's dtype) with the processor, tokenizer and chat template of the spec's directory."""
     from transformers import AutoProcessor
     from transformers.utils import logging as hf_logging
