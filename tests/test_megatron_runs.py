@@ -5,10 +5,8 @@ the v1 loop (bitwise), a SIGKILL at a random step and its resume (bitwise), a ru
 resumed at tp=1 x pp=2 (the data order carries on: within 1e-5), then at another layout with
 --restart-data-order; packed rows at pp=2 (to 1e-5 of the padded run); 2 replicas x tp=2 (4 ranks)
 against the hf run at dp=2 (`sft_baseline`); the
-export of the tp=2 run loads in transformers with the megatron model's log-probs. GRPO: step 1 of the
-tiny recipe at tp=2 (local plane, the policy offloaded around the rollout), pp=2 (TransferQueue) and
-tp=2 (the driver path) gives the hf
-backend's rewards exactly and its loss to 1e-5; every ratio is exactly 1.
+export of the tp=2 run loads in transformers with the megatron model's log-probs. GRPO:
+tests/test_megatron_grpo.py.
 """
 
 from __future__ import annotations
@@ -20,7 +18,7 @@ import signal
 import pytest
 from data_samples import free_port, start_ranks
 from shared_runs import submit, submit_args
-from vlmrun_cli import GRPO, Launcher, job, last_step, node_pid, rows, same_history, sealed, sets, vlmrun, wait_for
+from vlmrun_cli import Launcher, job, last_step, node_pid, rows, same_history, sealed, sets, vlmrun, wait_for
 
 from vlmrun.run.metrics import history
 
@@ -148,29 +146,3 @@ def test_the_export_of_a_megatron_run_loads_in_transformers_with_the_megatron_mo
     megatron = torch.load(tmp_path / "lp.pt")
     labelled = batch.labels[:, 1:] != -100
     assert torch.allclose(hf[labelled], megatron[labelled], rtol=1e-5, atol=1e-5)
-
-
-GRPO_QUICK = ["train.max_steps=2", "train.global_batch_size=4", "grpo.num_generations=4", "train.val_samples=0"]
-GRPO_QUICK += ["parallel.dp=1", "checkpoint.save_period=2"]
-
-
-@pytest.fixture(scope="module")
-def grpo_hf(tmp_path_factory, run_data):
-    return submit(tmp_path_factory.mktemp("grpo-hf") / "run", *run_data, *sets(*GRPO_QUICK), recipe=GRPO)
-
-
-@pytest.mark.parametrize(
-    "plane",
-    [
-        ["parallel.tp=2", "parallel.offload_during_generation=true"],  # the local plane (the recipe's)
-        ["parallel.pp=2", "data_plane.impl=transfer_queue"],
-        ["parallel.tp=2", "data_plane.enabled=false"],
-    ],
-    ids=["tp2-local", "pp2-transfer_queue", "tp2-driver"],
-)
-def test_grpo_step_1_gives_the_hf_backends_rewards_and_loss_on_every_data_plane(tmp_path, run_data, grpo_hf, plane):
-    run = submit(tmp_path / "run", *run_data, *sets(*GRPO_QUICK, "model.backend=megatron", *plane), recipe=GRPO)
-    got, want = history(run / "metrics.jsonl"), history(grpo_hf / "metrics.jsonl")
-    assert all(got[1][k] == want[1][k] for k in ("reward", "accuracy", "format_rate", "response_length_mean"))
-    assert got[1]["loss"] == pytest.approx(want[1]["loss"], rel=1e-5, abs=1e-7)
-    assert all(got[s]["probs_ratio_min"] == got[s]["probs_ratio_max"] == 1.0 for s in got)

@@ -30,9 +30,19 @@ from pathlib import Path
 import torch
 
 SIDES = ("hf", "megatron")
-#: The Qwen2.5-VL-3B layout narrowed to ~0.27B parameters (tools/bench_refit.py's `mid`).
+#: How long a side waits for the other's turn: a side that died breaks the rounds instead of hanging them.
+BARRIER_S = 3600
+#: The Qwen2.5-VL-3B layout narrowed to ~0.27B parameters (tools/bench_refit.py's `mid`, its mRoPE
+#: sections scaled to the narrower heads so that it runs a forward).
 MID_OVERRIDES = {
-    "text_config": {"hidden_size": 1024, "intermediate_size": 2816, "num_hidden_layers": 6, "num_attention_heads": 16},
+    "text_config": {
+        "hidden_size": 1024,
+        "intermediate_size": 2816,
+        "num_hidden_layers": 6,
+        "num_attention_heads": 16,
+        # head_dim 64: 32 rotary frequencies over (time, height, width), as the 3B's 64 are
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1_000_000.0, "mrope_section": [8, 12, 12]},
+    },
     "vision_config": {"depth": 2, "fullatt_block_indexes": [1], "out_hidden_size": 1024},
 }
 
@@ -73,7 +83,7 @@ def _rank(index: int, args, model_dir: str, batches: list, ports: dict, barrier,
     policy.setup(master_addr="127.0.0.1", master_port=ports[side], max_steps=10_000)
     mine = batches[rank::2] if side == "hf" else batches
     steps: list[dict] = []
-    barrier.wait()  # every side built: the rounds begin
+    barrier.wait(timeout=BARRIER_S)  # every side built: the rounds begin
     for _ in range(args.rounds):
         for turn in SIDES:
             if turn == side:
@@ -81,7 +91,7 @@ def _rank(index: int, args, model_dir: str, batches: list, ports: dict, barrier,
                     t0 = time.perf_counter()
                     result = policy.train_step(mine)
                     steps.append({"s": time.perf_counter() - t0, "tokens": result.valid_tokens, "loss": result.loss})
-            barrier.wait()
+            barrier.wait(timeout=BARRIER_S)
     Path(f"{out}.{index}").write_text(json.dumps(steps))
     policy.shutdown()
     os._exit(0)  # gloo's threads sometimes abort in C++ destructors at interpreter exit
@@ -129,10 +139,7 @@ def main(argv: list[str] | None = None) -> dict:
         ]
         for p in procs:
             p.start()
-        for p in procs:
-            p.join()
-        if any(p.exitcode for p in procs):
-            raise SystemExit(f"a rank failed: exit codes {[p.exitcode for p in procs]}")
+        _join(procs)
         steps = [json.loads(Path(f"{out}.{i}").read_text()) for i in range(4)]
     report = _report(args, steps, ratio_spread, round_ratios)
     print(json.dumps(report, indent=None if args.json else 2))
@@ -168,6 +175,21 @@ def _report(args, steps: list[list[dict]], ratio_spread, round_ratios) -> dict:
         "megatron_over_hf_rounds": ratio_spread(ratios),
         "megatron_over_hf": ratio_spread(ratios)["median"],
     }
+
+
+def _join(procs: list) -> None:
+    """Wait for every rank; once one failed, end the others (they would wait for it) and exit 1."""
+    while any(p.is_alive() for p in procs):
+        if any(p.exitcode not in (None, 0) for p in procs):
+            for p in procs:
+                if p.is_alive():
+                    p.terminate()
+            break
+        time.sleep(0.5)
+    for p in procs:
+        p.join()
+    if any(p.exitcode for p in procs):
+        raise SystemExit(f"a rank failed: exit codes {[p.exitcode for p in procs]}")
 
 
 def _free_port() -> int:
