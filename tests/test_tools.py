@@ -196,3 +196,19 @@ def test_bench_resume_times_a_resumes_first_step_against_a_cold_starts():
     assert d["resume"]["policy_load"] == "from the checkpoint it resumed (the model's own weights not read)"
     assert all(finite(s) for side in ("cold", "resume") for s in d[side]["first_step_s"])
     assert set(d["resume_over_cold_first_step"]) == SPREAD_KEYS and finite(d["resume_over_cold_first_step"]["median"])
+
+
+@pytest.mark.slow
+def test_bench_megatron_tp2_against_hf_dp2_in_rounds():
+    d = run_tool(
+        "tools/bench_megatron.py", "--rounds", "1", "--steps", "1", "--micro-batches", "2", "--json", timeout=600
+    )
+    assert d["rounds"] == 1 and d["tokens_per_step"] > 0
+    assert finite(d["hf_dp2"]["tokens_per_s_median"]) and finite(d["megatron_tp2"]["tokens_per_s_median"])
+    assert (
+        set(d["megatron_over_hf_rounds"]) == SPREAD_KEYS
+        and d["megatron_over_hf"] == d["megatron_over_hf_rounds"]["median"]
+    )
+    assert d["megatron_tp2"]["first_loss"] == pytest.approx(
+        d["hf_dp2"]["first_loss"], rel=1e-5
+    )  # same model, same data
