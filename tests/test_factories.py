@@ -43,7 +43,7 @@ def _random_init_policy(config: dict, seed: int):
 @pytest.mark.parametrize(
     "open_backend, field",
     [
-        (lambda: open_policy("megatron", model=ModelSpec(directory="/m"), rank=0, world_size=1, train=TRAIN), "model"),
+        (lambda: open_policy("deepspeed", model=ModelSpec(directory="/m"), rank=0, world_size=1, train=TRAIN), "model"),
         (lambda: open_generator("sglang", model=ModelSpec(directory="/m")), "generation"),
     ],
 )

@@ -81,11 +81,15 @@ def test_eval_and_a_runs_rank_open_the_policy_and_the_engine_alike(recording, tm
     (rank_policy, eval_policy), (rank_engine, eval_engine) = recording["policy"], recording["engine"]
     assert eval_engine == rank_engine
     assert rank_engine["options"] == {
-        "gpu_memory_utilization": 0.3,
-        "max_model_len": 256 + 16,
-        "max_num_seqs": 7,
-        "enforce_eager": True,
-        "enable_prefix_caching": True,
+        "engine": {
+            "gpu_memory_utilization": 0.3,
+            "max_model_len": 256 + 16,
+            "max_num_seqs": 7,
+            "enforce_eager": True,
+            "enable_prefix_caching": True,
+        },
+        "env": None,
+        "end_on_release": False,
     }
     assert rank_engine["device"] == "cuda" and rank_engine["weights_from_refit"]
     # eval holds the whole model in its one process: replicated, with none of the run's sharding

@@ -104,7 +104,7 @@ def test_overrides_coerce_types():
         ("parallel.fsdp=maybe", "parallel.fsdp", "valid boolean"),
         ("parallel.cpu_offload=true", "parallel.cpu_offload", "needs GPUs"),
         ("parallel.offload_during_generation=true", "parallel.offload_during_generation", "around GRPO's rollouts"),
-        ("model.backend=megatron", "model.backend", "'hf'"),
+        ("model.backend=deepspeed", "model.backend", "'hf' or 'megatron'"),
         ("generation.backend=sglang", "generation.backend", "'hf' or 'vllm'"),
         ("generation.backend=vllm", "generation.backend", "GRPO's rollouts"),  # an SFT recipe (a CPU GRPO one takes it)
         ("generation.engine=hf", "generation.engine", "valid keys are backend"),

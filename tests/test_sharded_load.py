@@ -150,6 +150,7 @@ def _resume_rank_main(rank, world, recipe, model_dir, unread_dir, folder, ports,
     import torch.distributed as dist
     from data_samples import rank_policy
 
+    from vlmrun.checkpoint.manifest import Manifest
     from vlmrun.checkpoint.parts import MODEL_PART, OPTIMIZER_PART, PolicyState
     from vlmrun.checkpoint.read import Checkpoint
     from vlmrun.checkpoint.write import PendingCheckpoint
@@ -179,7 +180,7 @@ def _resume_rank_main(rank, world, recipe, model_dir, unread_dir, folder, ports,
     info = resumed.setup(master_addr="127.0.0.1", master_port=ports[1], max_steps=4, weights="checkpoint")
     names = [None] * world
     dist.all_gather_object(names, files)
-    found = Checkpoint(1, Path(folder), {"format": 2, "files": {n: d for f in names for n, d in f.items()}})
+    found = Checkpoint(1, Path(folder), Manifest(4, 1, {n: d for f in names for n, d in f.items()}))
     state = resumed.checkpoint_state()
     resumed.load_checkpoint_state(found.read_policy(PolicyState(state.storage, {MODEL_PART: state.parts[MODEL_PART]})))
     got = {n: t.full_tensor() for n, t in resumed.model.state_dict().items()}

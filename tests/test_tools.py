@@ -212,3 +212,19 @@ def test_measure_rank_memory_reads_each_rank_s_peak_from_outside(tmp_path):
         assert len(d[run]["rows_peak_rss_mb"]) == 1 and finite(d[run]["rows_peak_rss_mb"][0])
         assert d[run]["rows_peak_rss_mb"][0] <= max(d[run]["ranks_vmhwm_mb"]) + 1  # the step's, within the life's
     assert len(d["ratio_to_fp32_model"]) == 2
+
+
+@pytest.mark.slow
+def test_bench_megatron_tp2_against_hf_dp2_in_rounds():
+    d = run_tool(
+        "tools/bench_megatron.py", "--rounds", "1", "--steps", "1", "--micro-batches", "2", "--json", timeout=600
+    )
+    assert d["rounds"] == 1 and d["tokens_per_step"] > 0
+    assert finite(d["hf_dp2"]["tokens_per_s_median"]) and finite(d["megatron_tp2"]["tokens_per_s_median"])
+    assert (
+        set(d["megatron_over_hf_rounds"]) == SPREAD_KEYS
+        and d["megatron_over_hf"] == d["megatron_over_hf_rounds"]["median"]
+    )
+    assert d["megatron_tp2"]["first_loss"] == pytest.approx(
+        d["hf_dp2"]["first_loss"], rel=1e-5
+    )  # same model, same data

@@ -19,15 +19,15 @@ from vlmrun.generation import vllm as backend
 from vlmrun.generation.interface import SamplingParams
 from vlmrun.generation.prompts import prompt_media
 from vlmrun.generation.special_tokens import SpecialTokens
-from vlmrun.generation.vllm import (
-    VllmGenerator,
+from vlmrun.generation.vllm import VllmGenerator
+from vlmrun.generation.vllm_engine import EngineGates, VllmEngine
+from vlmrun.generation.vllm_requests import (
     collapse_placeholders,
     engine_prompts,
     response_seed,
     rollouts_from,
     sampling_options,
 )
-from vlmrun.generation.vllm_engine import EngineGates, VllmEngine
 from vlmrun.models.spec import ModelSpec
 
 

@@ -221,7 +221,7 @@ def test_the_gpu_check_prepares_its_model_and_prompts_here_and_refuses_without_a
     import sys
 
     from vlmrun.generation.special_tokens import SpecialTokens
-    from vlmrun.generation.vllm import engine_prompts
+    from vlmrun.generation.vllm_requests import engine_prompts
 
     tools = str(ROOT / "tools" / "gpu")
     sys.path.insert(0, tools)

@@ -87,6 +87,24 @@ def test_dispatch_strategies_reach_the_ranks_they_name(ray_local):
         group.shutdown()
 
 
+def test_replicas_reach_every_rank_of_each_replica_and_collect_from_the_owning_rank(ray_local):
+    from vlmrun.distributed.topology import Role
+
+    plan = plan_placement(ParallelConfig(dp=2, pp=2).layout)  # replica 0 = ranks 0 (stage 0), 2 (stage 1)
+    group = WorkerGroup(EchoRank, plan, Placement(nodes=1), init=lambda rank: {"rank": rank, "tag": f"r{rank}"})
+    try:
+        reached = group.all_ranks("who")
+        assert group.collect(reached, Role.OWNER) == [(0, "r0", None), (1, "r1", None)]
+        assert group.collect(reached, Role.RESULT) == [(2, "r2", None), (3, "r3", None)]  # the last stage's
+        assert group.replicas("who", lambda shard: {"payload": f"shard{shard}"}) == [
+            (0, "r0", "shard0"),
+            (1, "r1", "shard1"),
+        ]
+        assert group.replicas("who", lambda shard: {"payload": shard}, Role.RESULT) == [(2, "r2", 0), (3, "r3", 1)]
+    finally:
+        group.shutdown()
+
+
 def test_a_dead_rank_is_the_error_raised_not_the_errors_of_its_peers(ray_local, tmp_path):
     import ray
 

@@ -93,14 +93,14 @@ def _rank(rank: int, world: int, mb: int, rounds: int, folder: str, rendezvous: 
         if digest(Path(box[0].path) / name) != recorded:
             raise SystemExit(f"rank {rank}: {name}'s digest, taken while writing, differs from the file's")
     hashing = time.perf_counter() - t0  # a read-back hash, from a warm page cache
-    size = sum(d["size"] for d in files.values())
+    size = sum(d.size for d in files.values())
     dist.barrier()
     t0 = time.perf_counter()
     write = box[1].start_policy_write(state, rank=rank, group=background)
     stall = time.perf_counter() - t0
     async_files = write.result()
     async_total = time.perf_counter() - t0
-    if {n: d["size"] for n, d in async_files.items()} != {n: d["size"] for n, d in files.items()}:
+    if {n: d.size for n, d in async_files.items()} != {n: d.size for n, d in files.items()}:
         raise SystemExit(f"rank {rank}: the background save wrote other files than the save in the step")
     results, written = [None] * world, [None] * world
     row = {"total": total, "hash": hashing, "bytes": size, "async_stall": stall, "async_total": async_total}

@@ -58,7 +58,7 @@ from vlmrun.algorithms.common.refit import refit
 from vlmrun.data.batch import PromptBatch
 from vlmrun.generation import open_generator
 from vlmrun.generation.interface import SamplingParams
-from vlmrun.generation.vllm import engine_prompts, response_seed, sampling_options
+from vlmrun.generation.vllm_requests import engine_prompts, response_seed, sampling_options
 from vlmrun.models.spec import ModelSpec
 from vlmrun.observe.ratios import ratio_spread, round_ratios
 

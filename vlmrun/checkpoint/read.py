@@ -18,7 +18,16 @@ from typing import Any
 
 from vlmrun.checkpoint import files, legacy
 from vlmrun.checkpoint.manifest import FORMAT, CorruptCheckpoint, Manifest, read_manifest
-from vlmrun.checkpoint.parts import SHARDED_METADATA, SHARDED_POLICY, PolicyState, Storage, lacking_parts, part_file
+from vlmrun.checkpoint.parts import (
+    PIECES_POLICY,
+    SHARDED_METADATA,
+    SHARDED_POLICY,
+    PieceFiles,
+    PolicyState,
+    Storage,
+    lacking_parts,
+    part_file,
+)
 
 #: Formats `verify` and `Checkpoint` read: the older ones of legacy.py and the current one.
 READS = (1, 2, 3, FORMAT)
@@ -56,20 +65,34 @@ class Checkpoint:
     @property
     def policy_storage(self) -> Storage:
         """How the policy's parts were written (a format 1 checkpoint holds one copy)."""
-        return Storage.SHARDED if SHARDED_METADATA in self.manifest.files else Storage.REPLICATED
+        if SHARDED_METADATA in self.manifest.files:
+            return Storage.SHARDED
+        if any(name.startswith(f"{PIECES_POLICY}/") for name in self.manifest.files):
+            return Storage.PIECES
+        return Storage.REPLICATED
 
     def read_policy(self, into: PolicyState, group=None) -> PolicyState:
         """The policy's parts named in `into`, as this checkpoint holds them. One copy: read whole (`into`
         only names the parts). Sharded: loaded in place into `into`'s tensors, which DCP reshards to their
         layout (a process group's DTensors: collective over `group`, default the default group, like
-        `write_policy`; plain tensors: the whole state assembled in this one process); returns `into`."""
+        `write_policy`; plain tensors: the whole state assembled in this one process); returns `into`.
+        Pieces: every writer's file of each part (`PieceFiles`), for the policy to take its pieces from."""
         if self.policy_storage is Storage.REPLICATED:
             return PolicyState(Storage.REPLICATED, {part: self.read(part) for part in into.parts})
+        if self.policy_storage is Storage.PIECES:
+            return PolicyState(Storage.PIECES, {part: self._piece_files(part) for part in into.parts})
         import torch.distributed.checkpoint as dcp
 
         reader = dcp.FileSystemReader(str(self.path / SHARDED_POLICY))
         dcp.load(into.parts, storage_reader=reader, process_group=group)
         return into
+
+    def _piece_files(self, part: str) -> PieceFiles:
+        """Writer 0, 1, ... of the pieces of `part`, as the manifest lists them."""
+        writers = []
+        while (name := self._file(f"pieces_{part}", len(writers))) in self.manifest.files:
+            writers.append(str(self.path / name))
+        return PieceFiles(tuple(writers))
 
     def _file(self, part: str, index: int | None) -> str:
         return part_file(part, index, layout=legacy.layout(self.format))

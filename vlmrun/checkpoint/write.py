@@ -53,7 +53,8 @@ class PendingCheckpoint:
 
         One copy (`Storage.REPLICATED`): rank 0 writes every part, the other ranks nothing. Sharded: every
         rank writes its own shard through torch.distributed.checkpoint, all ranks of the process group
-        together (collective); rank 0 also writes the metadata.
+        together (collective); rank 0 also writes the metadata. Pieces: every rank the state names a
+        writer writes its own file of each part, no collective.
         """
         return self.start_policy_write(state, rank=rank, background=False).result()
 
@@ -62,13 +63,14 @@ class PendingCheckpoint:
         state is copied (host memory), so the caller may change it; the files are written while it goes
         on. Sharded, the copy and the writing are DCP's `async_save`, collective over `group` (a process
         group of its own: the thread's collectives must not interleave with the training's)."""
-        if state.storage is Storage.REPLICATED:
-            if rank != 0:  # every rank holds the same state: rank 0 writes it
+        if state.storage is not Storage.SHARDED:
+            writer = state.writer if state.storage is Storage.PIECES else (None if rank else 0)
+            if writer is None:  # another rank writes the same state
                 return PolicyWrite.finished({})
             if not background:
-                return PolicyWrite.finished(self._write_parts(state.parts))
+                return PolicyWrite.finished(self._write_parts(state.parts, state.storage, writer))
             staged = _host_copy(state.parts)
-            return PolicyWrite.on_thread(lambda: self._write_parts(staged))
+            return PolicyWrite.on_thread(lambda: self._write_parts(staged, state.storage, writer))
         import torch.distributed.checkpoint as dcp
 
         folder = Path(self.path) / SHARDED_POLICY
@@ -100,10 +102,13 @@ class PendingCheckpoint:
         future = getattr(written, "upload_completion", written)  # a Future either way
         return PolicyWrite(future, then=digests, space=(folder, needed))
 
-    def _write_parts(self, parts: dict[str, Any]) -> dict[str, files.Digest]:
+    def _write_parts(self, parts: dict[str, Any], storage: Storage, writer: int) -> dict[str, files.Digest]:
         written: dict[str, files.Digest] = {}
         for part, value in parts.items():
-            written |= self.write(part, value)
+            if storage is Storage.PIECES:
+                written |= self.write(f"pieces_{part}", value, index=writer)
+            else:
+                written |= self.write(part, value)
         return written
 
 

@@ -77,8 +77,9 @@ def resume(
     restart_data_order: bool = typer.Option(
         False,
         "--restart-data-order",
-        help="allow --set parallel.dp=N: keep model, optimizer, LR schedule and step counters (resharded), "
-        "lose the loaders' positions and the ranks' RNG streams (the data order starts over)",
+        help="allow --set parallel.dp=N (and parallel.tp, parallel.pp): keep model, optimizer, LR schedule and "
+        "step counters (resharded), lose the loaders' positions and the ranks' RNG streams (the data order "
+        "starts over)",
     ),
     json_out: bool = JsonOpt,
 ):
@@ -95,12 +96,14 @@ def resume(
       data.on_bad_sample, data.error_tolerance (recovery: a run stopped by a sample it cannot train
       on continues with --set data.on_bad_sample=drop: that sample is skipped and counted in
       dropped_samples, every sample before it was trained; one stopped by too many bad samples, with
-      a higher data.error_tolerance).
+      a higher data.error_tolerance);
+      parallel.tp, parallel.pp (model.backend megatron, same parallel.dp: the checkpoint is read into
+      the new tp x pp, and the data order carries on).
     A change of what defines the run (batch sizes, layout, seed, data and how it is read, sequence
     length, loop, algorithm, model), by --set or by editing recipe.yaml, is refused as
     `field: old -> new`; so is data.num_workers (another worker count is another sample order). A
     completed run says so and exits 0. With --restart-data-order, parallel.dp may change too (and the
-    cluster with it).
+    cluster with it), the data order starting over.
 
     \b
     Example: vlmrun resume runs/tiny-clevr-cpu-20261130-101500 --set train.max_steps=400 --wait

@@ -6,6 +6,7 @@ from typing import Literal
 
 from pydantic import Field
 
+from vlmrun.config.backends import GENERATION_BACKEND_NAMES
 from vlmrun.config.section import Section
 
 
@@ -50,7 +51,7 @@ class GenerationConfig(Section):
     `generate` in the rank's own process, refit from the policy in memory, one bucket of weights at a
     time (`refit_bucket_mb`; not part of the run identity: the bucket size changes no number)."""
 
-    backend: Literal["hf", "vllm"] = Field(
+    backend: Literal[GENERATION_BACKEND_NAMES] = Field(
         "hf",
         description="the generation engine: hf (transformers generate, CPU or GPU), or vllm (vLLM's engine in a "
         "process of its own beside each rank, on the rank's GPU or vLLM's CPU backend; its environment: "

@@ -51,8 +51,16 @@ MODEL_CONTENTS = "model.path contents"
 #: Identity fields a resume may change with `--restart-data-order` (checkpoint.restart_data_order),
 #: and what that costs, in the words every message about it uses.
 RESHARDABLE = ("parallel.dp",)
+#: Identity fields a resume may change while the data order carries on: how each data-parallel replica
+#: is cut over ranks (model.backend megatron, whose checkpoints read into any tp x pp); the loader
+#: shards, their positions and each replica's streams are per replica, and stay.
+RELAYOUTABLE = ("parallel.tp", "parallel.pp")
+RELAYOUT_TERMS = (
+    "the model and optimizer state are read into the new tp x pp; the data order, the counters and each "
+    "replica's streams carry on (same parallel.dp)"
+)
 RESHARD_TERMS = (
-    "keep the model, optimizer state, LR schedule and step counters (resharded to the new dp) and lose "
+    "keep the model, optimizer state, LR schedule and step counters (resharded to the new layout) and lose "
     "every loader shard's position and every rank's RNG stream: the data order starts over"
 )
 
@@ -96,14 +104,18 @@ def check_same_identity(
 
 def restarts_data_order(saved, identity: dict[str, Any], plan, restart: bool, path) -> bool:
     """Whether the run takes the checkpoint at `path` with its data order started over: True when only
-    the layout differs (another dp) and `restart` (checkpoint.restart_data_order) lets the run take its
-    model, optimizer and counters. Refuses it (InputError, exit 2) when another run definition, or
+    the layout differs (another dp, tp or pp) and `restart` (checkpoint.restart_data_order) lets the run take its
+    model, optimizer and counters; False at the same layout, or another tp or pp at the same dp without
+    `restart` (RELAYOUTABLE: the data order carries on). Refuses it (InputError, exit 2) when another run definition, or
     another layout without `restart`, wrote it. `saved` is what its manifest says of the run that wrote
     it (`identity`, `placement_hash`, `layout`); `plan` is this run's placement (`placement_hash`,
     `describe()`)."""
-    ignore = RESHARDABLE if restart else ()
+    ignore = RESHARDABLE + RELAYOUTABLE if restart else RELAYOUTABLE
     check_same_identity(saved.identity, identity, where=f"checkpoint {path}", ignore=ignore)
     if saved.placement_hash == plan.placement_hash:
+        return False
+    if not restart and saved.identity.get("parallel.dp") == identity.get("parallel.dp"):
+        log.info("%s: from %s to %s: %s", path, saved.layout, plan.describe(), RELAYOUT_TERMS)
         return False
     if not restart:
         raise InputError(

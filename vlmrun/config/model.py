@@ -6,6 +6,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
+from vlmrun.config.backends import POLICY_BACKEND_NAMES, POLICY_BACKENDS
 from vlmrun.config.dtype import DTYPES
 from vlmrun.config.families import Family
 from vlmrun.config.section import Section
@@ -17,8 +18,10 @@ class ModelConfig(Section):
     family: Family
     path: str | None = Field(None, description="local HF model directory (weights, processor, chat template)")
     tiny: bool = Field(False, description="build a tiny random-init model of `family` under the run's cache dir")
-    backend: Literal["hf"] = Field(
-        "hf", description="the policy backend (vlmrun.policy.open_policy): hf (transformers)"
+    backend: Literal[POLICY_BACKEND_NAMES] = Field(
+        "hf",
+        description="the policy backend (vlmrun.policy.open_policy): "
+        + "; ".join(f"{name} ({spec.about})" for name, spec in POLICY_BACKENDS.items()),
     )
     dtype: Literal[DTYPES] = "float32"  # torch dtypes: config/dtype.py
     attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = Field(

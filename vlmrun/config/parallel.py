@@ -26,6 +26,14 @@ class ParallelConfig(Section):
     tp: int = Field(1, ge=1)
     pp: int = Field(1, ge=1)
     cp: int = Field(1, ge=1)
+    ep: int = Field(
+        1, ge=1, description="expert parallelism: a mixture of experts' experts spread over groups of ep ranks of dp"
+    )
+    sequence_parallel: bool = Field(
+        False,
+        description="model.backend megatron: split the activations outside attention and the MLP along the "
+        "sequence over the tp ranks (needs tp > 1)",
+    )
     fsdp: bool | None = Field(
         None,
         description="shard parameters, gradients and optimizer state over the dp ranks with FSDP2 "
@@ -36,7 +44,10 @@ class ParallelConfig(Section):
         description="bf16: compute in bf16 with fp32 gradient reduction, over model.dtype master weights "
         "(needs fsdp: true)",
     )
-    activation_checkpointing: bool = Field(False, description="recompute each decoder layer in the backward")
+    activation_checkpointing: bool = Field(
+        False,
+        description="recompute each decoder layer in the backward (megatron: full recompute, one layer at a time)",
+    )
     cpu_offload: bool = Field(False, description="keep sharded parameters and optimizer state in host memory (fsdp)")
     offload_during_generation: bool = Field(
         False,
@@ -63,7 +74,7 @@ class ParallelConfig(Section):
     @property
     def layout(self) -> RankLayout:
         """The rank layout of these sizes (call it once the recipe validated dp_shard)."""
-        return RankLayout(dp=self.dp, tp=self.tp, pp=self.pp, cp=self.cp, dp_shard=self.dp_shard)
+        return RankLayout(dp=self.dp, tp=self.tp, pp=self.pp, cp=self.cp, ep=self.ep, dp_shard=self.dp_shard)
 
     @property
     def world_size(self) -> int:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pydantic import Field, model_validator
 
+from vlmrun.config.backends import POLICY_BACKENDS, policy_refusal
 from vlmrun.config.cluster import ClusterConfig
 from vlmrun.config.data import DataConfig
 from vlmrun.config.data_plane import DataPlaneConfig
@@ -41,8 +42,9 @@ class Recipe(Section):
 
     @model_validator(mode="after")
     def _cross_checks(self) -> Recipe:
-        if self.parallel.fsdp is None:  # the default: shard on GPUs, replicate on CPU
-            self.parallel = self.parallel.model_copy(update={"fsdp": self.cluster.gpus_per_node > 0})
+        if self.parallel.fsdp is None:  # the default: shard on GPUs (where the backend shards so), replicate on CPU
+            shards = POLICY_BACKENDS[self.model.backend].capabilities.fsdp is None
+            self.parallel = self.parallel.model_copy(update={"fsdp": self.cluster.gpus_per_node > 0 and shards})
         t, p = self.train, self.parallel
         if t.global_batch_size % (p.dp * t.micro_batch_size):
             raise CrossFieldError(
@@ -52,10 +54,8 @@ class Recipe(Section):
             )
         if self.data.family is not None and self.data.family != self.model.family:
             raise CrossFieldError("data.family", self.data.family, f"must match model.family ({self.model.family!r})")
-        if self.model.backend == "hf" and (p.tp, p.pp, p.cp) != (1, 1, 1):
-            raise CrossFieldError(
-                "parallel.tp", p.tp, "the hf backend shards by data parallelism only: set parallel.tp, pp and cp to 1"
-            )
+        if (refused := policy_refusal(self)) is not None:
+            raise CrossFieldError(*refused)
         if p.cpu_offload and not self.cluster.gpus_per_node:
             raise CrossFieldError(
                 "parallel.cpu_offload",

@@ -14,6 +14,9 @@
    samples) there are none. A sample `data.on_bad_sample: drop` skips leaves one more filler.
 3. The layout depends on the split's size, dp, the loader workers, the micro-batch size and the
    micro-batches per step; the loader shard's fingerprint holds the count it fills to.
+4. This is loader format 2 (vlmrun.data.fingerprint). A run begun before it, in format 1 (Energon's own
+   pipeline, whose buffer mixes an epoch's tail into the next one's head), keeps that format when it
+   resumes, so it goes on bit for bit; `vlmrun resume --restart-data-order` moves it to this one.
 """
 
 from __future__ import annotations

@@ -5,11 +5,15 @@
    nodes otherwise, packed on a single node. Ranks are ordered by node (`ranks_by_node`): a node's
    ranks are consecutive, in the order Ray placed the nodes, so an HSDP shard group (dp_shard
    consecutive ranks) stays on one node and its reduce-scatter never crosses the network.
-2. Dispatch is a named strategy, not loop code repeated in every algorithm:
+2. Dispatch is a named strategy over the mesh's axes, not loop code repeated in every algorithm:
    `all_ranks` (every rank, same arguments), `per_rank` (every rank its own share),
-   `replica_owners` (the owner rank of each data-parallel replica, e.g. to open its loader shard) and
-   `by_dp` / `submit_replica` (every rank gets its replica's part, e.g. its shard of a batch).
+   `replica_owners` (the owner rank of each data-parallel replica, e.g. to open its loader shard),
+   `by_dp` / `submit_replica` (every rank gets its replica's part, e.g. its shard of a batch) and
+   `replicas` (every rank of each replica its replica's part, the result of each replica's owner:
+   a call whose collectives span the replica's tp and pp ranks, but whose result one rank has).
    Results come back in rank (or shard) order; `submit_*` return Ray object refs instead of waiting.
+   `collect(results, role)` takes from per-rank results (rank order) the one of each replica's owner
+   or result rank (topology.py's `Role`): what a replica computed once, from the rank that owns it.
    `gather(refs)` waits for refs; when a rank died, it raises the death, not the collective errors
    that the surviving ranks see a moment later (a gloo "Connection reset by peer" names no culprit).
 3. Ranks meet in torch.distributed through `rendezvous()`: rank 0's node address and a free port
@@ -28,7 +32,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from vlmrun.distributed.topology import PlacementPlan
+from vlmrun.distributed.topology import PlacementPlan, Role
 from vlmrun.startup import freeze_heap
 
 
@@ -235,6 +239,24 @@ class WorkerGroup:
     def by_dp(self, method: str, parts: Sequence[dict[str, Any]]) -> list:
         """Every rank gets `parts[its dp index]` as keyword arguments; the results in shard, then rank order."""
         return gather(self.submit_by_dp(method, parts))
+
+    def submit_replicas(self, method: str, per_shard: Callable[[int], dict[str, Any]]) -> list:
+        """`method(**per_shard(shard))` on every rank of each replica; refs in shard, then rank order."""
+        return [ref for s in self.plan.shards for ref in self.submit_replica(s.shard, method, **per_shard(s.shard))]
+
+    def replicas(self, method: str, per_shard: Callable[[int], dict[str, Any]], role: Role = Role.OWNER) -> list:
+        """`method(**per_shard(shard))` on every rank of each replica; the result of each replica's `role`
+        rank, in shard order."""
+        results = gather(self.submit_replicas(method, per_shard))
+        ranks = [rank for s in self.plan.shards for rank in s.delivery_ranks]
+        by_rank = dict(zip(ranks, results, strict=True))
+        return [by_rank[s.rank_of(role)] for s in self.plan.shards]
+
+    def collect(self, results: Sequence, role: Role) -> list:
+        """From `results` in rank order (every rank's), each replica's `role` rank's, in shard order."""
+        if len(results) != self.world_size:
+            raise ValueError(f"collect needs every rank's result ({self.world_size}), got {len(results)}")
+        return [results[s.rank_of(role)] for s in self.plan.shards]
 
     def on_rank(self, rank: int, method: str, **kwargs) -> Any:
         """`method(**kwargs)` on rank `rank` alone; its result."""

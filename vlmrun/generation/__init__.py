@@ -16,14 +16,15 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from vlmrun.config.backends import GENERATION_BACKENDS, entries
 from vlmrun.config.registry import load_entry
 
 if TYPE_CHECKING:
     from vlmrun.generation.interface import GenerationBackend
     from vlmrun.models.spec import ModelSpec
 
-#: generation.backend -> "module:class" of its GenerationBackend.
-BACKENDS = {"hf": "vlmrun.generation.hf:HfGenerator", "vllm": "vlmrun.generation.vllm:VllmGenerator"}
+#: generation.backend -> "module:class" of its GenerationBackend (config/backends.py names them).
+BACKENDS = entries(GENERATION_BACKENDS)
 
 
 def open_generator(

@@ -11,7 +11,7 @@ run's own validation scores it.
 2. The data are the recipe's (data.path, data.val_split, train.val_samples) unless --data, --split or
    --samples say otherwise, read by the run's own `val_batches`: the same batches in the same order.
 3. The scoring is the run's own (algorithms/common/validation.py): `validation_shares` over the run's
-   ranks (parallel.world_size) and `evaluate` per share, summed in rank order as the run sums them, in
+   replicas (parallel.dp) and `evaluate` per share, summed in replica order as the run sums them, in
    one process with one CPU thread, as each of the run's CPU ranks has, so for a run's checkpoint at a
    step where it validated, every number equals that metrics row's (`run_row`, `matches_run_row`).
 4. Beyond the run's row: accuracy per question template (records that name one, as CLEVR's do), and
@@ -197,7 +197,7 @@ def score_model(recipe, model_dir: Path, *, samples: int, threads: int = 1) -> d
         policy, engine, decode = _open(recipe, model_dir, threads)
         answers = _Answers(recipe, engine.eos_ids)
         try:
-            shares = validation_shares(val.loss_batches, val.prompt_batches, recipe.parallel.world_size)
+            shares = validation_shares(val.loss_batches, val.prompt_batches, recipe.parallel.dp)
             scores = [
                 evaluate(share, policy=policy, generator=engine, decode=decode, on_answers=answers.add)
                 for share in _unpadded(shares)

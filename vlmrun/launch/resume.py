@@ -6,8 +6,10 @@
    changes is said and recorded: the attempt it starts lists it in job.json (`resumed_with`).
    checkpoint.dir takes a folder of this run's checkpoints (moved, or copied for a copied run
    directory: vlmrun/checkpoint/copies.py); one without any trains from step 0. With
-   `--restart-data-order`, parallel.dp too: the job then takes the model, optimizer and counters from
-   a checkpoint of another dp (DCP reshards a sharded one) and starts the data order over.
+   `--restart-data-order`, parallel.dp (and, on the megatron backend, parallel.tp and parallel.pp) too:
+   the job then takes the model, optimizer and counters from a checkpoint of another layout (DCP
+   reshards a sharded one; the megatron backend's pieces of HF tensors read into any tp x pp) and
+   starts the data order over.
 2. Whatever changed the recipe (`--set`, or an edited recipe.yaml), the fields that define the run
    (config/identity.py: batch sizes, layout, seed, data and splits, sequence length, loop, algorithm,
    model, and what model.path holds) must equal those the newest checkpoint recorded, or the resume
@@ -29,7 +31,14 @@ from pathlib import Path
 from vlmrun.checkpoint.copies import original_of
 from vlmrun.checkpoint.store import run_checkpoints
 from vlmrun.cluster.preflight import preflight_run
-from vlmrun.config.identity import RESHARD_TERMS, RESHARDABLE, check_same_identity, run_identity
+from vlmrun.config.identity import (
+    RELAYOUT_TERMS,
+    RELAYOUTABLE,
+    RESHARD_TERMS,
+    RESHARDABLE,
+    check_same_identity,
+    run_identity,
+)
 from vlmrun.errors import InputError
 from vlmrun.launch.result import SubmitResult
 from vlmrun.launch.targets import executor_of, find_run, resolve_cluster
@@ -62,6 +71,7 @@ RESUMABLE = {
     "data.check_at_submit": "whether `vlmrun submit` checks the data set (a resume never does)",
     "generation.refit_bucket_mb": "the memory a refit takes beyond the engine's weights; no number changes",
     "generation.release_weights": "whether the engine's weights are freed between uses; no number changes",
+    **dict.fromkeys(RELAYOUTABLE, RELAYOUT_TERMS),
 }
 #: Fields a resume refuses for a reason worth more than "it would change the sample stream".
 REFUSED_BECAUSE = {
@@ -132,7 +142,7 @@ def check_resumable_field(key: str, value, restart_data_order: bool) -> None:
         raise InputError(
             key,
             value,
-            message=f"{key}: {value}: a resume at another dp would {RESHARD_TERMS}; "
+            message=f"{key}: {value}: a resume at another layout would {RESHARD_TERMS}; "
             "pass --restart-data-order to accept that",
         )
     resumable = (*RESUMABLE, *(RESHARDABLE if restart_data_order else ()))
@@ -163,7 +173,7 @@ def _stored_recipe(rd):
 
 
 def _what_it_does(key: str) -> str:
-    """What a resume's change of `key` does, in RESUMABLE's words (RESHARD_TERMS' for a new dp)."""
+    """What a resume's change of `key` does, in RESUMABLE's words (RESHARD_TERMS' for a new layout)."""
     does = {**RESUMABLE, **dict.fromkeys(RESHARDABLE, RESHARD_TERMS)}
     return next((d for p, d in does.items() if key == p or key.startswith(p + ".")), "")
 
@@ -204,7 +214,7 @@ def check_resumable(rd, recipe) -> None:
     newest = store.newest_manifest()
     if newest is not None:
         step, manifest = newest
-        ignore = RESHARDABLE if recipe.checkpoint.restart_data_order else ()
+        ignore = RESHARDABLE + RELAYOUTABLE if recipe.checkpoint.restart_data_order else RELAYOUTABLE
         current = run_identity(recipe, model_contents=model_contents(recipe.model))
         check_same_identity(manifest.identity, current, where=f"the checkpoint of step {step}", ignore=ignore)
 

@@ -13,9 +13,12 @@ import math
 from dataclasses import dataclass, replace
 from typing import Any
 
+from vlmrun.config.backends import POLICY_BACKENDS
 from vlmrun.errors import InputError
 from vlmrun.models.architecture import ArchitectureSource, load_architecture
-from vlmrun.models.memory import GIB, MemoryEstimate, TrainingShape, estimate_memory
+from vlmrun.models.layout_check import check_layout
+from vlmrun.models.memory import GIB, MemoryEstimate, TrainingShape
+from vlmrun.models.memory_layout import estimate
 from vlmrun.models.params import Architecture, UnknownArchitecture
 from vlmrun.models.throughput import ThroughputEstimate, estimate_throughput
 
@@ -102,6 +105,7 @@ def check_memory_fit(recipe) -> MemoryFit:
         found = load_architecture(recipe.model)
     except UnknownArchitecture as e:
         return MemoryFit(None, "", limit, warning=f"memory fit not checked: {e}")
+    check_layout(recipe, found.architecture, found.source)
     fit = _fit(recipe, found, limit)
     e = fit.estimate
     if e.engine_budget and e.engine_weights >= e.engine_budget:
@@ -162,6 +166,9 @@ def training_shape(recipe, arch: Architecture | None = None) -> tuple[TrainingSh
         # on a CPU rank the host is the device: the moves free nothing there
         offload_during_generation=p.offload_during_generation and recipe.cluster.gpus_per_node > 0,
         engine_budget=_engine_budget(recipe),
+        tp=p.tp,
+        pp=p.pp,
+        sequence_parallel=p.sequence_parallel,
     )
     seqs = f"{t.micro_batch_size} x {per_prompt}" if grpo else f"{sequences}"
     length = f"data.max_seq_len={d.max_seq_len}" + (f" + grpo.max_new_tokens={seq_len - d.max_seq_len}" if grpo else "")
@@ -235,10 +242,25 @@ def _fit(recipe, found: ArchitectureSource, limit: int | None) -> MemoryFit:
     shape, said = training_shape(recipe, found.architecture)
     c = recipe.cluster
     host_limit = c.mem_gb * GIB if (c.mem_gb and shape.on_gpu) else None
-    estimate = estimate_memory(found.architecture, shape)
+    peak = estimate(found.architecture, shape)
+    if peak.stage is not None:  # tensor or pipeline parallel: the stage that peaks
+        said += (
+            f"; the peak is pipeline stage {peak.stage} of {shape.pp}, each rank holding 1/{shape.tp} of "
+            f"its tensor-parallel tensors, {min(shape.pp - peak.stage, shape.micro_batches)} micro-batch(es) in flight"
+        )
     ranks = max(1, c.gpus_per_node)
     rate = _throughput(recipe, found.architecture, shape) if shape.on_gpu else None
-    return MemoryFit(estimate, found.source, limit, found.note, host_limit, ranks, found.warning, said, throughput=rate)
+    return MemoryFit(
+        peak,
+        found.source,
+        limit,
+        found.note,
+        host_limit,
+        ranks,
+        warning=found.warning,
+        assumption=said,
+        throughput=rate,
+    )
 
 
 def _throughput(recipe, arch: Architecture, shape: TrainingShape) -> ThroughputEstimate:
@@ -320,9 +342,10 @@ def _remedies(recipe, found: ArchitectureSource, total: int) -> list[str]:
             set_dotted(raw, key, value)
         try:
             changed = validate(raw)
+            check_layout(changed, found.architecture, found.source)  # a tp or pp the model cannot be cut into
         except InputError:
             continue
-        after = estimate_memory(found.architecture, training_shape(changed, found.architecture)[0]).device_total
+        after = estimate(found.architecture, training_shape(changed, found.architecture)[0]).device_total
         if after < total:
             lowered.append((after, f"{words} (-> {_gib(after)})"))
     return [words for _, words in sorted(lowered, key=lambda item: item[0])]
@@ -343,6 +366,22 @@ def _candidates(recipe) -> list[tuple[dict[str, Any], str]]:
         ({"parallel.activation_checkpointing": True}, "parallel.activation_checkpointing=true"),
         ({"parallel.mixed_precision": "bf16"}, "parallel.mixed_precision=bf16"),
     ]
+    if "tp" in POLICY_BACKENDS[recipe.model.backend].capabilities.axes and p.dp % 2 == 0:
+        # the same GPUs cut another way: each replica over twice the ranks, half the replicas
+        out.insert(
+            0,
+            (
+                {"parallel.tp": 2 * p.tp, "parallel.dp": p.dp // 2},
+                f"parallel.tp={2 * p.tp} with parallel.dp={p.dp // 2}",
+            ),
+        )
+        out.insert(
+            1,
+            (
+                {"parallel.pp": 2 * p.pp, "parallel.dp": p.dp // 2},
+                f"parallel.pp={2 * p.pp} with parallel.dp={p.dp // 2}",
+            ),
+        )
     if p.dp_shard and p.dp_shard < p.dp:  # HSDP: a larger shard group holds less per rank
         wider = 2 * p.dp_shard if p.dp % (2 * p.dp_shard) == 0 else p.dp
         out.insert(1, ({"parallel.dp_shard": wider}, f"parallel.dp_shard={wider}"))

@@ -55,6 +55,9 @@ class TrainingShape:
     image_share: int = 1  # sequences that show one image, encoded once for them (GRPO: a prompt's G responses)
     offload_during_generation: bool = False  # the policy's state goes to host memory for the rollout (item 17)
     engine_budget: int = 0  # bytes a vLLM engine takes while it generates (gpu_memory_utilization x GPU; item 18)
+    tp: int = 1  # tensor parallel (model.backend megatron): models/memory_layout.py
+    pp: int = 1  # pipeline stages
+    sequence_parallel: bool = False
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -83,6 +86,7 @@ class MemoryEstimate:
     load_sharded: bool = False  # each rank reads only its share of the files (item 16)
     offload_during_generation: bool = False  # item 17
     engine_budget: int = 0  # item 18
+    stage: int | None = None  # the pipeline stage this estimate is of (models/memory_layout.py), when pp or tp > 1
 
     @property
     def sharded_state(self) -> int:

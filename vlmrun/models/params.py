@@ -63,6 +63,9 @@ class Architecture:
     hidden: int
     vocab: int
     vision: VisionTower
+    heads: int = 0  # attention heads of the language model (0: not counted for this family)
+    kv_heads: int = 0  # its key/value heads (query groups)
+    tied: bool = False  # the head is the embedding
 
     @property
     def total(self) -> int:
@@ -157,6 +160,7 @@ def _qwen_architecture(family: str, text: dict, layer: Block, tied: bool, vision
     layers = (layer,) * text["num_hidden_layers"]
     embed, vocab = _head(text, tied)
     lm = embed + sum(b.params for b in layers) + text["hidden_size"]
+    heads = text["num_attention_heads"]
     return Architecture(
         family=family,
         components={"language_model": lm, "vision": vision.params},
@@ -164,6 +168,9 @@ def _qwen_architecture(family: str, text: dict, layer: Block, tied: bool, vision
         hidden=text["hidden_size"],
         vocab=vocab,
         vision=vision,
+        heads=heads,
+        kv_heads=text.get("num_key_value_heads") or heads,
+        tied=tied,
     )
 
 

@@ -10,14 +10,15 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from vlmrun.config.backends import POLICY_BACKENDS, entries
 from vlmrun.config.registry import load_entry
 
 if TYPE_CHECKING:
     from vlmrun.models.spec import ModelSpec
     from vlmrun.policy.interface import PolicyBackend
 
-#: model.backend -> "module:class" of its PolicyBackend.
-BACKENDS = {"hf": "vlmrun.policy.hf:HfPolicy"}
+#: model.backend -> "module:class" of its PolicyBackend (config/backends.py names them, with what each runs).
+BACKENDS = entries(POLICY_BACKENDS)
 
 
 def open_policy(

@@ -1,7 +1,8 @@
 """The policy seam: what any training backend offers the algorithms, one instance per rank.
 
 Algorithms (SFT, GRPO) call only these methods; a backend (`hf`: a full replica per rank, or FSDP2
-shards, on gloo/CPU or NCCL/GPU; megatron-core later) implements them, and `vlmrun.policy.open_policy`
+shards, on gloo/CPU or NCCL/GPU; `megatron`: megatron-core's GPTModel with the HF vision tower, tensor
+and pipeline parallel, every rank of a replica running the replica's micro-batches) implements them, and `vlmrun.policy.open_policy`
 is the one way to get one (keyed on `model.backend`). The instance lives inside its rank's worker
 actor; collectives between ranks happen inside the calls, so every rank must make the same calls in
 the same order (as with torch.distributed itself).
@@ -17,10 +18,11 @@ the same order (as with torch.distributed itself).
    shard, together); the checkpoint store writes and reads it in one call and decides where it goes.
    A resume may restore the weights now and the optimizer part while the first step's forward and
    backward run (`load_checkpoint_state_later`): AdamW's moments are two thirds of the bytes.
-5. `weights_for_refit`: the full weights, by parameter name, streamed to a generation engine in buckets
-   of whole tensors (`REFIT_BUCKET_BYTES`), each gathered from the shards only when its bucket is
-   drawn: a refit never holds a second whole model (collective when sharded: every rank draws every
-   bucket, in order).
+5. `weights_for_refit`: the full weights, by HF parameter name, streamed to a generation engine in
+   buckets of whole tensors (`REFIT_BUCKET_BYTES`), each gathered from the shards only when its bucket
+   is drawn: a refit never holds a second whole model (collective when sharded, or tensor or pipeline
+   parallel: every rank draws every bucket, in order; under tp/pp the buckets hold the tensors on the
+   ranks where `receives_refit` is true, each replica's first rank, and are empty on the others).
 6. `export`: the trained weights as a model directory a recipe's `model.path` can name.
 7. `offload_to_host` / `restore_from_host`: parts of the policy's state moved to host memory while a
    generation engine uses the device (GRPO's rollout, `parallel.offload_during_generation`), and back.
@@ -95,6 +97,9 @@ class PolicyBackend(abc.ABC):
     #: For measurements (tools/gpu/check.py times a step's phases): when set, `train_step` calls it with
     #: each phase's name as the phase ends (TRAIN_PHASES, in order); None in training.
     on_phase: Callable[[str], None] | None = None
+    #: Whether this rank's refit buckets hold the weights (its replica's engine lives here); a backend
+    #: whose every rank is its own replica holds them everywhere.
+    receives_refit: bool = True
 
     @abc.abstractmethod
     def setup(self, *, master_addr: str, master_port: int, max_steps: int, weights: str = "load") -> dict[str, Any]:

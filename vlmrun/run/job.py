@@ -10,6 +10,40 @@
    out; keys this version does not know are kept through a read and write (forward compatibility).
 3. Format 1 (files without `format`) did not record `stop_signal`: `read_job` fills it in once from
    the "(SIGxxx)" in a STOPPED attempt's reason, so the requeue decision reads only the field.
+4. A job.json that is not JSON, or not a job record, is refused with an InputError naming the file.
+
+The keys (the contract users' scripts read; unset fields are left out):
+
+    format        2
+    cluster       "local" or "slurm"
+    name          the run's name
+    state         the run's state (run/state.py): the last attempt's, or the requeue decision's
+    reason        why, in one line: the submit's while PENDING, the running attempt's while RUNNING
+                  (never the previous attempt's), then how the last attempt ended
+    created       when the record was made (ISO 8601 with UTC offset)
+    job_ids       every job id of the lineage, oldest first (a SLURM requeue keeps its id; resume adds one)
+    submits       one {job_id, time} per submit or resume
+    forks         a copied run directory gone on as a run of its own: {attempt, time, run_id (the new),
+                  from_run_id, from_run_dir} per fork (vlmrun/checkpoint/copies.py)
+    resume_changes what the last `vlmrun resume` changed (`field: old -> new`), until the attempt it
+                  started takes it (its `resumed_with`)
+    attempts      one entry per start of the node entrypoint, oldest first:
+      attempt          its index; the `attempt` of the metrics rows it wrote
+      job_id           the job it ran in
+      restart_count    SLURM_RESTART_COUNT (0 on the local executor)
+      pid, host        the node-0 process and where it ran
+      pid_start        that process's start time (clock ticks since boot): a reused pid is not it
+      started, ended   times, ISO 8601
+      state, reason    RUNNING while it runs, then how it ended, and why in one line
+      last_step        the last optimizer step it completed
+      stop_signal      SIGUSR2 or SIGTERM when a signal stopped it
+      requeue_cause    "timeout", "preemption" or "requested", when node 0 requeued the job after it
+      requeue_decision node 0's reasoning (cluster/requeue.py), also when it did not requeue
+      resumed_with     what the `vlmrun resume` that started it changed, `field: old -> new` each
+      and what the attempt reported of itself: resumed_from, restarted_data_order, first_step_s,
+      max_steps, checkpoint_save_s (what each save held the loop up), checkpoint_write_s (each
+      checkpoint's start to its seal), skipped_checkpoints, notice, final_val, worker_nodes,
+      ray_alive_nodes, policy_layout, policy_load
 """
 
 from __future__ import annotations

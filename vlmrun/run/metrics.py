@@ -1,6 +1,8 @@
 """metrics.jsonl: one JSON object per optimizer step; our source of truth (wandb is a mirror).
 
-A resumed attempt appends rows; readers take, for each step, the row of the latest attempt.
+A resumed attempt appends rows; readers take, for each step, the row of the latest attempt. The writer
+appends each row with one write(2) on an O_APPEND descriptor and, when it opens the file, drops a torn
+last line left by a killed writer. The rows' keys: run/rows.py.
 
 Readers (`history`, `last_metrics`) refuse a damaged file with an InputError naming the file, the
 line and what is wrong (not UTF-8, not JSON, no whole-number step, a metric that is not a number),

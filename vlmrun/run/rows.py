@@ -1,9 +1,37 @@
 """The metrics row: one optimizer step as metrics.jsonl stores it, filled by every algorithm's controller.
 
 `StepRow` holds the keys every row carries; a GRPO row adds its `GrpoStats`, and a validation step its
-`Validation`. `to_json` gives the flat JSON object users read (the key names are the run contract:
-docs/architecture.md, "The metrics log"); `NUMBER_KEYS` are the keys readers check for numbers
-(run/metrics.py). Standard library only.
+`Validation`. `to_json` gives the flat JSON object users read; its key names are the run's contract;
+`NUMBER_KEYS` are the keys readers check for numbers or null (run/metrics.py). Standard library only.
+
+Every row carries:
+
+    step, attempt, epoch                  the optimizer step (from 1), the attempt index, the data epoch
+    loss                                  summed NLL / the step's global valid tokens (GRPO: the clipped
+                                          policy-gradient loss over the response tokens)
+    grad_norm                             before clipping
+    lr                                    the LR this step's update used
+    valid_tokens                          global label tokens of the step (GRPO: response tokens)
+    consumed_samples                      samples trained on so far, all replicas (GRPO: prompts)
+    dropped_samples, truncated_samples    samples the loader shards skipped (unfit under data.on_bad_sample:
+                                          drop, or corrupt) and SFT conversations they cut, so far
+    sample_ids                            the ids trained on in this step, every replica (no filler's)
+    step_time_s, loader_latency_max_s     the step's wall time; the slowest replica's wait for its batches
+    tokens_per_s, samples_per_s           throughput of the step
+    peak_rss_mb                           the largest rank process (with its children)
+    time                                  Unix time when the row was made
+
+At validation steps (`Validation`): val_loss (null when the pass scored no token), val_accuracy,
+val_samples, val_tokens, val_majority_baseline (always giving the most common answer), val_dropped_samples
+and val_samples_requested (train.val_samples; more than val_samples when the split ran out first).
+
+GRPO rows (`GrpoStats`, algorithms/grpo/metrics.py fills them): reward, accuracy, accuracy/<template>,
+format_rate, probs_ratio_min/max, token_mult_prob_error, sampling_importance_ratio, gen_kl_error, kl,
+clip_fraction, advantage_mean/min/max, response_length_mean/max, time_<stage>_s (rollout, generation,
+refit, reward, logprob, advantage, train, data_plane), time_plane_<stage>_s (and advantage_beside: the
+controller's plane time beside the ranks' compute), data_plane_fraction, plane_bytes,
+generation_tokens_per_s; with grpo.rewards, reward/<name> (each term's mean) and reward/<name>/<key>
+(the named numbers a user's function returned).
 """
 
 from __future__ import annotations

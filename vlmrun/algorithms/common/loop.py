@@ -43,7 +43,7 @@ from vlmrun.checkpoint.saving import Saves
 from vlmrun.checkpoint.store import run_checkpoints
 from vlmrun.checkpoint.write import PendingCheckpoint
 from vlmrun.config.identity import RESHARD_TERMS, restarts_data_order, run_identity
-from vlmrun.distributed.topology import plan_placement
+from vlmrun.distributed.topology import plan_placement, rng_source
 from vlmrun.distributed.worker_group import Placement, WorkerGroup
 from vlmrun.errors import CheckFailed
 from vlmrun.models.fingerprint import model_contents
@@ -153,7 +153,7 @@ class StepLoop:
             lambda shard: dict(
                 shard=shard,
                 num_shards=self.plan.layout.dp,
-                placement_hash=self.plan.placement_hash,
+                placement_hash=self.plan.loader_hash,
                 loader_format=self.loader_format,
             ),
         )
@@ -168,8 +168,15 @@ class StepLoop:
         return files
 
     def _load_parts(self, found: Checkpoint, *, restart_data: bool) -> None:
-        """Every rank's parts, and the owned loader shards unless the data order restarts."""
-        self.group.all_ranks("load", found, restart_data=restart_data)
+        """Every rank's parts (at another tp x pp, each rank its replica owner's RNG: `rng_source`), and
+        the owned loader shards unless the data order restarts."""
+        source = rng_source(self.plan.layout, found.manifest.identity)
+        if source is None:
+            self.group.all_ranks("load", found, restart_data=restart_data)
+        else:
+            self.group.per_rank(
+                "load", lambda rank: dict(checkpoint=found, restart_data=restart_data, rng_rank=source(rank))
+            )
         if not restart_data:
             for shard, loader in self.loaders.items():
                 loader.load_state_dict(found.read("loader", index=shard))
@@ -189,7 +196,7 @@ class StepLoop:
                 self.model_dir,
                 shard=s.shard,
                 num_shards=s.num_shards,
-                placement_hash=self.plan.placement_hash,
+                placement_hash=self.plan.loader_hash,
                 loader_format=self.loader_format,
             )
             for s in self.plan.shards
@@ -369,11 +376,12 @@ class StepLoop:
             # imported; the shares' tensors never come here (this process holds no torch)
             size = max(1, r.train.micro_batch_size)
             self._val = self.group.on_rank(
-                0, "val_set", samples=r.train.val_samples, batch_size=size, ranks=self.group.world_size
+                0, "val_set", samples=r.train.val_samples, batch_size=size, ranks=self.plan.layout.dp
             )
         val: ValidationSet = self._val
-        scores = self.group.per_rank("validate", lambda rank: {"share": val.shares[rank]})
-        validation = val.row(sum(scores, ValidationScore()))
+        scores = self.group.per_rank("validate", lambda rank: {"share": val.shares[self.plan.shard_of_rank(rank)]})
+        owned = [scores[s.owner_rank] for s in self.plan.shards]  # each replica's, from its owner
+        validation = val.row(sum(owned, ValidationScore()))
         if validation.val_loss is None:
             log.warning(
                 "validation at step %d scored no token of %d val samples (every label cut away? data.max_seq_len "

@@ -1,9 +1,12 @@
 """Validation: every algorithm's held-out score, computed on the ranks with the policy and a generation engine.
 
-1. The val batches are cut into one `ValidationShare` per rank (`validation_shares`): rank r scores loss
-   batches r, r + n, ... and answers prompt batches r, r + n, ... In a run, rank 0 reads and cuts them
-   and keeps the shares in Ray's object store; the controller holds a `ValidationSet` of references
-   and hands each rank its own.
+1. The val batches are cut into one `ValidationShare` per data-parallel replica (`validation_shares`):
+   replica r scores loss batches r, r + n, ... and answers prompt batches r, r + n, ... In a run, rank 0
+   reads and cuts them and keeps the shares in Ray's object store; the controller holds a
+   `ValidationSet` of references and hands every rank its replica's. Every rank of a replica runs the
+   share's forwards (a tensor- or pipeline-parallel policy's are collective over the replica's ranks,
+   and give each of them the logprobs); its owner rank answers the prompts, and the controller takes
+   the owner's score (`WorkerGroup.collect`). With one rank per replica, a rank is its replica.
 2. On each rank, `evaluate` takes the NLL of the loss batches from the policy's `logprobs` and the
    greedy answers from a generation engine refit from the policy (refit.py: streamed), so the policy
    seam holds no validation code and a sharded policy never gathers the whole model for a forward.
@@ -98,14 +101,15 @@ def evaluate(
     share: ValidationShare,
     *,
     policy: PolicyBackend,
-    generator: GenerationBackend,
+    generator: GenerationBackend | None,
     decode: Callable[[object], list[str]],
     refit_bytes: int = REFIT_BUCKET_BYTES,
     on_answers: Callable[[list[str], object, object], None] | None = None,
 ) -> ValidationScore:
     """This rank's score of `share`: the NLL from `policy.logprobs`, greedy answers from `generator` once
     it is refit from `policy` (`refit_bytes` a bucket); `decode(rollouts)` gives the responses' texts.
-    Every rank calls it together. `on_answers(texts, prompts, rollouts)`, when given, sees every prompt
+    Every rank calls it together; a rank without `generator` (not its replica's owner) takes part in
+    the refit and answers nothing. `on_answers(texts, prompts, rollouts)`, when given, sees every prompt
     batch's answers (`vlmrun eval` scores them by template and reward)."""
     from vlmrun.policy.loss import valid_tokens  # torch: imported by the ranks, never the controller
 
@@ -117,7 +121,7 @@ def evaluate(
         policy.logprobs(batch)
     refit(generator, policy, bucket_bytes=refit_bytes)
     correct = answered = 0
-    for prompts in share.prompt_batches:
+    for prompts in share.prompt_batches if generator is not None else ():
         rollouts = generator.generate(prompts, GREEDY, n=1)
         texts = decode(rollouts)
         if on_answers is not None:

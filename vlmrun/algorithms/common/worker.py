@@ -3,17 +3,21 @@
 1. Construction: the rank's host side first (its malloc thresholds, policy/host_memory.py; a GPU rank
    computes on its share of the node's CPUs, `cluster.threads_per_gpu_rank`: the host's part of its step,
    AdamW over offloaded state included, would crawl on one thread, while a CPU rank keeps the one thread
-   its CPU was given), then the rank's policy (the recipe's `model.backend`) and, when the algorithm generates
-   (GRPO), its generation engine (`generation.backend`), on the rank's GPU when it has one, in the
-   compute dtype, refit from the policy in memory: both opened by rank_backends.py, as `vlmrun eval`
-   opens them.
-2. `setup`: the process group and the policy, then the engine and the tokenizer.
+   its CPU was given), then the rank's policy (the recipe's `model.backend`) and, when the algorithm
+   generates (GRPO) and this rank owns its replica, its generation engine (`generation.backend`), on the
+   rank's GPU when it has one, in the compute dtype, refit from the policy in memory: both opened by
+   rank_backends.py, as `vlmrun eval` opens them. A replica of several ranks (tensor or pipeline
+   parallel) has one engine, on its owner rank; its other ranks take part in every refit (collective)
+   and generate nothing.
+2. `setup`: the process group and the policy, then the engine and the tokenizer; for a replica of
+   several ranks, its feed (distributed/replica_feed.py): what the owner reads, the others get.
 3. `attach_loader`: the loader shard this rank owns (`open_train_shard`, the one way a loop opens one).
-4. `validate`: this rank's share of a validation pass (validation.py), with the algorithm's engine, or,
-   for an algorithm that has none (SFT), an engine opened for the pass and released after it: a second
-   copy of the weights must not sit beside the training state for the whole run. On GPUs with a sharded
-   policy (`Recipe.validates_with_the_policy`) that engine generates with the policy's own model: not
-   even for the pass does a rank hold a whole copy (a 30B model's would be ~62 GiB of each GPU).
+4. `validate`: this rank's replica's share of a validation pass (validation.py), with the algorithm's
+   engine, or, for an algorithm that has none (SFT), an engine opened for the pass and released after
+   it (on the replica's owner): a second copy of the weights must not sit beside the training state
+   for the whole run. On GPUs with a sharded policy (`Recipe.validates_with_the_policy`) that engine
+   generates with the policy's own model: not even for the pass does a rank hold a whole copy (a 30B
+   model's would be ~62 GiB of each GPU).
 5. Checkpoints: `save` writes the policy's state (`PendingCheckpoint.write_policy`), this rank's RNG,
    the owned loader shard's position and what the algorithm adds (`_save_own`); `load` reads them back.
 
@@ -38,6 +42,7 @@ from vlmrun.algorithms.common.validation import (
 from vlmrun.checkpoint.parts import MODEL_PART, OPTIMIZER_PART, PolicyState, Storage
 from vlmrun.checkpoint.read import Checkpoint
 from vlmrun.checkpoint.write import PendingCheckpoint
+from vlmrun.distributed.replica_feed import ReplicaFeed
 from vlmrun.distributed.worker_group import RankActor
 from vlmrun.errors import InputError
 from vlmrun.generation.interface import GenerationBackend
@@ -81,9 +86,11 @@ class RankWorker(RankActor):
         self.policy: PolicyBackend = open_rank_policy(
             r, model_dir, rank=rank, world_size=world_size, parallel=r.parallel, gpus=r.cluster.gpus_per_node > 0
         )
-        self.generator: GenerationBackend | None = self._open_engine() if self.needs_generator else None
+        engine = self.needs_generator and owner  # one engine per replica, on its owner
+        self.generator: GenerationBackend | None = self._open_engine() if engine else None
         self.refit_bytes = r.generation.refit_bucket_mb << 20
         self.loader = None
+        self.feed: ReplicaFeed | None = None
         self._writing = None  # the policy's checkpoint write in the background (checkpoint.async_save)
         self._checkpoint_group = None
 
@@ -106,7 +113,12 @@ class RankWorker(RankActor):
             # collective, every rank at once: a background write's or restore's collectives (a sharded
             # policy's) go over a group of their own, never interleaved with the steps'
             self._checkpoint_group = dist.new_group(backend="gloo")
+            self.feed = ReplicaFeed.for_layout(self.recipe.parallel.layout, self.rank)
         return info
+
+    def from_owner(self, value):
+        """The replica owner's `value` on every rank of the replica (itself where the replica is one rank)."""
+        return value if self.feed is None else self.feed.share(value)
 
     def most_over_ranks(self, count: int) -> int:
         """The largest `count` any rank passes (a collective over the steps' process group: every rank
@@ -133,8 +145,8 @@ class RankWorker(RankActor):
 
     def val_set(self, samples: int, batch_size: int, ranks: int) -> ValidationSet:
         """The recipe's validation set (`val_batches`: the first `samples` usable val samples as loss and
-        prompt batches), read here and cut into the shares of `ranks` ranks, each put into Ray's object
-        store: the controller hands each rank its share's reference, so the batches (tensors) go from
+        prompt batches), read here and cut into the shares of `ranks` replicas, each put into Ray's object
+        store: the controller hands each rank its replica's share's reference, so the batches (tensors) go from
         here to the ranks and never through the controller, which holds no torch."""
         import ray
 
@@ -147,15 +159,20 @@ class RankWorker(RankActor):
         return ValidationSet(shares, [a for b in prompts for a in b.answers], dropped, samples)
 
     def validate(self, share: ValidationShare) -> ValidationScore:
-        """This rank's score of its share of the val batches (collective: every rank calls it)."""
+        """This rank's score of its replica's share of the val batches (collective: every rank calls it);
+        answers come from the replica's owner, which the controller takes the score of."""
         with self._validation_engine() as engine:
             return evaluate(
                 share, policy=self.policy, generator=engine, decode=self._decode, refit_bytes=self.refit_bytes
             )
 
     @contextlib.contextmanager
-    def _validation_engine(self) -> Iterator[GenerationBackend]:
-        """The algorithm's own engine, or one that lives only for this pass (module doc, 4)."""
+    def _validation_engine(self) -> Iterator[GenerationBackend | None]:
+        """The algorithm's own engine, or one that lives only for this pass (module doc, 4); None on a
+        rank that does not own its replica."""
+        if not self.owner:
+            yield None
+            return
         if self.generator is not None:
             yield self.generator
             if self.recipe.generation.sleeps_between_uses:
@@ -208,18 +225,14 @@ class RankWorker(RankActor):
             return None
         return self._writing.result()
 
-    def load(self, checkpoint: Checkpoint, restart_data: bool = False) -> None:
+    def load(self, checkpoint: Checkpoint, restart_data: bool = False, rng_rank: int | None = None) -> None:
         """Restore this rank's parts; with `restart_data` (another dp wrote it) only the policy's.
-        InputError when the checkpoint's policy was written in the other layout (parallel.fsdp)."""
+        InputError when the checkpoint's policy was written in the other layout (parallel.fsdp) or by the
+        other backend (model.backend). `rng_rank`: the rank whose saved RNG this rank takes (default its
+        own; another layout's ranks: its replica owner's)."""
         state = self.policy.checkpoint_state()
         if checkpoint.policy_storage is not state.storage:
-            written = "true" if checkpoint.policy_storage is Storage.SHARDED else "false"
-            raise InputError(
-                "parallel.fsdp",
-                self.recipe.parallel.fsdp,
-                message=f"parallel.fsdp: checkpoint {checkpoint.path} was written with parallel.fsdp: {written}; "
-                f"resume with parallel.fsdp: {written}",
-            )
+            raise _storage_refusal(checkpoint, state.storage, self.recipe)
         weights = PolicyState(state.storage, {MODEL_PART: state.parts[MODEL_PART]})
         self.policy.load_checkpoint_state(checkpoint.read_policy(weights))
         rest = PolicyState(state.storage, {OPTIMIZER_PART: state.parts[OPTIMIZER_PART]})
@@ -227,7 +240,7 @@ class RankWorker(RankActor):
         self.policy.load_checkpoint_state_later(lambda: checkpoint.read_policy(rest, group=self._checkpoint_group))
         if restart_data:
             return
-        rng.set_rng_state(checkpoint.read("rng", index=self.rank))
+        rng.set_rng_state(checkpoint.read("rng", index=self.rank if rng_rank is None else rng_rank))
         self._load_own(checkpoint)
         if self.loader is not None:
             self.loader.load_state_dict(checkpoint.read("loader", index=self.loader.shard))
@@ -245,3 +258,23 @@ class RankWorker(RankActor):
         if self.generator is not None:
             self.generator.shutdown()
         self.policy.shutdown()
+
+
+def _storage_refusal(checkpoint: Checkpoint, storage: Storage, recipe) -> InputError:
+    """The resume of a checkpoint whose policy was stored another way, refused naming the field."""
+    written = checkpoint.policy_storage
+    if Storage.PIECES in (written, storage):
+        backend = "megatron" if written is Storage.PIECES else "hf"
+        return InputError(
+            "model.backend",
+            recipe.model.backend,
+            message=f"model.backend: checkpoint {checkpoint.path} was written by model.backend {backend}; "
+            f"resume with model.backend: {backend}",
+        )
+    fsdp = "true" if written is Storage.SHARDED else "false"
+    return InputError(
+        "parallel.fsdp",
+        recipe.parallel.fsdp,
+        message=f"parallel.fsdp: checkpoint {checkpoint.path} was written with parallel.fsdp: {fsdp}; "
+        f"resume with parallel.fsdp: {fsdp}",
+    )

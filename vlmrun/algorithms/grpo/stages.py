@@ -68,7 +68,8 @@ class PlaneStages:
     def run(self, step: int) -> StepRecord:
         walls: dict[GrpoStage, float] = {}
         with _timed(walls, GrpoStage.ROLLOUT):
-            rollouts = self.group.replica_owners("rollout", lambda shard: {"step": step, "n_micro": self.n_micro})
+            # every rank of a replica refits; its owner reads, generates and reports (worker.py)
+            rollouts = self.group.replicas("rollout", lambda shard: {"step": step, "n_micro": self.n_micro})
         ids = [r.sample_ids for r in rollouts]
         parts = [partition_name(step, shard) for shard in range(len(ids))]
         t0 = time.perf_counter()
@@ -119,10 +120,9 @@ class DriverStages:
         walls: dict[GrpoStage, float] = {}
         loader_s = [0.0]
         with _timed(walls, GrpoStage.ROLLOUT):
-            refs = self.group.submit_replica_owners(
+            rollouts = self.group.replicas(
                 "rollout", lambda shard: {"step": step, "prompts": self._prompts(shard, loader_s)}
             )
-            rollouts = gather(refs)
         rows: list[RolloutRows] = [r.rows for r in rollouts]
         for r in rollouts:  # the record keeps the reports, not the rollout itself
             r.rows = None

@@ -16,7 +16,9 @@ Stages, each one call from the controller (stages.py):
 
 Every stage builds its micro-batches with the same function from the same samples in the same order
 (micro_batches.py), whichever way the samples came, so the plane paths and the driver path give the
-same numbers. `plane_get` / `plane_put` let the controller reach a process-local (`local`) plane; they
+same numbers. A replica of several ranks (tensor or pipeline parallel) reads and writes the plane on its
+owner rank alone, which holds the engine too: its other ranks take part in the refit (collective), get
+each stage's samples from the owner (`RankWorker.from_owner`) and run the stage's forwards and steps. `plane_get` / `plane_put` let the controller reach a process-local (`local`) plane; they
 and `advantages_written` run beside the stage in progress (worker_group.side_call).
 """
 
@@ -82,13 +84,19 @@ class GrpoWorker(RankWorker):
         self.loss = ClippedPgLoss(r.grpo)
         self.reward_terms = reward_terms(r.grpo)  # imported and checked again here, on the rank's node
         self.rows_per_micro = r.train.micro_batch_size * r.grpo.num_generations
-        self.plane = StagePlane.open(plane_endpoint, pixel_dtype=self.dtype) if plane_enabled else None
+        self.on_plane = plane_enabled
+        reads = plane_enabled and self.owner  # one plane reader per replica: its owner
+        self.plane = StagePlane.open(plane_endpoint, pixel_dtype=self.dtype) if reads else None
         self._advantages = StepGate()
 
     # ---- stages ----------------------------------------------------------------------------------
     def rollout(self, step: int, n_micro: int = 0, prompts: list | None = None) -> RolloutReport:
         """Stage 1. The driver path passes `prompts` (the replica's prompt micro-batches) and gets the
-        rollout back in the report's `rows`; the plane paths take `n_micro` micro-batches from the owned loader."""
+        rollout back in the report's `rows`; the plane paths take `n_micro` micro-batches from the owned loader.
+        A rank that does not own its replica takes part in the refit and reports nothing (None)."""
+        if not self.owner:
+            refit(None, self.policy, bucket_bytes=self.refit_bytes)
+            return None
         t0 = time.perf_counter()
         if prompts is None:
             prompts = [self.loader.next_batch() for _ in range(n_micro)]
@@ -157,7 +165,7 @@ class GrpoWorker(RankWorker):
         """Stage 2: prev (and, with KL, ref) logprobs of the replica's samples."""
         got = self._fetch(step, sample_ids, GrpoStage.LOGPROB, rows)
         part = partition_name(step, self.replica)
-        train = self._gets(part, sample_ids, GrpoStage.TRAIN)
+        train = self._gets(part, sample_ids, GrpoStage.TRAIN) if self.plane is not None else None
         if self.plane is not None:  # what the train stage reads of the rollout comes while this computes
             self.plane.prefetch([train.rollout, train.prompts])
         t0 = time.perf_counter()
@@ -170,8 +178,11 @@ class GrpoWorker(RankWorker):
                 out["ref_logprobs"] += batch_response_values(self.policy.reference_logprobs(b), b, got, start)
             start += len(b)
         report = LogprobReport(times={GrpoStage.LOGPROB: time.perf_counter() - t0})
-        if self.plane is None:
+        if not self.on_plane:
             report.columns = out
+            return report
+        if self.plane is None:  # the replica's owner writes them (the same values: every rank computed them)
+            report.plane = {"seconds": 0.0, "bytes": 0}
             return report
         # A sample's writes must not overlap: the controller's advantages first (stages.py, 1). Then the
         # write, and the train stage's read of its response fields, go on the plane thread in order.
@@ -193,7 +204,7 @@ class GrpoWorker(RankWorker):
         (while the steps run: the plane is empty when the stage returns)."""
         try:
             got = self._fetch(step, sample_ids, GrpoStage.TRAIN, rows)
-        finally:
+        finally:  # the owner's plane
             if self.plane is not None:
                 self.plane.clear(partition_name(step, self.replica), wait=False)
         t0 = time.perf_counter()
@@ -204,20 +215,24 @@ class GrpoWorker(RankWorker):
         times = {GrpoStage.TRAIN: time.perf_counter() - t0}
         if self.plane is not None:
             self.plane.flush()
-        return TrainReport(results, times, self.plane.take() if self.plane is not None else {})
+        moved = self.plane.take() if self.plane is not None else {"seconds": 0.0, "bytes": 0}
+        return TrainReport(results, times, moved if self.on_plane else {})
 
     def _fetch(self, step: int, sample_ids: list[str], stage: GrpoStage, rows: RolloutRows | None) -> SampleBatch:
-        """The stage's fields of the responses `sample_ids`, each with its prompt's: from the plane, or
-        from `rows` as the driver sent them (exactly the stage's fields)."""
-        if self.plane is None:
-            prompt_fields, response_fields = split_fields(stage_fields(self.recipe, stage))
-            sent = set(rows.prompts.columns) | set(rows.responses.columns)
-            if rows.responses.sample_ids != list(sample_ids) or sent != {*prompt_fields, *response_fields}:
-                raise ValueError(f"the driver sent the {stage} stage other samples or fields than it reads")
-            return join(rows.prompts, rows.responses)
-        return StageGets.joined(
-            self.plane.get_many(self._gets(partition_name(step, self.replica), sample_ids, stage).all())
-        )
+        """The stage's fields of the responses `sample_ids`, each with its prompt's: from the plane (read by
+        the replica's owner, handed to its other ranks), or from `rows` as the driver sent them (exactly
+        the stage's fields)."""
+        if self.on_plane:
+            got = None
+            if self.plane is not None:
+                gets = self._gets(partition_name(step, self.replica), sample_ids, stage).all()
+                got = StageGets.joined(self.plane.get_many(gets))
+            return self.from_owner(got)
+        prompt_fields, response_fields = split_fields(stage_fields(self.recipe, stage))
+        sent = set(rows.prompts.columns) | set(rows.responses.columns)
+        if rows.responses.sample_ids != list(sample_ids) or sent != {*prompt_fields, *response_fields}:
+            raise ValueError(f"the driver sent the {stage} stage other samples or fields than it reads")
+        return join(rows.prompts, rows.responses)
 
     def _gets(self, part: str, sample_ids: list[str], stage: GrpoStage) -> StageGets:
         """`stage`'s requests: its fields of the responses `sample_ids`, and of their prompt samples."""
@@ -256,7 +271,8 @@ class GrpoWorker(RankWorker):
         return pending.write("generation", self.generator.state_dict(), index=self.replica) if self.owner else {}
 
     def _load_own(self, checkpoint: Checkpoint) -> None:
-        self.generator.load_state_dict(checkpoint.read("generation", index=self.replica))
+        if self.generator is not None:  # the replica's owner
+            self.generator.load_state_dict(checkpoint.read("generation", index=self.replica))
 
     def shutdown(self) -> None:
         try:

@@ -22,6 +22,7 @@ from vlmrun.algorithms.sft.worker import SftWorker
 from vlmrun.checkpoint.read import Checkpoint
 from vlmrun.data.batch import SampleCounts
 from vlmrun.data.epochs import is_filler
+from vlmrun.distributed.topology import Role
 from vlmrun.distributed.worker_group import gather
 from vlmrun.run.rows import StepRow
 
@@ -54,8 +55,10 @@ class SftController(StepLoop):
             reports = self.group.all_ranks("train_step", step, n_micro=n_micro)
             loader_s = max(r.loader_s for r in reports)
         dt = time.perf_counter() - t0
-        head = reports[0].result  # identical on every rank
-        ids = [i for r in reports for i in r.sample_ids]
+        if self.recipe.train.loop == "v1":
+            reports = self._in_rank_order(reports)
+        head = self.group.collect(reports, Role.RESULT)[0].result  # every replica's result rank has the step's
+        ids = [i for r in reports for i in r.sample_ids]  # the owners' (each replica's samples once)
         fillers = {i for i in ids if is_filler(i)}  # vlmrun.data.epochs: repeats that train nothing
         samples = self.steps.global_batch_size - len(fillers)
         counters["consumed_samples"] += samples
@@ -80,3 +83,8 @@ class SftController(StepLoop):
             samples_per_s=round(samples / dt, 2),
             peak_rss_mb=max(r.result.peak_rss_mb for r in reports),
         )
+
+    def _in_rank_order(self, reports: list) -> list:
+        """v1's reports (replica by replica, each in rank order) in rank order."""
+        ranks = [rank for s in self.plan.shards for rank in s.delivery_ranks]
+        return [report for _, report in sorted(zip(ranks, reports, strict=True), key=lambda pair: pair[0])]

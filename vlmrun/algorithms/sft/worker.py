@@ -1,9 +1,11 @@
 """SftWorker: the Ray actor of one SFT rank (a `RankWorker`: policy, validation, checkpoints). On the
 owner rank of a replica in SFT v2 it also holds that replica's loader shard and data plane.
 
-v1 (driver-fed): the step's micro-batches arrive with the call. v2 (colocated): the owner rank takes
-them from its own loader shard and moves them through the process-local data plane, one partition
-per step, written once, read, cleared; the controller only says "step".
+v1 (driver-fed): the step's micro-batches arrive with the call, on every rank of the replica. v2
+(colocated): the owner rank takes them from its own loader shard and moves them through the
+process-local data plane, one partition per step, written once, read, cleared, then hands them to the
+replica's other ranks (a tensor- or pipeline-parallel replica: `RankWorker.from_owner`); the
+controller only says "step". Only the owner's report names the samples (`SftStepReport.sample_ids`).
 """
 
 from __future__ import annotations
@@ -46,13 +48,16 @@ class SftWorker(RankWorker):
         loader_s = 0.0
         if micro_batches is None:
             t0 = time.perf_counter()
-            micro_batches = self._batches_through_plane(f"step-{step}", n_micro)
+            if self.loader is not None:
+                micro_batches = self._batches_through_plane(f"step-{step}", n_micro)
+            micro_batches = self.from_owner(micro_batches)
             loader_s = time.perf_counter() - t0
         if self.recipe.data.pack_by == "tokens":
             micro_batches = self._by_tokens(micro_batches)
         result = self.policy.train_step(micro_batches)
         counts = self.loader.counts() if self.loader is not None else None
-        return SftStepReport(result, [i for b in micro_batches for i in b.sample_ids], loader_s, counts)
+        ids = [i for b in micro_batches for i in b.sample_ids] if self.owner else []
+        return SftStepReport(result, ids, loader_s, counts)
 
     def _by_tokens(self, micro_batches: list) -> list:
         """The step's micro-batches as rows of at most data.pack_tokens tokens (`data.pack_by: tokens`),
