@@ -66,7 +66,7 @@ SIDE_GROUP = "side"
 
 def side_call(method: Callable) -> Callable:
     """Mark an actor method to run on the actor's side thread, beside the call its main thread is running
-    rather than after it (module doc, 4). It must be safe against that call: short, and touching only
+    rather than after it (module doc). It must be safe against that call: short, and touching only
     state made for both threads."""
     method._vlmrun_side_call = True  # type: ignore[attr-defined]
     return method

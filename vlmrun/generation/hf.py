@@ -77,7 +77,7 @@ class HfGenerator(GenerationBackend):
 
         if self.threads:
             torch.set_num_threads(self.threads)
-        if self.reads_policy_weights:  # module doc, 6
+        if self.reads_policy_weights:  # module doc
             self.model = self._policy_model
         elif self.weights_from_refit:  # nothing read: buffers computed, parameters left to the first refit
             self.model = build_model(self.spec, device=self.device, on_meta=True).eval()
@@ -105,10 +105,10 @@ class HfGenerator(GenerationBackend):
         t0 = time.perf_counter()
         rows = [i for i in range(len(prompts)) for _ in range(n)]
         batch = select_prompts(prompts, rows, self.image_token_id)
-        stream = None if sampling.temperature == 0 else self._stream(sampling.seed)  # module doc, 5
+        stream = None if sampling.temperature == 0 else self._stream(sampling.seed)  # module doc
         sampler = TokenSampler(sampling, stream, self.never_generated)
         inputs, source = batch.model_inputs(), None
-        if self.share_images and n > 1:  # module doc, 4
+        if self.share_images and n > 1:  # module doc
             media, source = shared_prompt_media(prompts, rows, self.image_token_id)
             inputs.update(media)
         inputs = {k: v.to(self.device) for k, v in inputs.items()}
@@ -240,7 +240,7 @@ class TokenSampler:
 @contextlib.contextmanager
 def _root_gathered(model: torch.nn.Module) -> Iterator[None]:
     """A sharded (FSDP2) model's root unit gathered for the block, and sharded again after it (module
-    doc, 6); any other model as it is."""
+    doc); any other model as it is."""
     if not hasattr(model, "unshard"):
         yield
         return

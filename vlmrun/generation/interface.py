@@ -73,7 +73,7 @@ class GenerationBackend(abc.ABC):
     #: The token ids that end a response (the model's end-of-turn tokens); set by `setup`.
     eos_ids: Sequence[int] = ()
 
-    #: The engine generates with the policy's own model (module doc, 6).
+    #: The engine generates with the policy's own model (module doc).
     reads_policy_weights: bool = False
 
     @abc.abstractmethod
@@ -89,7 +89,7 @@ class GenerationBackend(abc.ABC):
 
     @abc.abstractmethod
     def release_weights(self) -> None:
-        """Free the memory of every weight until the next `load_weights` (module doc, 5)."""
+        """Free the memory of every weight until the next `load_weights` (module doc)."""
 
     @abc.abstractmethod
     def state_dict(self) -> dict[str, Any]:

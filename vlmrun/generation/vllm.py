@@ -65,7 +65,7 @@ START_TIMEOUT_S = 600.0
 
 def return_cached_blocks() -> None:
     """This process's unreferenced objects collected and PyTorch's cached device blocks given back to
-    the device (module doc, 5); nothing without CUDA."""
+    the device (module doc); nothing without CUDA."""
     gc.collect()
     import torch
 
@@ -93,7 +93,7 @@ class VllmGenerator(GenerationBackend):
     """Replica `replica`'s vLLM engine of `model`, in the spec's dtype, for a rank on `device` ("cuda":
     this rank's GPU; "cpu": vLLM's CPU backend). `options` come from `GenerationConfig.engine_options`:
     {"engine": vLLM's engine arguments, "env": the engine environment (None: vllm_env.py's default),
-    "end_on_release": bool (module doc, 5)}. Built by `vlmrun.generation.open_generator`; Ray must be
+    "end_on_release": bool (module doc)}. Built by `vlmrun.generation.open_generator`; Ray must be
     running in this process."""
 
     def __init__(
@@ -133,7 +133,7 @@ class VllmGenerator(GenerationBackend):
         return ray.get(getattr(self._actor, method).remote(*args), timeout=timeout)
 
     def _start_engine(self) -> None:
-        """Start the engine's actor and its engine (module doc, 1)."""
+        """Start the engine's actor and its engine (module doc)."""
         import ray
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
@@ -189,7 +189,7 @@ class VllmGenerator(GenerationBackend):
 
     def _wake(self, tag: str) -> None:
         if tag in self._asleep:
-            return_cached_blocks()  # module doc, 5
+            return_cached_blocks()  # module doc
             self._call("wake", [tag])
             self._asleep.discard(tag)
 
@@ -231,7 +231,7 @@ class VllmGenerator(GenerationBackend):
         return rollouts_from(drawn, batch, n=n, tokens=self.tokens, generate_s=time.perf_counter() - t0)
 
     def load_weights(self, weights: Mapping[str, Any] | Iterable[Mapping[str, Any]]) -> None:
-        if self._actor is None:  # ended at the last release (module doc, 5)
+        if self._actor is None:  # ended at the last release (module doc)
             self._start_engine()
         self._wake("weights")
         self._call("begin_refit")
@@ -254,7 +254,7 @@ class VllmGenerator(GenerationBackend):
         self._release(end=self.end_on_release)
 
     def _release(self, *, end: bool) -> None:
-        """Sleep where the platform can, else end the engine's process when `end` (module doc, 5)."""
+        """Sleep where the platform can, else end the engine's process when `end` (module doc)."""
         if self._released:
             return
         if self.sleep_mode:

@@ -40,7 +40,7 @@ from vlmrun.generation.vllm_wire import BucketMessage, EngineSegments
 
 #: The engine's process environment, set by the rank when it starts the actor (read at vLLM's import).
 ENGINE_ENV = {
-    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # the engine core in this process (module doc, 1)
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # the engine core in this process (module doc)
     "VLLM_USE_FLASHINFER_SAMPLER": "0",  # vLLM's own sampler: per-request seeds, the same on CPU and GPU
     "VLLM_CPU_OMP_THREADS_BIND": "nobind",  # the rank's thread count, no core binding beside the policy
     "VLLM_LOGGING_LEVEL": "ERROR",  # an engine start is not news in the run's log; its errors are
@@ -50,7 +50,7 @@ ENGINE_ENV = {
 
 @dataclass(frozen=True)
 class EngineGates:
-    """What the installed vLLM offers (module doc, 1)."""
+    """What the installed vLLM offers (module doc)."""
 
     sleep_mode: bool
     layerwise_reload: bool
@@ -103,7 +103,7 @@ class VllmEngine:
         self._filled: set[str] = set()
 
     def start(self) -> dict[str, Any]:
-        """Build the engine (module doc, 1); its parameter count, gates, versions and process id."""
+        """Build the engine (module doc); its parameter count, gates, versions and process id."""
         import torch
 
         if self.threads:
@@ -140,7 +140,7 @@ class VllmEngine:
             "prefix": sys.prefix,  # the environment this process runs in
         }
 
-    # ---- refit (module doc, 2) ------------------------------------------------------------------
+    # ---- refit (module doc) ------------------------------------------------------------------
     def begin_refit(self) -> None:
         self._came, self._filled = set(), set()
         if self.gates.layerwise_reload:
@@ -196,7 +196,7 @@ class VllmEngine:
         if self.gates.reset_mm_cache:
             self.llm.reset_mm_cache()
 
-    # ---- generation (module doc, 3) --------------------------------------------------------------
+    # ---- generation (module doc) --------------------------------------------------------------
     def generate(self, prompts: list[dict], draws: list[tuple[int, dict]]) -> list[tuple[list[int], list[float]]]:
         """Draw `draws` ((prompt index, vLLM SamplingParams arguments) each) from `prompts` ({"ids",
         and "pixels" with "grid" for a prompt with images}); each draw's token ids and log-probs."""
@@ -246,7 +246,7 @@ class VllmEngine:
         (embeds,) = self.llm.apply_model(encode)
         return embeds
 
-    # ---- memory (module doc, 4) ------------------------------------------------------------------
+    # ---- memory (module doc) ------------------------------------------------------------------
     def sleep(self) -> None:
         if self.gates.reset_mm_cache:
             self.llm.reset_mm_cache()

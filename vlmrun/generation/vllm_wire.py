@@ -89,7 +89,7 @@ def shm_folder() -> Path:
 
 @dataclass
 class HostSegment:
-    """The rank's side of host refits (module doc, 1): reused bucket after bucket, grown when needed."""
+    """The rank's side of host refits (module doc): reused bucket after bucket, grown when needed."""
 
     folder: Path = field(default_factory=shm_folder)
     _flat: Any = None
@@ -131,7 +131,7 @@ def _map_file(path: str, size: int, *, create: bool):
 
 @dataclass
 class CudaSegment:
-    """The rank's side of GPU refits (module doc, 2): one device buffer, reused, grown when needed."""
+    """The rank's side of GPU refits (module doc): one device buffer, reused, grown when needed."""
 
     device: Any = None
     _flat: Any = None

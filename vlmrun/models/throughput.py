@@ -99,7 +99,7 @@ def _attention_flops(arch: Architecture, context: int) -> float:
 
 
 def sequence_tokens(recipe, arch: Architecture) -> tuple[int, int, str]:
-    """(a trained sequence's tokens, its prompt's, where they come from) (module doc, 1)."""
+    """(a trained sequence's tokens, its prompt's, where they come from) (module doc)."""
     d, grpo = recipe.data, recipe.train.algorithm == "grpo"
     response = recipe.grpo.max_new_tokens if grpo else 0
     if d.synthetic is None:
@@ -149,7 +149,7 @@ def _shard_group(recipe) -> tuple[int, float]:
 
 
 def _traffic(arch: Architecture, recipe, compute_bytes: int) -> tuple[float, float]:
-    """(device traffic seconds a step, host seconds a step) (module doc, 3 and 4)."""
+    """(device traffic seconds a step, host seconds a step) (module doc)."""
     t, p, c = recipe.train, recipe.parallel, recipe.cluster
     n, grpo = arch.total, t.algorithm == "grpo"
     shard, rate = _shard_group(recipe)
@@ -173,7 +173,7 @@ def _traffic(arch: Architecture, recipe, compute_bytes: int) -> tuple[float, flo
 
 
 def _rollout(arch: Architecture, recipe, compute_bytes: int, rows: int, prompt_len: int) -> float:
-    """Seconds of GRPO's refit and generation a step (module doc, 5)."""
+    """Seconds of GRPO's refit and generation a step (module doc)."""
     g, p = recipe.grpo, recipe.parallel
     n = arch.total
     shard, rate = _shard_group(recipe)

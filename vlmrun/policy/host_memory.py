@@ -48,7 +48,7 @@ def _libc():
 
 
 def keep_near_live() -> bool:
-    """Set this process's malloc thresholds for a rank (module doc, 1); True when they were applied
+    """Set this process's malloc thresholds for a rank (module doc); True when they were applied
     (glibc), False where the C library has no `mallopt`."""
     libc = _libc()
     mallopt = getattr(libc, "mallopt", None)

@@ -32,7 +32,7 @@ import torch.distributed as dist
 #: torch 2.14 names the gather into one tensor `all_gather_single` (the older name warns at every call)
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
-#: A sharded tensor is gathered in slices of at most bucket_bytes / SLICES_PER_BUCKET (module doc, 2): with
+#: A sharded tensor is gathered in slices of at most bucket_bytes / SLICES_PER_BUCKET (module doc): with
 #: the gather's copies and the pages the host allocator keeps, its resident peak is under one bucket.
 SLICES_PER_BUCKET = 16
 
@@ -43,8 +43,8 @@ def refit_buckets(
     bucket_bytes: int,
     into: Mapping[str, torch.Tensor] | None = None,
 ) -> Iterator[dict[str, torch.Tensor]]:
-    """Buckets of whole tensors (module doc, 1), floating ones in `want` (None: as they are), written
-    into the tensors of `into` where they fit (module doc, 3)."""
+    """Buckets of whole tensors (module doc), floating ones in `want` (None: as they are), written
+    into the tensors of `into` where they fit (module doc)."""
     bucket: dict[str, torch.Tensor] = {}
     size = 0
     scratch = Scratch()
@@ -67,7 +67,7 @@ def refit_buckets(
 
 class Scratch:
     """The working buffers of a refit's gathers, reused slice after slice and tensor after tensor (module
-    doc, 2): one per role and device, bytes, grown when a slice needs more."""
+    doc): one per role and device, bytes, grown when a slice needs more."""
 
     def __init__(self) -> None:
         self._bytes: dict[tuple[str, torch.device], torch.Tensor] = {}
@@ -91,8 +91,8 @@ def whole(
 ) -> torch.Tensor:
     """`t` whole and in `dtype`: a plain tensor cast (itself when it is in `dtype`), a sharded one
     gathered on its mesh's device, at most `slice_bytes` an all-gather, through `scratch`'s buffers (a
-    refit passes its own; default: this call's) (module doc, 2); with `out`, written into it (module
-    doc, 3), which is returned."""
+    refit passes its own; default: this call's) (module doc); with `out`, written into it (module
+    doc), which is returned."""
     if not hasattr(t, "full_tensor"):
         if out is not None:
             return out.copy_(t)

@@ -105,7 +105,7 @@ class StepLoop:
         self.plane_endpoint = plane_endpoint  # the job's data-plane servers (TransferQueue); None: local
 
     def checkpoint_verified(self, found: Checkpoint | None, skipped: list[str], error: BaseException | None) -> None:
-        """The node's verdict on the checkpoint it chose (module doc, 3): the one to load, possibly an
+        """The node's verdict on the checkpoint it chose (module doc): the one to load, possibly an
         older one, or none; `error` what checking it raised."""
         self._verdict_value = (found, skipped, error)
         self._verdict.set()

@@ -37,7 +37,7 @@ GREEDY = SamplingParams(temperature=0.0, max_new_tokens=4)
 
 @dataclass(frozen=True)
 class ValidationShare:
-    """One rank's part of a pass: `loss_batches` are scored, `padding` run and discarded (module doc, 3),
+    """One rank's part of a pass: `loss_batches` are scored, `padding` run and discarded (module doc),
     `prompt_batches` answered (`prompt_padding` answered and discarded by a collective engine)."""
 
     loss_batches: list
@@ -82,7 +82,7 @@ class ValidationScore:
 
 
 def validation_shares(loss_batches: list, prompt_batches: list, ranks: int) -> list[ValidationShare]:
-    """Every rank's share, each with as many forward calls as the largest (module doc, 3)."""
+    """Every rank's share, each with as many forward calls as the largest (module doc)."""
     scored = [loss_batches[r::ranks] for r in range(ranks)]
     answered = [prompt_batches[r::ranks] for r in range(ranks)]
     return [

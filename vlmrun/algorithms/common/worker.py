@@ -168,7 +168,7 @@ class RankWorker(RankActor):
 
     @contextlib.contextmanager
     def _validation_engine(self) -> Iterator[GenerationBackend | None]:
-        """The algorithm's own engine, or one that lives only for this pass (module doc, 4); None on a
+        """The algorithm's own engine, or one that lives only for this pass (module doc); None on a
         rank that does not own its replica."""
         if not self.owner:
             yield None

@@ -95,7 +95,7 @@ def model_batches(
     groups: Sequence[range] | None = None,
 ) -> list[Batch]:
     """`got`'s samples, `rows` per micro-batch (or the consecutive `groups` of them, `token_groups`), in
-    order, padded or packed into rows of `pack_tokens` (module doc, 2). Uses `response_mask` for the
+    order, padded or packed into rows of `pack_tokens` (module doc). Uses `response_mask` for the
     labels where `got` holds it (the train stage), else labels every response token."""
     spec = family_spec(family)
     return [
@@ -148,7 +148,7 @@ def _one_batch(
             at = n
     pixels, grid = spec.media_keys
     per_row = [{k: _one(got[k][i]) for k in (pixels, grid)} if got[pixels][i] else {} for i in idx]
-    if share_images:  # a prompt's responses show its images: each through the tower once (module doc, 2)
+    if share_images:  # a prompt's responses show its images: each through the tower once (module doc)
         groups = [_prompt_of(got.sample_ids[i]) for i in idx]
         media, source = shared_image_media(per_row, groups, pixels=pixels, grid=grid)
     else:
@@ -179,7 +179,7 @@ def _prompt_of(sample_id: str) -> str:
 
 
 def sequence_starts(batch: Batch) -> list[tuple[int, int]]:
-    """(row, column) where each sample's sequence begins, in sample order (module doc, 3): a token whose
+    """(row, column) where each sample's sequence begins, in sample order (module doc): a token whose
     sequence number differs from the one before it (data/packing.py's attention mask)."""
     seq = batch.attention_mask
     before = torch.nn.functional.pad(seq, (1, 0))[:, :-1]
@@ -192,7 +192,7 @@ def response_values(
     prompt_lengths: Sequence[int],
     response_lengths: Sequence[int],
 ) -> list:
-    """Per sample, its response's values out of next-token `scores` [rows, T-1] (module doc, 3)."""
+    """Per sample, its response's values out of next-token `scores` [rows, T-1] (module doc)."""
     return [
         scores[row, at + a - 1 : at + a - 1 + n].clone()
         for (row, at), a, n in zip(starts, prompt_lengths, response_lengths, strict=True)

@@ -45,7 +45,7 @@ def rollout_spec(recipe, num_samples: int) -> PartitionSpec:
 
 
 def stage_fields(recipe, stage: GrpoStage) -> tuple[str, ...]:
-    """What `stage` asks the plane for (module doc, 2)."""
+    """What `stage` asks the plane for (module doc)."""
     return stage_reads(stage, recipe.family, kl=recipe.grpo.kl_coef > 0)
 
 
@@ -59,10 +59,10 @@ def split_fields(fields: Sequence[str]) -> tuple[list[str], list[str]]:
 
 @dataclass(frozen=True)
 class StageGets:
-    """A stage's requests for one replica's samples (module doc, 2), by when their fields are written:
+    """A stage's requests for one replica's samples (module doc), by when their fields are written:
     the response fields the rollout wrote, those written since (the logprob and advantage stages' own;
     None for the logprob stage, which reads none), and the prompt samples' fields. A rank prefetches
-    each part as soon as its fields are in the partition (module doc, 3)."""
+    each part as soon as its fields are in the partition (module doc)."""
 
     rollout: Get
     later: Get | None
@@ -106,7 +106,7 @@ def value_bytes(values: Mapping[str, Sequence[Any]], pixel_dtype: torch.dtype | 
 
 class StagePlane:
     """A data-plane client of one process that counts what it moves, and overlaps its round trips with
-    the caller's compute (module doc, 3). Calls run in order, on the plane's own thread (or, while it
+    the caller's compute (module doc). Calls run in order, on the plane's own thread (or, while it
     is idle, on the caller's): `register`, `put_many`, `get_many` and `clear` wait for theirs (and so
     for all queued before it); with `wait=False` they queue theirs and return; `prefetch` queues a
     get whose result the next `get_many` of the same request takes; `flush` waits for everything
@@ -247,7 +247,7 @@ def _key(r: Get) -> tuple:
 
 
 class ReplicaPlanes:
-    """The controller's way to the replicas' partitions (module doc, 4); counts like `StagePlane`.
+    """The controller's way to the replicas' partitions (module doc); counts like `StagePlane`.
 
     `get_each` / `put_each` take one request per replica, and run them at once: side by side in one
     client of a shared plane (`get_many` / `put_many`), or through the owner ranks.

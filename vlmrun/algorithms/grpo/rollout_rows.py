@@ -32,14 +32,14 @@ from vlmrun.rewards.builtin import Scored
 
 @dataclass
 class RolloutRows:
-    """A rollout as plane samples (module doc, 1): `prompts` and their prompt-major `responses`."""
+    """A rollout as plane samples (module doc): `prompts` and their prompt-major `responses`."""
 
     prompts: SampleBatch
     responses: SampleBatch
 
 
 def prompt_sample_ids(prompt_keys: Sequence[str]) -> list[str]:
-    """Unique ids of `prompt_keys` within one step (module doc, 1)."""
+    """Unique ids of `prompt_keys` within one step (module doc)."""
     seen: Counter[str] = Counter()
     ids = []
     for key in prompt_keys:
@@ -58,7 +58,7 @@ def prompt_of(response_ids: Sequence[str]) -> list[str]:
 
 
 def join(prompts: SampleBatch, responses: SampleBatch) -> SampleBatch:
-    """Every response with its prompt's columns beside its own (module doc, 3)."""
+    """Every response with its prompt's columns beside its own (module doc)."""
     where = {pid: i for i, pid in enumerate(prompts.sample_ids)}
     owner = [where[r.rpartition("#")[0]] for r in responses.sample_ids]
     columns = dict(responses.columns)
@@ -78,12 +78,12 @@ def ended_with(rollouts: Rollouts, eos_ids: Sequence[int]) -> list[bool]:
 
 
 def prompt_columns(batch: PromptBatch, *, family: str, image_token_id: int | None) -> SampleBatch:
-    """The prompt samples of a prompt batch (module doc, 1): known before generation starts."""
+    """The prompt samples of a prompt batch (module doc): known before generation starts."""
     return _prompt_columns(batch, list(range(len(batch))), family=family, image_token_id=image_token_id)
 
 
 def response_columns(rollouts: Rollouts, scored: Sequence[Scored], prompt_ids: Sequence[str]) -> SampleBatch:
-    """The response samples of `rollouts` (module doc, 1), rewards from `scored` (row order); `prompt_ids`
+    """The response samples of `rollouts` (module doc), rewards from `scored` (row order); `prompt_ids`
     are their prompts' sample ids (`prompt_columns`). A filler prompt's responses (vlmrun.data.epochs)
     have no token that counts in the loss."""
     lengths = response_lengths(rollouts)

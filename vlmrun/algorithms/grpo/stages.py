@@ -76,7 +76,7 @@ class PlaneStages:
         computing = self.group.submit_by_dp("logprob", [{"step": step, "sample_ids": i} for i in ids])
         written = False
         try:
-            advantages = self._advantages(parts, ids)  # beside the ranks' logprobs (module doc, 1)
+            advantages = self._advantages(parts, ids)  # beside the ranks' logprobs (module doc)
             written = True
         finally:  # the ranks wait for this word either way
             told = self.group.submit_by_dp("advantages_written", [{"step": step, "ok": written}] * len(ids))
