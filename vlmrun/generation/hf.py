@@ -138,7 +138,7 @@ class HfGenerator(GenerationBackend):
     @torch.no_grad()
     def load_weights(self, weights: Mapping[str, Any] | Iterable[Mapping[str, Any]]) -> None:
         """Copy each bucket into the model's own tensors as it comes (cast to their dtype, moved to their
-        device): no second copy of the model, whatever the bucket size (interface doc, 4)."""
+        device): no second copy of the model, whatever the bucket size (the interface doc)."""
         own = self.refit_targets()
         aliases: dict[int, list[str]] = {}  # a tied weight: one tensor under several names, filled once
         for name, p in self.model.named_parameters(remove_duplicate=False):
