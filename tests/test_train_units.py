@@ -21,7 +21,7 @@ from vlmrun.policy.rng import rng_state, seed_all, set_rng_state
 from vlmrun.run.rows import NUMBER_KEYS, GrpoStats, StepRow, Validation
 
 TINY = Path(__file__).resolve().parents[1] / "recipes" / "tiny-clevr-cpu.yaml"
-#: The keys of every SFT row, in the order users see them (docs/architecture.md, "The metrics log").
+#: The keys of every SFT row, in the order users see them (vlmrun/run/rows.py).
 SFT_KEYS = """step attempt epoch loss grad_norm lr valid_tokens consumed_samples dropped_samples truncated_samples sample_ids step_time_s
 loader_latency_max_s tokens_per_s samples_per_s peak_rss_mb time""".split()
 

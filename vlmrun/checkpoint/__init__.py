@@ -8,7 +8,6 @@
     legacy.py    the layouts of older formats (1-3), read through the same calls
     store.py     one run's checkpoints in one folder: begin, finish, latest, retention, damage
     owner.py     which run a checkpoint folder belongs to
-    copies.py    a copied run directory: a fork with its own checkpoints, or refused on the original's folder
     copies.py    a copied run directory: a fork with checkpoints of its own, or refused
     lease.py     readers hold a checkpoint so that the run's retention cannot delete it under them
     saving.py    the step loop's checkpoint in flight: writes waited for, the seal behind the next steps

@@ -109,7 +109,7 @@ class GrpoStats:
 
 @dataclass(frozen=True, kw_only=True)
 class StepRow:
-    """One optimizer step: the keys of every row (docs/architecture.md, "The metrics log")."""
+    """One optimizer step: the keys of every row (the module doc)."""
 
     step: int
     attempt: int
