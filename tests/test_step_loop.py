@@ -40,14 +40,19 @@ class Ranks:
     """The worker group as the loop sees it, its ranks in this process. The ranks hold one weight that
     each step moves; they save and load it as the policy's part, and their RNG as theirs."""
 
-    def __init__(self, world_size: int = 2, score: ValidationScore | None = None):
+    def __init__(self, world_size: int = 2, score: ValidationScore | None = None, val: ValidationSet | None = None):
         self.world_size, self.weight, self.calls, self.loaded = world_size, torch.zeros(1), [], None
         self.score = score or ValidationScore(nll=3.0, tokens=6, correct=1, answered=2)
+        self.val = val  # rank 0's val set: every rank's share (here a name for it), the answers, the samples left out
         self.writes: dict = {}  # rank -> its background policy write (checkpoint.async_save)
 
     def all_ranks(self, method: str, *args, **kwargs) -> list:
         self.calls.append(method)
         return [getattr(self, f"_{method}")(rank, *args, **kwargs) for rank in range(self.world_size)]
+
+    def on_rank(self, rank: int, method: str, **kwargs):
+        self.calls.append(method)
+        return getattr(self, f"_{method}")(rank, **kwargs)
 
     def per_rank(self, method: str, kwargs_of) -> list:
         self.calls.append(method)
@@ -80,6 +85,9 @@ class Ranks:
 
     def _load_model_weights(self, rank):
         self.weight = torch.zeros(1)  # what a cold start's ranks hold
+
+    def _val_set(self, rank, **how):
+        return self.val
 
     def _validate(self, rank, share):
         self.calls.append(("share", rank, share))
@@ -275,12 +283,12 @@ def test_a_checkpoint_of_another_layout_needs_restart_data_order(tmp_path, clevr
 def test_validation_steps_carry_the_summed_score_and_an_empty_pass_says_so(tmp_path, clevr_set, caplog):
     caplog.set_level(logging.WARNING, logger="vlmrun")
     rd = make_run(tmp_path / "run", clevr_set, "train.val_samples=2", "train.val_period=3")
-    # rank 0's val set: every rank's share (here a name for it), the answers, the samples left out
-    loop, outcome = run_loop(rd, _val=ValidationSet(["share-0", "share-1"], ["3", "4"], 1))
+    loop, outcome = run_loop(rd, ranks=Ranks(val=ValidationSet(["share-0", "share-1"], ["3", "4"], 1)))
     rows = history(rd.metrics_file())
     assert [s for s, r in rows.items() if "val_loss" in r] == [3, 6]  # every val_period and the last
     assert rows[3]["val_loss"] == 6.0 / 12 and rows[3]["val_accuracy"] == 2 / 4 and rows[3]["val_dropped_samples"] == 1
     assert outcome.final_val["val_samples"] == 4 and loop.group.calls.count("validate") == 2
+    assert loop.group.calls.count("val_set") == 1  # read once, by rank 0
     assert [c for c in loop.group.calls if isinstance(c, tuple)] == [
         ("share", 0, "share-0"),
         ("share", 1, "share-1"),
@@ -288,7 +296,7 @@ def test_validation_steps_carry_the_summed_score_and_an_empty_pass_says_so(tmp_p
     assert rows[3]["val_majority_baseline"] == 0.5
     empty = make_run(tmp_path / "empty", clevr_set, "train.val_samples=2", "train.val_period=3")
     run_loop(
-        empty, _val=ValidationSet(["share-0", "share-1"], ["3", "4"]), ranks=Ranks(score=ValidationScore(0.0, 0, 0, 2))
+        empty, ranks=Ranks(score=ValidationScore(0.0, 0, 0, 2), val=ValidationSet(["share-0", "share-1"], ["3", "4"]))
     )
     assert history(empty.metrics_file())[3]["val_loss"] is None and history(empty.metrics_file())[3]["val_tokens"] == 0
     assert "scored no token of 2 val samples" in caplog.text
@@ -368,10 +376,10 @@ def held_writes(monkeypatch):
     held, release = set(), __import__("threading").Event()
     write_parts = checkpoint.PendingCheckpoint._write_parts
 
-    def slow(pending, parts):
+    def slow(pending, *how):
         if pending.step in held:
             release.wait(30)
-        return write_parts(pending, parts)
+        return write_parts(pending, *how)
 
     monkeypatch.setattr(checkpoint.PendingCheckpoint, "_write_parts", slow)
     yield held

@@ -36,7 +36,7 @@ import time
 
 from vlmrun.algorithms.common.shards import open_train_shard
 from vlmrun.algorithms.common.steps import plan_steps, run_loader_format
-from vlmrun.algorithms.common.validation import ValidationScore, ValidationSet
+from vlmrun.algorithms.common.validation import ValidationPasses
 from vlmrun.checkpoint.manifest import RunAtSave
 from vlmrun.checkpoint.read import Checkpoint
 from vlmrun.checkpoint.saving import Saves
@@ -367,30 +367,13 @@ class StepLoop:
         return found.step, counters, notes
 
     def _validate(self, step: int) -> Validation | None:
-        """A validation pass of `train.val_samples` val samples, every rank scoring its share; None when
-        the recipe validates nothing."""
-        r = self.recipe
-        if r.train.val_samples <= 0:
+        """A validation pass of `train.val_samples` val samples (validation.py), every rank scoring its
+        share; None when the recipe validates nothing."""
+        if self.recipe.train.val_samples <= 0:
             return None
-        if not hasattr(self, "_val"):  # read, encoded and cut by rank 0, which has the loader's stack
-            # imported; the shares' tensors never come here (this process holds no torch)
-            size = max(1, r.train.micro_batch_size)
-            self._val = self.group.on_rank(
-                0, "val_set", samples=r.train.val_samples, batch_size=size, ranks=self.plan.layout.dp
-            )
-        val: ValidationSet = self._val
-        scores = self.group.per_rank("validate", lambda rank: {"share": val.shares[self.plan.shard_of_rank(rank)]})
-        owned = [scores[s.owner_rank] for s in self.plan.shards]  # each replica's, from its owner
-        validation = val.row(sum(owned, ValidationScore()))
-        if validation.val_loss is None:
-            log.warning(
-                "validation at step %d scored no token of %d val samples (every label cut away? data.max_seq_len "
-                "is %d): val_loss is null, val_tokens 0",
-                step,
-                r.train.val_samples,
-                r.data.max_seq_len,
-            )
-        return validation
+        if not hasattr(self, "_passes"):
+            self._passes = ValidationPasses(self.group, self.plan, self.recipe)
+        return self._passes.run(step)
 
     def _stopped_at(self, step: int) -> str:
         """The reason of a stop at the boundary after `step`: the checkpoint it holds (saved, or verified

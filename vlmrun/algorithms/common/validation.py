@@ -22,6 +22,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -30,6 +31,8 @@ from vlmrun.algorithms.common.refit import refit
 from vlmrun.generation.interface import GenerationBackend, SamplingParams
 from vlmrun.policy.interface import REFIT_BUCKET_BYTES, PolicyBackend
 from vlmrun.run.rows import Validation
+
+log = logging.getLogger(__name__)
 
 #: Validation's answers: greedy (temperature 0 draws nothing from a sampling stream), a few tokens.
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=4)
@@ -159,3 +162,34 @@ def validation_row(score: ValidationScore, answers: list[str], *, dropped: int =
 def majority_share(answers: list[str]) -> float:
     """Accuracy of always answering the most common answer: the bar a model must beat."""
     return Counter(answers).most_common(1)[0][1] / len(answers) if answers else 0.0
+
+
+class ValidationPasses:
+    """The controller's side of validation (module doc): the val set read, encoded and cut once by rank 0,
+    which has the loader's stack imported (the shares' tensors never reach the controller, which holds
+    no torch); each pass hands every rank its replica's share and sums the owners' scores."""
+
+    def __init__(self, group, plan, recipe) -> None:
+        self.group, self.plan, self.recipe = group, plan, recipe
+        self._val: ValidationSet | None = None
+
+    def run(self, step: int) -> Validation:
+        r = self.recipe
+        if self._val is None:
+            size = max(1, r.train.micro_batch_size)
+            self._val = self.group.on_rank(
+                0, "val_set", samples=r.train.val_samples, batch_size=size, ranks=self.plan.layout.dp
+            )
+        val = self._val
+        scores = self.group.per_rank("validate", lambda rank: {"share": val.shares[self.plan.shard_of_rank(rank)]})
+        owned = [scores[s.owner_rank] for s in self.plan.shards]  # each replica's, from its owner
+        validation = val.row(sum(owned, ValidationScore()))
+        if validation.val_loss is None:
+            log.warning(
+                "validation at step %d scored no token of %d val samples (every label cut away? data.max_seq_len "
+                "is %d): val_loss is null, val_tokens 0",
+                step,
+                r.train.val_samples,
+                r.data.max_seq_len,
+            )
+        return validation
