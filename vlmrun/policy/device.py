@@ -12,6 +12,9 @@ import torch
 #: reused across sizes instead of stranded (the H200 check measured 20-22 GiB of allocator slack
 #: without). A user's own PYTORCH_CUDA_ALLOC_CONF wins.
 CUDA_ALLOC_CONF = "expandable_segments:True"
+#: Minutes a collective waits for its slowest rank before the group fails: on a GPU the ranks may wait
+#: out one rank's checkpoint write of its shard of a 30B model (tens of GB) on a slow file system.
+COLLECTIVE_TIMEOUT_MIN = {"cpu": 10, "cuda": 60}
 
 
 def prepare_cuda_allocator() -> None:

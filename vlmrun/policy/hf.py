@@ -39,7 +39,7 @@ from vlmrun.models.packing import packed_inputs
 from vlmrun.models.shared_images import vision_once
 from vlmrun.models.spec import ModelSpec
 from vlmrun.policy import rng
-from vlmrun.policy.device import prepare_cuda_allocator, rank_device, to_device
+from vlmrun.policy.device import COLLECTIVE_TIMEOUT_MIN, prepare_cuda_allocator, rank_device, to_device
 from vlmrun.policy.fsdp import (
     Sharding,
     checkpoint_layers,
@@ -60,10 +60,6 @@ from vlmrun.policy.kernels import check_cuda_kernels
 from vlmrun.policy.loss import LossStats, NllLoss, kept_logits, labelled_logprobs, logits_to_keep, scored_positions
 from vlmrun.policy.optimizer import allocate_state, build_optimizer
 from vlmrun.policy.refit_stream import refit_buckets
-
-#: Minutes a collective waits for its slowest rank before the group fails: on a GPU the ranks may wait
-#: out one rank's checkpoint write of its shard of a 30B model (tens of GB) on a slow file system.
-COLLECTIVE_TIMEOUT_MIN = {"cpu": 10, "cuda": 60}
 
 
 class HfPolicy(PolicyBackend):

@@ -115,7 +115,8 @@ class LossStats:
     def add(self, terms: LossTerms) -> None:
         self._terms.append(terms)
 
-    def _on_host(self) -> tuple[dict[str, float], dict[str, float], dict[str, float]]:
+    def on_host(self) -> tuple[dict[str, float], dict[str, float], dict[str, float]]:
+        """(sums, mins, maxs) over this rank's micro-batches, as floats: one copy to the host."""
         values = [v for t in self._terms for part in (t.sums, t.mins, t.maxs) for v in part.values()]
         floats = iter(_host_floats(values))
         sums: dict[str, float] = {}
@@ -132,7 +133,7 @@ class LossStats:
 
     def reduced(self) -> dict[str, float]:
         """Every statistic over all ranks; the same keys on every rank (collectives in sorted key order)."""
-        sums, mins, maxs = self._on_host()
+        sums, mins, maxs = self.on_host()
         out: dict[str, float] = {}
         for values, reduce in (
             (sums, all_reduce_sum),

@@ -31,8 +31,9 @@ from vlmrun.checkpoint.parts import PolicyState
 from vlmrun.config.layout import RankLayout
 from vlmrun.models.spec import ModelSpec
 from vlmrun.policy import rng
-from vlmrun.policy.device import rank_device, to_device
+from vlmrun.policy.device import COLLECTIVE_TIMEOUT_MIN, rank_device, to_device
 from vlmrun.policy.fsdp import clip_gradients
+from vlmrun.policy.host_memory import StepPeak, trim
 from vlmrun.policy.interface import REFIT_BUCKET_BYTES, PolicyBackend, StepResult, TokenLoss
 from vlmrun.policy.loss import LossStats, NllLoss
 from vlmrun.policy.megatron.model import StageOptions, stage_inputs
@@ -66,13 +67,14 @@ class MegatronPolicy(PolicyBackend):
         if weights not in ("load", "checkpoint"):
             raise ValueError(f"weights {weights!r}: 'load' or 'checkpoint'")
         self.device = rank_device(self.gpus)
+        self._peak = StepPeak()
         if not dist.is_initialized():
             dist.init_process_group(
                 "cpu:gloo,cuda:nccl" if self.device.type == "cuda" else "gloo",
                 init_method=f"tcp://{master_addr}:{master_port}",
                 rank=self.rank,
                 world_size=self.world_size,
-                timeout=timedelta(minutes=10),
+                timeout=timedelta(minutes=COLLECTIVE_TIMEOUT_MIN[self.device.type]),
             )
         self.groups = groups.initialize(self.ranks, seed=self.train.seed)
         self.max_steps = max_steps
@@ -118,6 +120,7 @@ class MegatronPolicy(PolicyBackend):
         from vlmrun.policy.megatron.schedule import run_micro_batches
 
         t0 = time.perf_counter()
+        self._peak.reset()
         loss = loss or NllLoss()
         (global_tokens,) = self.groups.replica_sum([float(sum(loss.tokens(b) for b in micro_batches))])
         denom = max(global_tokens, 1.0)
@@ -144,7 +147,7 @@ class MegatronPolicy(PolicyBackend):
         self.optimizer.zero_grad(set_to_none=True)
         self._phase_done("optimizer")
         total, reduced = self.groups.results(summed[0], stats)
-        from vlmrun.policy.hf import peak_rss_mb
+        trim()  # the step's freed host memory back to the kernel (policy/host_memory.py)
 
         return StepResult(
             loss=total / denom,
@@ -152,7 +155,7 @@ class MegatronPolicy(PolicyBackend):
             lr=lr,
             valid_tokens=int(global_tokens),
             compute_s=time.perf_counter() - t0,
-            peak_rss_mb=peak_rss_mb(),
+            peak_rss_mb=self._peak.peak_mb(),
             stats=reduced,
         )
 

@@ -70,11 +70,8 @@ class Groups:
 def _reduced(stats: LossStats, group) -> dict[str, float]:
     """LossStats.reduced over `group` (the result ranks) instead of every rank."""
     out: dict[str, float] = {}
-    for values, op in (
-        (stats.sums, dist.ReduceOp.SUM),
-        (stats.mins, dist.ReduceOp.MIN),
-        (stats.maxs, dist.ReduceOp.MAX),
-    ):
+    sums, mins, maxs = stats.on_host()
+    for values, op in ((sums, dist.ReduceOp.SUM), (mins, dist.ReduceOp.MIN), (maxs, dist.ReduceOp.MAX)):
         keys = sorted(values)
         if not keys:
             continue
