@@ -53,3 +53,19 @@ def to_device(value, device: torch.device):
         changes = {f.name: to_device(getattr(value, f.name), device) for f in dataclasses.fields(value) if f.init}
         return dataclasses.replace(value, **changes)
     return value
+
+
+def join_process_group(device: torch.device, *, master_addr: str, master_port: int, rank: int, world_size: int) -> None:
+    """This rank into the job's default process group: gloo on a CPU rank; on a GPU, NCCL for the device's
+    tensors and gloo for the host's. A collective waits COLLECTIVE_TIMEOUT_MIN for its slowest rank."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    dist.init_process_group(
+        "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo",
+        init_method=f"tcp://{master_addr}:{master_port}",
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(minutes=COLLECTIVE_TIMEOUT_MIN[device.type]),
+    )

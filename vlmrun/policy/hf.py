@@ -23,7 +23,6 @@ import gc
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +38,7 @@ from vlmrun.models.packing import packed_inputs
 from vlmrun.models.shared_images import vision_once
 from vlmrun.models.spec import ModelSpec
 from vlmrun.policy import rng
-from vlmrun.policy.device import COLLECTIVE_TIMEOUT_MIN, prepare_cuda_allocator, rank_device, to_device
+from vlmrun.policy.device import join_process_group, prepare_cuda_allocator, rank_device, to_device
 from vlmrun.policy.fsdp import (
     Sharding,
     checkpoint_layers,
@@ -89,12 +88,12 @@ class HfPolicy(PolicyBackend):
             raise ValueError(f"weights {weights!r}: 'load' or 'checkpoint'")
         self.device = rank_device(self.gpus)
         if self.world_size > 1 or self.sharded:
-            dist.init_process_group(
-                "cpu:gloo,cuda:nccl" if self.device.type == "cuda" else "gloo",
-                init_method=f"tcp://{master_addr}:{master_port}",
+            join_process_group(
+                self.device,
+                master_addr=master_addr,
+                master_port=master_port,
                 rank=self.rank,
                 world_size=self.world_size,
-                timeout=timedelta(minutes=COLLECTIVE_TIMEOUT_MIN[self.device.type]),
             )
         self.max_steps = max_steps
         self._build(unread=weights == "checkpoint")

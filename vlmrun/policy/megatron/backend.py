@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +30,7 @@ from vlmrun.checkpoint.parts import PolicyState
 from vlmrun.config.layout import RankLayout
 from vlmrun.models.spec import ModelSpec
 from vlmrun.policy import rng
-from vlmrun.policy.device import COLLECTIVE_TIMEOUT_MIN, rank_device, to_device
+from vlmrun.policy.device import join_process_group, rank_device, to_device
 from vlmrun.policy.fsdp import clip_gradients
 from vlmrun.policy.host_memory import StepPeak, trim
 from vlmrun.policy.interface import REFIT_BUCKET_BYTES, PolicyBackend, StepResult, TokenLoss
@@ -69,12 +68,12 @@ class MegatronPolicy(PolicyBackend):
         self.device = rank_device(self.gpus)
         self._peak = StepPeak()
         if not dist.is_initialized():
-            dist.init_process_group(
-                "cpu:gloo,cuda:nccl" if self.device.type == "cuda" else "gloo",
-                init_method=f"tcp://{master_addr}:{master_port}",
+            join_process_group(
+                self.device,
+                master_addr=master_addr,
+                master_port=master_port,
                 rank=self.rank,
                 world_size=self.world_size,
-                timeout=timedelta(minutes=COLLECTIVE_TIMEOUT_MIN[self.device.type]),
             )
         self.groups = groups.initialize(self.ranks, seed=self.train.seed)
         self.max_steps = max_steps
