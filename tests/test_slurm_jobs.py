@@ -293,7 +293,13 @@ def test_misfits_name_the_field(sets, field):
 def test_gpus_per_node_must_fit():
     recipe = load_recipe(
         ROOT / "recipes" / "omni-clevr-1n8g.yaml",
-        ["cluster.partition=gpu", "cluster.nodes=2", "parallel.dp=16", "cluster.mem_gb=400"],
+        [
+            "cluster.partition=gpu",
+            "cluster.nodes=2",
+            "parallel.dp=16",
+            "cluster.mem_gb=400",
+            "train.global_batch_size=128",
+        ],
     )
     rows = [r for r in queries.parse_sinfo(SINFO) if r["partition"] == "gpu"]
     preflight.check_fits(recipe, rows)
