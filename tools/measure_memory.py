@@ -18,8 +18,8 @@ process, so the CPU recipes' replicas, not FSDP.
 A GRPO recipe (`--recipe recipes/tiny-grpo-cpu.yaml`) is measured per phase of its step, each against
 the estimate of that phase (resident terms + the phase's own): the refit (the rank's engine, opened as
 a training rank opens it, `weights="refit"`, filled from the policy in `generation.refit_bucket_mb`
-buckets), the generation (`grpo.num_generations` responses to each of `train.micro_batch_size` one-image
-prompts padded with text to `data.max_seq_len` tokens, the longest prompt a run takes and the bound the
+buckets), the generation (one call, as a rank's rollout makes it: `grpo.num_generations` responses to each
+of the replica's one-image prompts of the step padded with text to `data.max_seq_len` tokens, the longest prompt a run takes and the bound the
 estimate assumes, to `grpo.max_new_tokens`: a random tiny model stops only there), and the training step (as
 above, its sequences the prompt plus the responses, the last `grpo.max_new_tokens` of each labelled). The bytes alive before a phase are the policy's
 state, its gradients from the step before, the reference model's weights and the engine's.
@@ -151,7 +151,7 @@ def measure_grpo_phases(family: str, recipe, cache: Path | None = None) -> dict:
     from vlmrun.data.batch import IGNORE_INDEX, PromptBatch
     from vlmrun.generation.interface import SamplingParams
     from vlmrun.models.architecture import load_architecture
-    from vlmrun.models.fit import training_shape
+    from vlmrun.models.fit import rollout_sequences, training_shape
     from vlmrun.models.source import ensure_model
 
     shape, assumption = training_shape(recipe)
@@ -171,12 +171,13 @@ def measure_grpo_phases(family: str, recipe, cache: Path | None = None) -> dict:
             )
         ]
         train[0].labels[:, : -g.max_new_tokens] = IGNORE_INDEX  # a GRPO row's labels are its response
-        one = padded_batch(processor, t.micro_batch_size, recipe.data.max_seq_len, shape.image_size, dtype)
+        n = rollout_sequences(recipe) // g.num_generations  # the step's prompts of one replica: one generate call
+        one = padded_batch(processor, n, recipe.data.max_seq_len, shape.image_size, dtype)
         prompts = PromptBatch(
-            [f"p{i}" for i in range(t.micro_batch_size)],
+            [f"p{i}" for i in range(n)],
             one.input_ids,
             one.attention_mask,
-            ["3"] * t.micro_batch_size,
+            ["3"] * n,
             media=one.media,
             token_inputs=one.token_inputs,
         )
