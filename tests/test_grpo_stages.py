@@ -26,7 +26,7 @@ from vlmrun.algorithms.grpo.rollout_rows import RolloutRows
 from vlmrun.algorithms.grpo.stages import DriverStages, PlaneStages
 from vlmrun.config.load import load_recipe
 from vlmrun.data.batch import SampleCounts
-from vlmrun.distributed.topology import plan_placement
+from vlmrun.distributed.topology import Role, plan_placement
 from vlmrun.plane.interface import SampleBatch
 from vlmrun.policy.interface import StepResult
 from vlmrun.run.rows import NUMBER_KEYS, GrpoStats, StepRow, Validation
@@ -95,6 +95,11 @@ class Ranks:
         return [self._answer(method, s.owner_rank, per_shard(s.shard)) for s in self.plan.shards]
 
     submit_replica_owners = replica_owners
+
+    def replicas(self, method, per_shard, role=Role.OWNER):
+        """Every rank of each replica runs `method`; the `role` rank's answer, in shard order."""
+        answers = [{r: self._answer(method, r, per_shard(s.shard)) for r in s.delivery_ranks} for s in self.plan.shards]
+        return [by_rank[s.rank_of(role)] for s, by_rank in zip(self.plan.shards, answers, strict=True)]
 
     def by_dp(self, method, parts):
         return [self._answer(method, r, parts[s.shard]) for s in self.plan.shards for r in s.delivery_ranks]

@@ -185,9 +185,11 @@ def score_model(recipe, model_dir: Path, *, samples: int, threads: int = 1) -> d
     import torch
     from transformers.utils import logging as hf_logging
 
+    from vlmrun.algorithms.common.rank_backends import rank_threads
     from vlmrun.algorithms.common.validation import ValidationScore, evaluate, validation_row, validation_shares
     from vlmrun.data.loader import val_batches
 
+    threads = rank_threads(recipe, threads)  # as a run's rank computes
     torch.set_num_threads(threads)
     hf_logging.disable_progress_bar()  # the command prints the scores; load bars would be noise on stderr
     val = val_batches(
@@ -246,13 +248,13 @@ def _open(recipe, model_dir: Path, threads: int):
     import torch
     from transformers import AutoTokenizer
 
-    from vlmrun.algorithms.common.rank_backends import open_rank_engine, open_rank_policy
+    from vlmrun.algorithms.common.rank_backends import open_rank_engine, open_rank_policy, rank_threads
     from vlmrun.algorithms.common.validation import response_texts
 
     gpu = recipe.cluster.gpus_per_node > 0 and torch.cuda.is_available()
     policy = open_rank_policy(recipe, model_dir, rank=0, world_size=1, parallel=None, gpus=gpu)
     policy.setup(master_addr="127.0.0.1", master_port=0, max_steps=max(1, recipe.train.max_steps))
-    engine = open_rank_engine(recipe, model_dir, gpus=gpu, threads=threads)
+    engine = open_rank_engine(recipe, model_dir, gpus=gpu, threads=rank_threads(recipe, threads))
     engine.setup()
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     return policy, engine, lambda rollouts: response_texts(tokenizer, rollouts)

@@ -20,6 +20,13 @@ if TYPE_CHECKING:
     from vlmrun.policy.interface import PolicyBackend
 
 
+def rank_threads(recipe, cpu_threads: int) -> int:
+    """The CPU threads a rank computes with: a GPU recipe's rank its share of the node's CPUs
+    (`cluster.threads_per_gpu_rank`: its host side, an offloaded optimizer step included, would crawl on
+    one), a CPU rank the `cpu_threads` its CPU was given."""
+    return recipe.cluster.threads_per_gpu_rank if recipe.cluster.gpus_per_node else cpu_threads
+
+
 def open_rank_policy(
     recipe, model_dir: str, *, rank: int, world_size: int, parallel: ParallelConfig | None, gpus: bool
 ) -> PolicyBackend:

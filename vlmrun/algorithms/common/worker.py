@@ -29,7 +29,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
-from vlmrun.algorithms.common.rank_backends import open_rank_engine, open_rank_policy
+from vlmrun.algorithms.common.rank_backends import open_rank_engine, open_rank_policy, rank_threads
 from vlmrun.algorithms.common.shards import open_train_shard
 from vlmrun.algorithms.common.validation import (
     ValidationScore,
@@ -78,7 +78,7 @@ class RankWorker(RankActor):
         freeze_imports()  # the imports are done; set-up's own collection walks only what set-up makes
         keep_near_live()
         r = Recipe.model_validate_json(recipe_json)
-        threads = r.cluster.threads_per_gpu_rank if r.cluster.gpus_per_node else threads
+        threads = rank_threads(r, threads)
         torch.set_num_threads(threads)
         self.rank, self.replica, self.owner, self.threads = rank, replica, owner, threads
         self.recipe = r
