@@ -88,12 +88,24 @@ def nudge(model: torch.nn.Module) -> None:
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
 
 
+class TextBatch:
+    """A text-only micro-batch as the policy scores it: every token after the first labelled."""
+
+    image_source, is_packed = None, False
+
+    def __init__(self, ids: torch.Tensor):
+        self.input_ids, self.labels = ids, ids.clone()
+
+    def model_inputs(self):
+        return {"input_ids": self.input_ids, "attention_mask": torch.ones_like(self.input_ids)}
+
+
 @pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "nemotron_omni"])
 def test_only_adapters_train_from_the_seed_and_the_refit_merges_them_under_the_base_names(tiny_dirs, family):
     from peft import get_peft_model
 
     from vlmrun.models.build import build_model
-    from vlmrun.policy.lora import peft_config
+    from vlmrun.policy.lora import base_name, peft_config
 
     p = policy(tiny_dirs, family, TOWER)
     again = policy(tiny_dirs, family, TOWER)
@@ -103,6 +115,11 @@ def test_only_adapters_train_from_the_seed_and_the_refit_merges_them_under_the_b
     assert set(p.checkpoint_state().parts["model"]) == set(trained)  # the checkpoint holds the adapters
     for (n, a), b in zip(p.model.state_dict().items(), again.model.state_dict().values(), strict=True):
         assert torch.equal(a, b), n  # the adapters start from the run's seed
+    losses = [again.train_step([TextBatch(torch.arange(5, 25).reshape(2, 10))]).loss for _ in range(3)]
+    assert losses[2] < losses[0]
+    for name, t in again.model.state_dict().items():  # the base is the directory's, bit for bit
+        if ".lora_" not in name:
+            assert torch.equal(t, base.state_dict()[base_name(name)]), name
     nudge(p.model)
     merged = {n: t for bucket in p.weights_for_refit(bucket_bytes=16 << 10) for n, t in bucket.items()}
     assert merged.keys() == {n for n in base.state_dict() if n not in tied_later(base)}  # no base_layer, no lora_
@@ -123,18 +140,6 @@ def tied_later(model) -> set[str]:
     for name, t in model.named_parameters(remove_duplicate=False):
         (later if id(t) in seen else seen).add(name if id(t) in seen else id(t))
     return later
-
-
-class TextBatch:
-    """A text-only micro-batch as the policy scores it: every token after the first labelled."""
-
-    image_source, is_packed = None, False
-
-    def __init__(self, ids: torch.Tensor):
-        self.input_ids, self.labels = ids, ids.clone()
-
-    def model_inputs(self):
-        return {"input_ids": self.input_ids, "attention_mask": torch.ones_like(self.input_ids)}
 
 
 def test_the_reference_is_the_base_with_adapters_off_and_scoring_drops_no_adapter_input(tiny_dirs):

@@ -7,6 +7,7 @@ refit (`merged_tensors`), so an engine and a reader of the export hold the same 
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -54,7 +55,9 @@ def _save_adapter(spec: ModelSpec, model, out: Path) -> None:
     from peft import get_peft_model
 
     base = build_model(spec)
-    peft_model = get_peft_model(base, peft_config(base, spec.lora))
+    with warnings.catch_warnings():  # peft asks transformers a name it deprecated; the export's stderr stays clean
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing", category=FutureWarning)
+        peft_model = get_peft_model(base, peft_config(base, spec.lora))
     wrapped = {f"base_model.model.{k}": v for k, v in adapter_state(model.state_dict()).items()}
     missing, unexpected = peft_model.load_state_dict(wrapped, strict=False)
     if unexpected or adapter_state(dict.fromkeys(missing)):
