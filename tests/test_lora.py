@@ -24,6 +24,7 @@ TOWER = {"rank": 4, "alpha": 8.0, "dropout": 0.0, "targets": "all_linear", "visi
     [
         (["model.lora.rank=0"], "model.lora.rank", "greater than or equal to 1"),
         (["model.lora.rank=2.5"], "model.lora.rank", "integer"),
+        (["model.lora.rank=5000"], "model.lora.rank", "less than or equal to 4096"),
         ([*LORA, "model.lora.alpha=0"], "model.lora.alpha", "greater than 0"),
         ([*LORA, "model.lora.dropout=1.0"], "model.lora.dropout", "less than 1"),
         ([*LORA, "model.lora.dropout=-0.1"], "model.lora.dropout", "greater than or equal to 0"),

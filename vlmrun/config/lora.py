@@ -21,9 +21,10 @@ INITS = ("default", "gaussian")
 
 class LoraConfig(Section):
     """LoRA adapters on the language model's linear layers, and optionally on the vision tower and the
-    projector; only the adapters train and only they go into checkpoints (the base is referenced)."""
+    projector; only the adapters train and only they go into checkpoints (the base is referenced). Any
+    field of the section turns it on (`--set model.lora.rank=8`); the others keep their defaults."""
 
-    rank: int = Field(ge=1, le=4096, description="the adapters' rank r (A is r x in, B is out x r)")
+    rank: int = Field(16, ge=1, le=4096, description="the adapters' rank r (A is r x in, B is out x r)")
     alpha: float = Field(16.0, gt=0, description="scale alpha: an adapter adds (alpha / rank) x B @ A to its weight")
     dropout: float = Field(0.0, ge=0, lt=1, description="dropout on each adapter's input while training")
     targets: Literal[TARGETS] = Field(
