@@ -72,10 +72,10 @@ def test_the_fit_check_counts_the_adapters_gradients_and_optimizer_state_and_say
     assert "LoRA:" in said and "saved" in said
 
 
-def policy(tiny_dirs, family: str, lora: dict | None, *, seed: int = 1234):
+def policy(tiny_dirs, family: str, lora: dict | None, *, seed: int = 1234, parallel=None):
     train = TrainConfig(lr=1e-2, warmup_steps=0, lr_schedule="constant", seed=seed)
     spec = ModelSpec(directory=tiny_dirs[family], lora=LoraConfig(**lora).model_dump() if lora else None)
-    p = open_policy("hf", model=spec, rank=0, world_size=1, train=train)
+    p = open_policy("hf", model=spec, rank=0, world_size=1, train=train, parallel=parallel)
     p.setup(master_addr="127.0.0.1", master_port=0, max_steps=4)
     return p
 
@@ -134,6 +134,20 @@ def test_only_adapters_train_from_the_seed_and_the_refit_merges_them_under_the_b
     assert changed and all(torch.equal(merged[n], want[n]) for n in merged)
     p.shutdown()
     again.shutdown()
+
+
+def test_the_refit_merges_the_layers_that_activation_checkpointing_wraps(tiny_dirs):
+    from vlmrun.config.parallel import ParallelConfig
+
+    plain = policy(tiny_dirs, "qwen2_5_vl", TOWER)
+    wrapped = policy(tiny_dirs, "qwen2_5_vl", TOWER, parallel=ParallelConfig(dp=1, activation_checkpointing=True))
+    for p in (plain, wrapped):
+        nudge(p.model)
+    want = {n: t for b in plain.weights_for_refit() for n, t in b.items()}
+    got = {n: t for b in wrapped.weights_for_refit() for n, t in b.items()}
+    assert got.keys() == want.keys() and all(torch.equal(got[n], want[n]) for n in want)
+    plain.shutdown()
+    wrapped.shutdown()
 
 
 def tied_later(model) -> set[str]:
