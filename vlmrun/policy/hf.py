@@ -63,6 +63,7 @@ from vlmrun.policy.lora import (
     adapters_off,
     add_adapters,
     init_adapters,
+    load_adapters,
     merged_tensors,
     no_adapter_dropout,
 )
@@ -324,8 +325,10 @@ class HfPolicy(PolicyBackend):
             if optimizer is not None:
                 set_optimizer_state_dict(self.model, self.optimizer, optimizer["optimizer"])
         else:
-            if model is not None:
-                self._load_model_part(model)
+            if model is not None and self.spec.lora is not None:
+                load_adapters(self.model, model)  # the adapters; the base stays as read from the model's files
+            elif model is not None:
+                self.model.load_state_dict(model)
             if optimizer is not None:
                 self.optimizer.load_state_dict(optimizer["optimizer"])
         if optimizer is not None:
@@ -335,16 +338,6 @@ class HfPolicy(PolicyBackend):
         from torch.distributed.checkpoint.state_dict import StateDictOptions
 
         return StateDictOptions(strict=self.spec.lora is None)  # LoRA: the adapters, the base stays as read
-
-    def _load_model_part(self, model: dict) -> None:
-        """A replicated model part into the model: every weight, or with LoRA every adapter (nothing else)."""
-        if self.spec.lora is None:
-            self.model.load_state_dict(model)
-            return
-        missing, unexpected = self.model.load_state_dict(model, strict=False)
-        lacking = set(adapter_state(dict.fromkeys(missing)))
-        if unexpected or lacking:
-            raise RuntimeError(f"LoRA checkpoint: adapters missing {sorted(lacking)}, unexpected {sorted(unexpected)}")
 
     def load_checkpoint_state_later(self, read: Callable[[], PolicyState]) -> None:
         """`read` on a thread of this process (interface doc): it fills the state's tensors; the state is

@@ -173,6 +173,15 @@ def adapter_state(state: Mapping[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in state.items() if is_adapter(k)}
 
 
+def load_adapters(model: torch.nn.Module, state: Mapping[str, Any]) -> None:
+    """Load a checkpoint's adapters into `model` (the base left as it is); RuntimeError when the state
+    lacks one of the model's adapters or holds anything else."""
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    lacking = sorted(adapter_state(dict.fromkeys(missing)))
+    if unexpected or lacking:
+        raise RuntimeError(f"LoRA checkpoint: adapters missing {lacking}, unexpected {sorted(unexpected)}")
+
+
 @contextlib.contextmanager
 def adapters_off(model: torch.nn.Module) -> Iterator[None]:
     """The base model alone for the block: every wrapped layer skips its adapters (module doc, 5)."""
