@@ -101,7 +101,10 @@ class TextBatch:
         return {"input_ids": self.input_ids, "attention_mask": torch.ones_like(self.input_ids)}
 
 
-@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "nemotron_omni"])
+@pytest.mark.parametrize(
+    "family",
+    ["qwen2_5_vl", *(pytest.param(f, marks=pytest.mark.slow) for f in ("qwen2_vl", "qwen3_vl", "nemotron_omni"))],
+)
 def test_only_adapters_train_from_the_seed_and_the_refit_merges_them_under_the_base_names(tiny_dirs, family):
     from peft import get_peft_model
 
