@@ -250,7 +250,7 @@ def estimate_memory(arch: Architecture, shape: TrainingShape) -> MemoryEstimate:
     master = 2 if shape.master_dtype == "bfloat16" else 4
     sharded = math.ceil(arch.total / (shape.dp if shape.fsdp else 1))
     trained = arch.total if shape.trained_params is None else shape.trained_params
-    trains = math.ceil(trained / (shape.dp if shape.fsdp else 1))  # 19: LoRA
+    trains = math.ceil(trained / (shape.dp if shape.fsdp else 1))  # LoRA: the adapters alone
     accumulates = shape.micro_batches > 1 and not (shape.fsdp and shape.reduce_every_micro_batch)
     tokens = shape.sequences * shape.seq_len
     return MemoryEstimate(

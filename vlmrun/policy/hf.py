@@ -409,7 +409,7 @@ class HfPolicy(PolicyBackend):
     def export(self, read: Callable[[PolicyState], PolicyState], out: Path, *, adapter: bool = False) -> None:
         """A Hugging Face model directory: config, generation config and safetensors weights in the spec's
         dtype, and the processor, tokenizer and chat template of the spec's directory. With LoRA the
-        weights are the base's merged with the adapters (policy/lora.py, 4), or with `adapter` a peft
+        weights are the base's merged with the adapters (policy/lora.py merged_tensors), or with `adapter` a peft
         adapter directory (adapter_config.json, adapter_model.safetensors) that peft loads onto the base."""
         from transformers import AutoProcessor
         from transformers.utils import logging as hf_logging

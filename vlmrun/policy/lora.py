@@ -48,7 +48,7 @@ def base_name(name: str) -> str:
 
 
 def target_modules(model: torch.nn.Module, lora: Mapping[str, Any]) -> list[str]:
-    """The full names of the linear layers `lora` (model.lora's settings) puts adapters on (module doc, 2)."""
+    """The full names of the linear layers `lora` (model.lora's settings) puts adapters on."""
     wanted = LM_SETS.get(lora["targets"])  # None: all_linear
     out = []
     for name, module in model.named_modules():
@@ -113,7 +113,7 @@ def lora_layers(model: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Module]]
 
 @torch.no_grad()
 def init_adapters(model: torch.nn.Module, lora: Mapping[str, Any], seed: int) -> None:
-    """Every adapter's start from `seed` (module doc, 3): A peft's default (uniform in +-1/sqrt(in), what
+    """Every adapter's start from `seed`, whole on the CPU: A peft's default (uniform in +-1/sqrt(in), what
     its kaiming-uniform with a = sqrt(5) draws) or gaussian (std 1/r); B zero. Sharded adapters take their
     rows of the whole tensor."""
     gen = torch.Generator().manual_seed(seed)
@@ -147,9 +147,9 @@ def merged_weight(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale:
 
 
 def merged_tensors(model: torch.nn.Module, whole) -> Iterator[tuple[str, torch.Tensor]]:
-    """The model's state as the base names it, a wrapped layer's weight merged with its adapters (module
-    doc, 4), a tied weight once; `whole(t)` gives a (possibly sharded) tensor whole. Collective when sharded:
-    every rank draws the same tensors in the same order."""
+    """The model's state as the base names it, each wrapped layer's weight merged with its adapters as it
+    is drawn (one layer at a time), a tied weight once; `whole(t)` gives a (possibly sharded) tensor whole.
+    Collective when sharded: every rank draws the same tensors in the same order."""
     # state_dict names drop activation checkpointing's wrapper, which module and parameter names keep
     layers = {name.replace(WRAPPED, ""): layer for name, layer in lora_layers(model)}
     tied: dict[int, list[str]] = {}
@@ -184,7 +184,7 @@ def load_adapters(model: torch.nn.Module, state: Mapping[str, Any]) -> None:
 
 @contextlib.contextmanager
 def adapters_off(model: torch.nn.Module) -> Iterator[None]:
-    """The base model alone for the block: every wrapped layer skips its adapters (module doc, 5)."""
+    """The base model alone for the block: every wrapped layer skips its adapters (GRPO's reference)."""
     layers = [layer for _, layer in lora_layers(model)]
     for layer in layers:
         layer.enable_adapters(False)
