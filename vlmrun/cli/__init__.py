@@ -232,17 +232,21 @@ def export(
     step: int | None = typer.Option(
         None, "--step", min=1, help="checkpoint step (default: the newest one that verifies)"
     ),
+    adapter: bool = typer.Option(
+        False, "--adapter", help="a LoRA run's adapters as a peft adapter directory (default: merged into the model)"
+    ),
     json_out: bool = JsonOpt,
 ):
     """Write a checkpoint of a run as a Hugging Face model directory (config, safetensors weights, processor,
     tokenizer, chat template) that AutoModelForImageTextToText.from_pretrained loads; a recipe can start
-    from it with --set model.path=OUT --set model.tiny=false.
+    from it with --set model.path=OUT --set model.tiny=false. A LoRA run's export is the base merged with
+    its adapters, or with --adapter the adapters alone, which peft's PeftModel.from_pretrained loads onto the base.
 
     Example: vlmrun export runs/tiny-clevr-cpu-20261130-101500 --step 200 exports/tiny-clevr-step200
     """
     from vlmrun.launch.export import export_checkpoint
 
-    result = export_checkpoint(run_dir, out, step=step)
+    result = export_checkpoint(run_dir, out, step=step, adapter=adapter)
     for line in result.skipped:  # a newer checkpoint was damaged: never pass it over in silence
         typer.echo(f"warning: {line}; exported step {result.step}, the newest that verifies", err=True)
     if json_out:

@@ -24,7 +24,8 @@ AXES = ("dp", "tp", "pp", "cp", "ep")
 class PolicyCapabilities:
     """What a policy backend runs. `families`: family -> why it cannot run it (absent: it
     can). `axes`: the parallel axes it may run above 1. Each other field: None where it runs that
-    recipe setting, else why not (`experts`: parallel.ep, spreading a mixture of experts' experts). `storage`: the checkpoint storage kinds it writes (checkpoint/parts.py)."""
+    recipe setting, else why not (`experts`: parallel.ep, spreading a mixture of experts' experts; `lora`:
+    model.lora, adapters on a frozen base). `storage`: the checkpoint storage kinds it writes (checkpoint/parts.py)."""
 
     families: Mapping[str, str] = field(default_factory=dict)
     axes: tuple[str, ...] = ("dp",)
@@ -33,6 +34,7 @@ class PolicyCapabilities:
     packing: str | None = None
     experts: str | None = "runs no mixture of experts"
     storage: tuple[str, ...] = ("replicated",)
+    lora: str | None = "trains every weight only"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -59,6 +61,7 @@ _HF = PolicyBackendSpec(
         axes=("dp",),
         sequence_parallel="shards by data parallelism only: use model.backend: megatron for tensor parallelism",
         storage=("replicated", "sharded"),
+        lora=None,
     ),
 )
 _MEGATRON = PolicyBackendSpec(
@@ -76,6 +79,8 @@ _MEGATRON = PolicyBackendSpec(
         experts="spreads experts, and no family it runs has any (Qwen2-VL and Qwen2.5-VL are dense; the "
         "mixture-of-experts Nemotron-Omni needs Mamba layers it cannot build)",
         storage=("pieces",),
+        lora="trains every weight only: its mcore layers have no adapters (peft wraps transformers' modules); "
+        "use model.backend: hf for LoRA",
     ),
 )
 
@@ -111,6 +116,8 @@ def policy_refusal(recipe) -> tuple[str, object, str] | None:
         if size > 1 and axis not in caps.axes:
             runs = ", ".join(n for n, s in POLICY_BACKENDS.items() if axis in s.capabilities.axes) or "no backend"
             return f"parallel.{axis}", size, f"model.backend {name} runs parallel.{axis} 1 ({axis} > 1: {runs})"
+    if recipe.model.lora is not None and caps.lora is not None:
+        return "model.lora", recipe.model.lora.rank, f"model.backend {name} {caps.lora}"
     if p.fsdp and caps.fsdp is not None:
         return "parallel.fsdp", True, f"model.backend {name} {caps.fsdp}"
     if p.sequence_parallel and caps.sequence_parallel is not None:

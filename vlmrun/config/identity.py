@@ -21,7 +21,8 @@ from vlmrun.errors import InputError
 log = logging.getLogger(__name__)
 
 #: Dotted recipe fields: batch sizes, layout, seed, data and its splits, sequence length, loop,
-#: algorithm, GRPO's group size, the generation engine (its sampling stream is in the checkpoint) and model.
+#: algorithm, GRPO's group size, the generation engine (its sampling stream is in the checkpoint) and model (its LoRA
+#: adapters' settings included: a checkpoint holds the adapters of those settings only).
 IDENTITY_FIELDS = (
     "train.algorithm",
     "train.loop",
@@ -45,6 +46,7 @@ IDENTITY_FIELDS = (
     "model.tiny",
     "model.backend",
     "model.dtype",
+    "model.lora",
 )
 #: The identity key of the fingerprint of what model.path holds.
 MODEL_CONTENTS = "model.path contents"
@@ -73,7 +75,7 @@ def run_identity(recipe, *, model_contents: str | None) -> dict[str, Any]:
         value: Any = recipe
         for part in dotted.split("."):
             value = getattr(value, part)
-        out[dotted] = value
+        out[dotted] = value.model_dump(mode="json") if hasattr(value, "model_dump") else value
     if model_contents is not None:
         out[MODEL_CONTENTS] = model_contents
     return out

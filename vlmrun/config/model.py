@@ -9,6 +9,7 @@ from pydantic import Field, model_validator
 from vlmrun.config.backends import POLICY_BACKEND_NAMES, POLICY_BACKENDS
 from vlmrun.config.dtype import DTYPES
 from vlmrun.config.families import Family
+from vlmrun.config.lora import LoraConfig
 from vlmrun.config.section import Section
 
 
@@ -29,6 +30,11 @@ class ModelConfig(Section):
         description="transformers' attention kernel for the policy, its reference and the hf engine: sdpa "
         "(torch's), eager, or flash_attention_2 (needs GPUs, bf16 compute and the flash-attn package on "
         "the nodes: the `gpu` extra)",
+    )
+    lora: LoraConfig | None = Field(
+        None,
+        description="train LoRA adapters on the frozen model instead of every weight (config/lora.py); "
+        "absent: full training",
     )
     reference_config: str | None = Field(
         None,

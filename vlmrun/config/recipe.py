@@ -244,6 +244,14 @@ def _check_grpo(r: Recipe) -> None:
                 f"grpo.rewards[{seen[term.label]}] has the same name: give each term its own `name`",
             )
         seen[term.label] = i
+    lora = r.model.lora
+    if lora is not None and lora.dropout > 0:  # the step's forward would drop what the scoring forward kept
+        raise CrossFieldError(
+            "model.lora.dropout",
+            lora.dropout,
+            "0 with GRPO: its old and new log-probs must come from the same forward (probs_ratio exactly 1 "
+            "with one inner step), which adapter dropout in the training forward breaks",
+        )
     micro = t.global_batch_size // (r.parallel.dp * t.micro_batch_size)
     if micro % g.inner_steps:
         raise CrossFieldError(

@@ -11,7 +11,10 @@
    `model.path`) gives the architecture, the processor, the tokenizer and the chat template; the
    checkpoint's weights go into that architecture in the run's `model.dtype`, so the export's logits
    equal those of the trained model bit for bit.
-3. OUT is written as a hidden sibling folder and renamed into place: a reader never sees half an
+3. A LoRA run's checkpoint holds its adapters; its export is the model directory's base merged with them
+   (W + scale * B @ A, the refit's merge), or with `--adapter` the adapters as peft writes them
+   (adapter_config.json, adapter_model.safetensors), for `PeftModel.from_pretrained(base, OUT)`.
+4. OUT is written as a hidden sibling folder and renamed into place: a reader never sees half an
    export, and a failed export leaves nothing. OUT must not exist or be empty.
 
 Login-node side, like the rest of `launch`: torch and transformers are imported when an export runs.
@@ -54,16 +57,23 @@ class Export:
         return {"out": str(self.out), "step": self.step, "files": self.files, "skipped": self.skipped}
 
 
-def export_checkpoint(run_dir: str | Path, out: str | Path, *, step: int | None = None) -> Export:
-    """Write checkpoint `step` of the run at `run_dir` (default: the newest that verifies) to `out`.
+def export_checkpoint(
+    run_dir: str | Path, out: str | Path, *, step: int | None = None, adapter: bool = False
+) -> Export:
+    """Write checkpoint `step` of the run at `run_dir` (default: the newest that verifies) to `out`; with
+    `adapter`, a LoRA run's adapters as a peft adapter directory (3).
 
     Raises InputError naming RUN_DIR (not a run directory, no complete checkpoint), --step (no such
-    checkpoint: the message lists the steps there are; or it does not verify) or OUT (not empty).
+    checkpoint: the message lists the steps there are; or it does not verify), OUT (not empty) or
+    --adapter (the run trained no adapters).
     """
     rd = RunDirectory(run_dir)
     if not rd.exists():
         raise InputError("RUN_DIR", str(rd.path), message=f"RUN_DIR: {rd.path} is not a run directory (no recipe.yaml)")
     recipe = rd.load_recipe()
+    lora = recipe.model.lora
+    if adapter and lora is None:
+        raise InputError("--adapter", True, message=f"--adapter: {rd.path} trained every weight (no model.lora)")
     out = Path(out).expanduser().resolve()
     _check_out(out)
     with contextlib.ExitStack() as held:
@@ -74,12 +84,16 @@ def export_checkpoint(run_dir: str | Path, out: str | Path, *, step: int | None 
         try:
             policy = open_policy(
                 recipe.model.backend,
-                model=ModelSpec(directory=str(model_dir), dtype=recipe.model.dtype),
+                model=ModelSpec(
+                    directory=str(model_dir),
+                    dtype=recipe.model.dtype,
+                    lora=lora.model_dump() if lora is not None else None,
+                ),
                 rank=0,
                 world_size=1,
                 train=recipe.train,
             )
-            policy.export(checkpoint.read_policy, tmp)
+            policy.export(checkpoint.read_policy, tmp, **({"adapter": True} if adapter else {}))
             _publish(tmp, out, rd, checkpoint, recipe, model_dir)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)

@@ -17,6 +17,7 @@ from vlmrun.config.backends import POLICY_BACKENDS
 from vlmrun.errors import InputError
 from vlmrun.models.architecture import ArchitectureSource, load_architecture
 from vlmrun.models.layout_check import check_layout
+from vlmrun.models.lora_params import adapter_params
 from vlmrun.models.memory import GIB, MemoryEstimate, TrainingShape
 from vlmrun.models.memory_layout import estimate
 from vlmrun.models.params import Architecture, UnknownArchitecture
@@ -156,7 +157,7 @@ def training_shape(recipe, arch: Architecture | None = None) -> tuple[TrainingSh
         seq_len=seq_len,
         image_size=image,
         on_gpu=recipe.cluster.gpus_per_node > 0,
-        reference_model=grpo and recipe.grpo.kl_coef > 0,
+        reference_model=grpo and recipe.grpo.kl_coef > 0 and recipe.model.lora is None,  # LoRA: adapters off
         generation_sequences=rollout_sequences(recipe),
         engine=grpo or validation_engine(recipe),
         engine_resident=grpo and not recipe.generation.sleeps_between_uses,
@@ -169,6 +170,7 @@ def training_shape(recipe, arch: Architecture | None = None) -> tuple[TrainingSh
         tp=p.tp,
         pp=p.pp,
         sequence_parallel=p.sequence_parallel,
+        trained_params=adapter_params(arch, recipe.model.lora) if arch is not None and recipe.model.lora else None,
     )
     seqs = f"{t.micro_batch_size} x {per_prompt}" if grpo else f"{sequences}"
     length = f"data.max_seq_len={d.max_seq_len}" + (f" + grpo.max_new_tokens={seq_len - d.max_seq_len}" if grpo else "")
@@ -248,6 +250,8 @@ def _fit(recipe, found: ArchitectureSource, limit: int | None) -> MemoryFit:
             f"; the peak is pipeline stage {peak.stage} of {shape.pp}, each rank holding 1/{shape.tp} of "
             f"its tensor-parallel tensors, {min(shape.pp - peak.stage, shape.micro_batches)} micro-batch(es) in flight"
         )
+    if shape.trained_params is not None:
+        said += "; " + _lora_savings(found.architecture, shape, peak)
     ranks = max(1, c.gpus_per_node)
     rate = _throughput(recipe, found.architecture, shape) if shape.on_gpu else None
     return MemoryFit(
@@ -260,6 +264,20 @@ def _fit(recipe, found: ArchitectureSource, limit: int | None) -> MemoryFit:
         warning=found.warning,
         assumption=said,
         throughput=rate,
+    )
+
+
+def _lora_savings(arch: Architecture, shape: TrainingShape, peak: MemoryEstimate) -> str:
+    """What training only the adapters saves per rank, in words (the dry run prints it)."""
+    full = estimate(arch, replace(shape, trained_params=None, reference_model=False))
+
+    def state(e: MemoryEstimate) -> int:
+        return e.gradients + e.optimizer + e.accumulated_gradients
+
+    return (
+        f"LoRA: {_count(shape.trained_params)} adapter parameters train ({100 * shape.trained_params / arch.total:.2f}% "
+        f"of {_count(arch.total)}): gradients and optimizer state {_size(state(peak))} instead of "
+        f"{_size(state(full))} per rank, {_size(state(full) - state(peak))} saved"
     )
 
 

@@ -55,6 +55,7 @@ class TrainingShape:
     image_share: int = 1  # sequences that show one image, encoded once for them (GRPO: a prompt's G responses)
     offload_during_generation: bool = False  # the policy's state goes to host memory for the rollout (item 17)
     engine_budget: int = 0  # bytes a vLLM engine takes while it generates (gpu_memory_utilization x GPU; item 18)
+    trained_params: int | None = None  # the parameters that train (model.lora: its adapters); None: every one
     tp: int = 1  # tensor parallel (model.backend megatron): models/memory_layout.py
     pp: int = 1  # pipeline stages
     sequence_parallel: bool = False
@@ -236,6 +237,9 @@ def estimate_memory(arch: Architecture, shape: TrainingShape) -> MemoryEstimate:
         the weights (1) and the reference (10) right after it; all come back once the engine has
         generated. The refit phase then holds no optimizer state, generation none of the policy; the
         host holds 1, 3 and 10 per rank meanwhile (`rollout_host`).
+    19. LoRA (`trained_params`): gradients (2, 5) and optimizer state (3) exist for the adapters only
+        (models/lora_params.py); the weights (1) are the frozen base's plus the adapters'. GRPO's
+        reference (10) is the base with the adapters off: no copy.
     16. Host memory at load, per rank: sharded (FSDP), the rank reads only its rows of the files
         (models/sharded_load.py): its share of the weights (1) plus the 64 MB staging buffer, and
         on a GPU the largest of its tensor shards staged on the way to the device; replicated, the
@@ -245,15 +249,17 @@ def estimate_memory(arch: Architecture, shape: TrainingShape) -> MemoryEstimate:
     compute = 2 if shape.mixed_precision == "bf16" or shape.master_dtype == "bfloat16" else 4
     master = 2 if shape.master_dtype == "bfloat16" else 4
     sharded = math.ceil(arch.total / (shape.dp if shape.fsdp else 1))
+    trained = arch.total if shape.trained_params is None else shape.trained_params
+    trains = math.ceil(trained / (shape.dp if shape.fsdp else 1))  # LoRA: the adapters alone
     accumulates = shape.micro_batches > 1 and not (shape.fsdp and shape.reduce_every_micro_batch)
     tokens = shape.sequences * shape.seq_len
     return MemoryEstimate(
         params=arch.total,
-        weights=sharded * master,
-        gradients=sharded * master,
-        optimizer=sharded * master * (ADAMW_STATES if shape.optimizer == "adamw" else 0),
+        weights=(sharded + (trains if shape.trained_params is not None else 0)) * master,
+        gradients=trains * master,
+        optimizer=trains * master * (ADAMW_STATES if shape.optimizer == "adamw" else 0),
         offloaded=shape.cpu_offload,
-        accumulated_gradients=arch.total * _reduce_bytes(shape, master) if shape.fsdp and accumulates else 0,
+        accumulated_gradients=trained * _reduce_bytes(shape, master) if shape.fsdp and accumulates else 0,
         gathered_params=(arch.root_params + 2 * arch.largest_layer) * compute if shape.fsdp else 0,
         gathered_gradients=(arch.root_params + arch.largest_layer) * (compute + _upcast(shape)) if shape.fsdp else 0,
         activations=_decoder_activations(arch, shape.activation_checkpointing, tokens) * compute,

@@ -209,7 +209,8 @@ def _unique_tensors(model: torch.nn.Module) -> dict[str, list[str]]:
     for name, p in model.named_parameters(remove_duplicate=False):
         aliases.setdefault(id(p), []).append(name)
     for names in aliases.values():
-        out[names[0]] = names
+        if not is_adapter(names[0]):  # LoRA adapters are not in the files: the policy initialises them
+            out[names[0]] = names
     persistent = model.state_dict(keep_vars=True)
     for name, _ in model.named_buffers():
         if name in persistent:
@@ -223,11 +224,18 @@ def _source(names: list[str], sources: dict[str, Source]) -> Source | None:
 
 #: what activation checkpointing's wrapper adds to the names under it (torch's checkpoint_wrapper)
 WRAPPED = "_checkpoint_wrapped_module."
+#: peft's wrapping of a layer that has LoRA adapters (policy/lora.py): `x.base_layer.weight` is `x.weight`.
+LORA_WRAPPED = ".base_layer."
+
+
+def is_adapter(name: str) -> bool:
+    """Whether a model tensor is a LoRA adapter's (policy/lora.py), which no model file holds."""
+    return ".lora_A." in name or ".lora_B." in name
 
 
 def plan_name(name: str) -> str:
     """The name of a model tensor as the plan knows it (built before any wrapping)."""
-    return name.replace(WRAPPED, "")
+    return name.replace(WRAPPED, "").replace(LORA_WRAPPED, ".")
 
 
 def load_shards(model: torch.nn.Module, plan: LoadPlan, *, chunk_bytes: int = CHUNK_BYTES) -> int:

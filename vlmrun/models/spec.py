@@ -21,13 +21,16 @@ class ModelSpec:
     `config` (the content of a config.json: the architecture, random-init from `seed`; the backend
     builds it on the meta device and materializes only its own shards where it shards the model).
     `dtype` is the weights' dtype (a `model.dtype` name), `attn_implementation` transformers' attention
-    kernel (`model.attn_implementation`)."""
+    kernel (`model.attn_implementation`). `lora`: the policy trains LoRA adapters of these settings on
+    the frozen model (`model.lora` as a plain dict: rank, alpha, dropout, targets, vision, projector,
+    init; policy/lora.py); None: every weight trains. Generation engines ignore it (they take merged weights)."""
 
     directory: str | None = None
     config: Mapping[str, Any] | None = None
     seed: int = 0
     dtype: str = "float32"
     attn_implementation: str = "sdpa"  # transformers' name: sdpa, eager, flash_attention_2
+    lora: Mapping[str, Any] | None = None
 
     def __post_init__(self):
         if (self.directory is None) == (self.config is None):

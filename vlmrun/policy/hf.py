@@ -19,6 +19,7 @@ else the CPU. Micro-batches arrive on the CPU and are moved here.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import time
 from collections.abc import Callable, Iterator
@@ -37,7 +38,7 @@ from vlmrun.models.build import build_model, materialize, materialize_buffers
 from vlmrun.models.packing import packed_inputs
 from vlmrun.models.shared_images import vision_once
 from vlmrun.models.spec import ModelSpec
-from vlmrun.policy import rng
+from vlmrun.policy import lora_export, rng
 from vlmrun.policy.device import join_process_group, prepare_cuda_allocator, rank_device, to_device
 from vlmrun.policy.fsdp import (
     Sharding,
@@ -56,9 +57,18 @@ from vlmrun.policy.host_memory import StepPeak, trim
 from vlmrun.policy.host_offload import HostCopies
 from vlmrun.policy.interface import REFIT_BUCKET_BYTES, PolicyBackend, StepResult, TokenLoss
 from vlmrun.policy.kernels import check_cuda_kernels
+from vlmrun.policy.lora import (
+    adapter_state,
+    adapters_off,
+    add_adapters,
+    init_adapters,
+    load_adapters,
+    merged_tensors,
+    no_adapter_dropout,
+)
 from vlmrun.policy.loss import LossStats, NllLoss, kept_logits, labelled_logprobs, logits_to_keep, scored_positions
 from vlmrun.policy.optimizer import allocate_state, build_optimizer
-from vlmrun.policy.refit_stream import refit_buckets
+from vlmrun.policy.refit_stream import SLICES_PER_BUCKET, refit_buckets, whole
 
 
 class HfPolicy(PolicyBackend):
@@ -107,7 +117,8 @@ class HfPolicy(PolicyBackend):
 
     def _build(self, *, unread: bool) -> None:
         rng.seed_all(self.train.seed + self.rank)
-        self.model = self._build_unread() if unread else self._build_model()
+        # LoRA: a checkpoint holds the adapters only, so the base is read from the model's files either way
+        self.model = self._build_unread() if unread and self.spec.lora is None else self._build_model()
         self.model.train()
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer, self.scheduler = build_optimizer(self.params, self.train, self.max_steps, fused=self.gpus)
@@ -145,6 +156,9 @@ class HfPolicy(PolicyBackend):
         check_cuda_kernels(model, self.device)
         if not trainable:
             model.requires_grad_(False)
+        lora = self.spec.lora if trainable else None
+        if lora is not None:  # before sharding: the adapters shard with their layers (policy/lora.py)
+            add_adapters(model, lora)
         if self.sharded:
             mesh = shard_mesh(self.device.type, self.ranks)
             frozen = Sharding(mixed_precision=self.sharding.mixed_precision, cpu_offload=self.sharding.cpu_offload)
@@ -152,7 +166,11 @@ class HfPolicy(PolicyBackend):
             if on_meta:  # offloaded shards live in host memory
                 home = torch.device("cpu") if self.sharding.cpu_offload else self.device
                 materialize(model, self.spec, home, plan)
+            if lora is not None:
+                init_adapters(model, lora, self.train.seed)
             return model
+        if lora is not None:
+            init_adapters(model, lora, self.train.seed)
         if self.sharding.activation_checkpointing and trainable:
             checkpoint_layers(model, decoder_layers(model))
         return model.to(self.device)
@@ -253,13 +271,22 @@ class HfPolicy(PolicyBackend):
         may take other kernels in eval mode (NemotronH's Mamba takes its fused kernel in train mode only),
         and GRPO's old and new log-probs must come from the same ones."""
         try:
-            return self._logprobs(self.model, to_device(batch, self.device)).cpu()
+            with self._scoring():
+                return self._logprobs(self.model, to_device(batch, self.device)).cpu()
         finally:
             reshard_root(self.model)
 
+    def _scoring(self):
+        """A scoring forward's context: adapter dropout off (LoRA), nothing otherwise."""
+        return no_adapter_dropout(self.model) if self.spec.lora is not None else contextlib.nullcontext()
+
     @torch.no_grad()
     def reference_logprobs(self, batch) -> torch.Tensor:
-        """The frozen reference's, in train mode too (`logprobs`)."""
+        """The frozen reference's, in train mode too (`logprobs`). With LoRA the reference is the policy's
+        own model with its adapters off: the base it trains on, with no second copy of the weights."""
+        if self.spec.lora is not None:
+            with adapters_off(self.model):
+                return self.logprobs(batch)
         if getattr(self, "_reference", None) is None:
             self._reference = self._build_model(trainable=False).train()
         try:
@@ -276,6 +303,8 @@ class HfPolicy(PolicyBackend):
             model, optimizer = get_state_dict(self.model, self.optimizer)
         else:
             model, optimizer = self.model.state_dict(), self.optimizer.state_dict()
+        if self.spec.lora is not None:  # the base is the model's files, which the run identity fingerprints
+            model = adapter_state(model)
         return PolicyState(
             Storage.SHARDED if self.sharded else Storage.REPLICATED,
             {MODEL_PART: model, OPTIMIZER_PART: {"optimizer": optimizer, "scheduler": self.scheduler.state_dict()}},
@@ -287,16 +316,23 @@ class HfPolicy(PolicyBackend):
             from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
             if model is not None:
-                set_model_state_dict(self.model, model)
+                set_model_state_dict(self.model, model, options=self._load_options())
             if optimizer is not None:
                 set_optimizer_state_dict(self.model, self.optimizer, optimizer["optimizer"])
         else:
-            if model is not None:
+            if model is not None and self.spec.lora is not None:
+                load_adapters(self.model, model)  # the adapters; the base stays as read from the model's files
+            elif model is not None:
                 self.model.load_state_dict(model)
             if optimizer is not None:
                 self.optimizer.load_state_dict(optimizer["optimizer"])
         if optimizer is not None:
             self.scheduler.load_state_dict(optimizer["scheduler"])
+
+    def _load_options(self):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+        return StateDictOptions(strict=self.spec.lora is None)  # LoRA: the adapters, the base stays as read
 
     def load_checkpoint_state_later(self, read: Callable[[], PolicyState]) -> None:
         """`read` on a thread of this process (interface doc): it fills the state's tensors; the state is
@@ -327,6 +363,9 @@ class HfPolicy(PolicyBackend):
         Replicated: the live tensors themselves (cast copies when `dtype` differs). `into`: written into
         the engine's own tensors where they fit (refit_stream.py, 3)."""
         want = None if dtype is None else torch_dtype(dtype)
+        if self.spec.lora is not None:  # the base's names, each wrapped weight merged as its layer is drawn
+            tensors = merged_tensors(self.model, lambda t: whole(t, t.dtype, max(1, bucket_bytes // SLICES_PER_BUCKET)))
+            return refit_buckets(tensors, want, bucket_bytes, into)
         return refit_buckets(self._refit_tensors(), want, bucket_bytes, into)
 
     def _refit_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
@@ -362,19 +401,26 @@ class HfPolicy(PolicyBackend):
         host, self._host = getattr(self, "_host", None), None
         return host.restore() if host is not None else 0
 
-    def export(self, read: Callable[[PolicyState], PolicyState], out: Path) -> None:
+    def export(self, read: Callable[[PolicyState], PolicyState], out: Path, *, adapter: bool = False) -> None:
         """A Hugging Face model directory: config, generation config and safetensors weights in the spec's
-        dtype, and the processor, tokenizer and chat template of the spec's directory."""
+        dtype, and the processor, tokenizer and chat template of the spec's directory. With LoRA the
+        weights are the base's merged with the adapters (policy/lora.py merged_tensors), or with `adapter` a peft
+        adapter directory (adapter_config.json, adapter_model.safetensors) that peft loads onto the base."""
         from transformers import AutoProcessor
         from transformers.utils import logging as hf_logging
 
         bars = hf_logging.is_progress_bar_enabled()
         hf_logging.disable_progress_bar()  # the CLI prints the result; load/save bars would be noise on stderr
         try:
-            model = build_model(self.spec)
-            state = read(PolicyState(Storage.REPLICATED, {MODEL_PART: model.state_dict()}))
-            model.load_state_dict(state.parts[MODEL_PART], strict=True)
-            model.save_pretrained(out)
+            if self.spec.lora is not None:
+                lora_export.export(self.spec, read, out, adapter=adapter)
+                if adapter:
+                    return
+            else:
+                model = build_model(self.spec)
+                state = read(PolicyState(Storage.REPLICATED, {MODEL_PART: model.state_dict()}))
+                model.load_state_dict(state.parts[MODEL_PART], strict=True)
+                model.save_pretrained(out)
             if self.spec.directory is not None:
                 AutoProcessor.from_pretrained(self.spec.directory).save_pretrained(out)
         finally:

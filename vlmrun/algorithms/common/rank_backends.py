@@ -36,7 +36,12 @@ def open_rank_policy(
     m = recipe.model
     return open_policy(
         m.backend,
-        model=ModelSpec(directory=str(model_dir), dtype=m.dtype, attn_implementation=m.attn_implementation),
+        model=ModelSpec(
+            directory=str(model_dir),
+            dtype=m.dtype,
+            attn_implementation=m.attn_implementation,
+            lora=m.lora.model_dump() if m.lora is not None else None,
+        ),
         rank=rank,
         world_size=world_size,
         train=recipe.train,
