@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import logging
 import os
 import platform
@@ -49,6 +48,7 @@ import dcp_check
 import logprob_check
 import memory_check
 import probes
+import report as report_file
 import torch
 import train_check
 import workload
@@ -160,16 +160,9 @@ def run_all(scale: workload.Scale, wanted: list[str]) -> dict:
 
 def write_report(report: dict, out: Path | None) -> None:
     """Print the JSON, and write it to `out` (or $OUT/gpu_check.json when $OUT is set)."""
-    text = json.dumps(report, indent=2, default=str)
-    print(text)
-    if out is None and os.environ.get("OUT"):
-        out = Path(os.environ["OUT"]) / "gpu_check.json"
-    if out is not None:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_name(out.name + ".tmp")
-        tmp.write_text(text + "\n")
-        tmp.replace(out)
-        log.info("wrote %s", out)
+    written = report_file.write_report(report, out, "gpu_check.json")
+    if written is not None:
+        log.info("wrote %s", written)
 
 
 def main(argv: list[str] | None = None) -> int:

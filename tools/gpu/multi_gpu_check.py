@@ -355,12 +355,9 @@ def main(argv: list[str] | None = None) -> int:
         "argv": sys.argv[1:] if argv is None else argv,
     }
     report["ok"] = all(r.get("ok") for r in report["cases"].values()) and all(agree.values())
-    text = json.dumps(report, indent=2, default=str)
-    print(text)
-    out = args.out or (Path(os.environ["OUT"]) / "multi_gpu_check.json" if os.environ.get("OUT") else None)
-    if out is not None:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(text + "\n")
+    from report import write_report
+
+    write_report(report, args.out, "multi_gpu_check.json")
     return 0 if report["ok"] else 1
 
 

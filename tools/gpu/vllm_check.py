@@ -53,6 +53,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import workload
+from report import write_report
 
 from vlmrun.algorithms.common.refit import refit
 from vlmrun.data.batch import PromptBatch
@@ -339,12 +340,7 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps({"ok": False, "error": str(e)}))
             return 2
     report = run(args)
-    text = json.dumps(report, indent=2, default=str)
-    print(text)
-    out = args.out or (Path(os.environ["OUT"]) / "vllm_check.json" if os.environ.get("OUT") else None)
-    if out is not None:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(text + "\n")
+    write_report(report, args.out, "vllm_check.json")
     return 0 if report["ok"] else 1
 
 
