@@ -38,7 +38,7 @@ from vlmrun.models.build import build_model, materialize, materialize_buffers
 from vlmrun.models.packing import packed_inputs
 from vlmrun.models.shared_images import vision_once
 from vlmrun.models.spec import ModelSpec
-from vlmrun.policy import lora_export, rng
+from vlmrun.policy import hf_export, rng
 from vlmrun.policy.device import join_process_group, prepare_cuda_allocator, rank_device, to_device
 from vlmrun.policy.fsdp import (
     Sharding,
@@ -68,7 +68,7 @@ from vlmrun.policy.lora import (
 )
 from vlmrun.policy.loss import LossStats, NllLoss, kept_logits, labelled_logprobs, logits_to_keep, scored_positions
 from vlmrun.policy.optimizer import allocate_state, build_optimizer
-from vlmrun.policy.refit_stream import SLICES_PER_BUCKET, refit_buckets, whole
+from vlmrun.policy.refit_stream import SLICES_PER_BUCKET, refit_buckets, state_tensors, whole
 
 
 class HfPolicy(PolicyBackend):
@@ -366,17 +366,7 @@ class HfPolicy(PolicyBackend):
         if self.spec.lora is not None:  # the base's names, each wrapped weight merged as its layer is drawn
             tensors = merged_tensors(self.model, lambda t: whole(t, t.dtype, max(1, bucket_bytes // SLICES_PER_BUCKET)))
             return refit_buckets(tensors, want, bucket_bytes, into)
-        return refit_buckets(self._refit_tensors(), want, bucket_bytes, into)
-
-    def _refit_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """The state dict's tensors, a tied weight once (under its first name: one gather, not one per name)."""
-        tied = {}
-        for name, p in self.model.named_parameters(remove_duplicate=False):
-            tied.setdefault(id(p), []).append(name)
-        later = {n for names in tied.values() for n in names[1:]}
-        for name, t in self.model.state_dict().items():
-            if name not in later:
-                yield name, t
+        return refit_buckets(state_tensors(self.model), want, bucket_bytes, into)
 
     def offload_to_host(self, parts: tuple[str, ...]) -> int:
         """The parts' tensors on this rank's device (host_offload.py): the model part is the policy's
@@ -402,30 +392,10 @@ class HfPolicy(PolicyBackend):
         return host.restore() if host is not None else 0
 
     def export(self, read: Callable[[PolicyState], PolicyState], out: Path, *, adapter: bool = False) -> None:
-        """A Hugging Face model directory: config, generation config and safetensors weights in the spec's
-        dtype, and the processor, tokenizer and chat template of the spec's directory. With LoRA the
-        weights are the base's merged with the adapters (policy/lora.py merged_tensors), or with `adapter` a peft
-        adapter directory (adapter_config.json, adapter_model.safetensors) that peft loads onto the base."""
-        from transformers import AutoProcessor
-        from transformers.utils import logging as hf_logging
-
-        bars = hf_logging.is_progress_bar_enabled()
-        hf_logging.disable_progress_bar()  # the CLI prints the result; load/save bars would be noise on stderr
-        try:
-            if self.spec.lora is not None:
-                lora_export.export(self.spec, read, out, adapter=adapter)
-                if adapter:
-                    return
-            else:
-                model = build_model(self.spec)
-                state = read(PolicyState(Storage.REPLICATED, {MODEL_PART: model.state_dict()}))
-                model.load_state_dict(state.parts[MODEL_PART], strict=True)
-                model.save_pretrained(out)
-            if self.spec.directory is not None:
-                AutoProcessor.from_pretrained(self.spec.directory).save_pretrained(out)
-        finally:
-            if bars:
-                hf_logging.enable_progress_bar()
+        """A Hugging Face model directory of the checkpoint `read` fills (policy/hf_export.py): the trained
+        weights or, for a LoRA run, the base merged with its adapters, or with `adapter` the peft adapter
+        directory that peft loads onto the base."""
+        hf_export.export(self.spec, read, out, adapter=adapter)
 
     def shutdown(self) -> None:
         """Drop the model, its reference copy and the optimizer, then leave the process group: nothing

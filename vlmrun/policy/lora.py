@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from vlmrun.models.sharded_load import LORA_WRAPPED, WRAPPED, is_adapter
+from vlmrun.policy.refit_stream import state_tensors
 
 ADAPTER = "default"  # peft's name for the one adapter
 #: The decoder layers' linear layers of each named set (the language model's, every family's names).
@@ -150,14 +151,10 @@ def merged_tensors(model: torch.nn.Module, whole) -> Iterator[tuple[str, torch.T
     """The model's state as the base names it, each wrapped layer's weight merged with its adapters as it
     is drawn (one layer at a time), a tied weight once; `whole(t)` gives a (possibly sharded) tensor whole.
     Collective when sharded: every rank draws the same tensors in the same order."""
-    # state_dict names drop activation checkpointing's wrapper, which module and parameter names keep
+    # state_dict names drop activation checkpointing's wrapper, which module names keep
     layers = {name.replace(WRAPPED, ""): layer for name, layer in lora_layers(model)}
-    tied: dict[int, list[str]] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        tied.setdefault(id(p), []).append(name.replace(WRAPPED, ""))
-    later = {n for names in tied.values() for n in names[1:]}
-    for name, t in model.state_dict().items():
-        if name in later or is_adapter(name):
+    for name, t in state_tensors(model):
+        if is_adapter(name):
             continue
         owner = name.rsplit(LORA_WRAPPED, 1)[0] if LORA_WRAPPED in name else None
         layer = layers.get(owner) if owner is not None else None

@@ -37,6 +37,20 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 SLICES_PER_BUCKET = 16
 
 
+def state_tensors(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """`model`'s state dict, a tied weight once (under its first name: one gather, not one per name)."""
+    from vlmrun.models.sharded_load import WRAPPED
+
+    tied: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        # state_dict names drop activation checkpointing's wrapper, which parameter names keep
+        tied.setdefault(id(p), []).append(name.replace(WRAPPED, ""))
+    later = {n for names in tied.values() for n in names[1:]}
+    for name, t in model.state_dict().items():
+        if name not in later:
+            yield name, t
+
+
 def refit_buckets(
     tensors: Iterable[tuple[str, torch.Tensor]],
     want: torch.dtype | None,

@@ -1,8 +1,11 @@
-"""`vlmrun export` of a LoRA run: the base merged with the trained adapters, or the adapters as peft writes them.
+"""`vlmrun export` of an hf policy's checkpoint: a Hugging Face model directory (config, generation config
+and safetensors weights in the spec's dtype, and the processor, tokenizer and chat template of the spec's
+directory).
 
-The checkpoint's model part holds the adapters only (policy/lora.py); the base is the run's model
-directory (its fingerprint is in the run identity). A merged export goes through the same merge as a
-refit (`merged_tensors`), so an engine and a reader of the export hold the same weights.
+A LoRA run's checkpoint holds the adapters only (policy/lora.py); the base is the run's model directory
+(its fingerprint is in the run identity). Its export is the base merged with the trained adapters,
+through the same merge as a refit (`merged_tensors`), so an engine and a reader of the export hold the
+same weights; or, with `adapter`, the adapters as peft writes them.
 """
 
 from __future__ import annotations
@@ -25,9 +28,33 @@ def trained_model(spec: ModelSpec, read: Callable[[PolicyState], PolicyState]):
     return model
 
 
-def export(spec: ModelSpec, read: Callable[[PolicyState], PolicyState], out: Path, *, adapter: bool) -> None:
-    """Write the merged model (config, generation config, safetensors in the spec's dtype) or, with
-    `adapter`, the peft adapter directory, to `out`."""
+def export(spec: ModelSpec, read: Callable[[PolicyState], PolicyState], out: Path, *, adapter: bool = False) -> None:
+    """Write the model directory of the checkpoint `read` fills to `out` (module doc); with `adapter` (a
+    LoRA run), the peft adapter directory that peft loads onto the base."""
+    from transformers import AutoProcessor
+    from transformers.utils import logging as hf_logging
+
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # the CLI prints the result; load/save bars would be noise on stderr
+    try:
+        if spec.lora is not None:
+            _export_lora(spec, read, out, adapter=adapter)
+            if adapter:
+                return
+        else:
+            model = build_model(spec)
+            state = read(PolicyState(Storage.REPLICATED, {MODEL_PART: model.state_dict()}))
+            model.load_state_dict(state.parts[MODEL_PART], strict=True)
+            model.save_pretrained(out)
+        if spec.directory is not None:
+            AutoProcessor.from_pretrained(spec.directory).save_pretrained(out)
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
+
+
+def _export_lora(spec: ModelSpec, read: Callable[[PolicyState], PolicyState], out: Path, *, adapter: bool) -> None:
+    """The merged model or, with `adapter`, the peft adapter directory, to `out`."""
     model = trained_model(spec, read)
     if adapter:
         _save_adapter(spec, model, out)
