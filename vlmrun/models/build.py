@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from pathlib import Path
 
 import torch
 
@@ -46,6 +47,32 @@ def build_model(spec: ModelSpec, *, device: torch.device | str = "cpu", on_meta:
     if spec.directory is not None:
         _directory_generation_config(model, spec.directory)
     return model
+
+
+def save_model_directory(model: torch.nn.Module, spec: ModelSpec, out: Path) -> None:
+    """`model` as a transformers model directory at `out` (config, generation config, safetensors), with
+    the processor, tokenizer and chat template of the spec's directory beside it (none for a config-built
+    model without one)."""
+    from transformers import AutoProcessor
+
+    model.save_pretrained(out)
+    if spec.directory is not None:
+        AutoProcessor.from_pretrained(spec.directory).save_pretrained(out)
+
+
+@contextlib.contextmanager
+def quiet_transformers() -> Iterator[None]:
+    """transformers' progress bars off inside the block, as they were after it: a command that prints its
+    result (an export) would otherwise fill stderr with load and save bars."""
+    from transformers.utils import logging as hf_logging
+
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
 
 
 def materialize(

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from vlmrun.checkpoint.parts import MODEL_PART, PolicyState, Storage
-from vlmrun.models.build import build_model
+from vlmrun.models.build import build_model, quiet_transformers, save_model_directory
 from vlmrun.models.spec import ModelSpec
 from vlmrun.policy.lora import adapter_state, add_adapters, load_adapters, merged_tensors, peft_config
 
@@ -31,41 +31,27 @@ def trained_model(spec: ModelSpec, read: Callable[[PolicyState], PolicyState]):
 def export(spec: ModelSpec, read: Callable[[PolicyState], PolicyState], out: Path, *, adapter: bool = False) -> None:
     """Write the model directory of the checkpoint `read` fills to `out` (module doc); with `adapter` (a
     LoRA run), the peft adapter directory that peft loads onto the base."""
-    from transformers import AutoProcessor
-    from transformers.utils import logging as hf_logging
-
-    bars = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()  # the CLI prints the result; load/save bars would be noise on stderr
-    try:
-        if spec.lora is not None:
-            _export_lora(spec, read, out, adapter=adapter)
-            if adapter:
-                return
+    with quiet_transformers():
+        if spec.lora is not None and adapter:
+            _save_adapter(spec, trained_model(spec, read), out)
+        elif spec.lora is not None:
+            save_model_directory(_merged_model(spec, read), spec, out)
         else:
             model = build_model(spec)
             state = read(PolicyState(Storage.REPLICATED, {MODEL_PART: model.state_dict()}))
             model.load_state_dict(state.parts[MODEL_PART], strict=True)
-            model.save_pretrained(out)
-        if spec.directory is not None:
-            AutoProcessor.from_pretrained(spec.directory).save_pretrained(out)
-    finally:
-        if bars:
-            hf_logging.enable_progress_bar()
+            save_model_directory(model, spec, out)
 
 
-def _export_lora(spec: ModelSpec, read: Callable[[PolicyState], PolicyState], out: Path, *, adapter: bool) -> None:
-    """The merged model or, with `adapter`, the peft adapter directory, to `out`."""
-    model = trained_model(spec, read)
-    if adapter:
-        _save_adapter(spec, model, out)
-        return
-    merged = dict(merged_tensors(model, lambda t: t))
+def _merged_model(spec: ModelSpec, read: Callable[[PolicyState], PolicyState]):
+    """The base of `spec` holding the trained adapters merged into its weights (the refit's merge)."""
+    merged = dict(merged_tensors(trained_model(spec, read), lambda t: t))
     base = build_model(spec)
     missing, unexpected = base.load_state_dict(merged, strict=False)
     tied = {n for n in missing if base.get_parameter(n) is not None and _is_tied(base, n)}
     if unexpected or set(missing) - tied:
         raise RuntimeError(f"merged weights: missing {sorted(set(missing) - tied)}, unexpected {sorted(unexpected)}")
-    base.save_pretrained(out)
+    return base
 
 
 def _is_tied(model, name: str) -> bool:

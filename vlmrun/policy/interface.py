@@ -103,7 +103,8 @@ class PolicyBackend(abc.ABC):
 
     @abc.abstractmethod
     def setup(self, *, master_addr: str, master_port: int, max_steps: int, weights: str = "load") -> dict[str, Any]:
-        """Join the process group and build model, optimizer and schedule; returns {rank, params}.
+        """Join the process group and build model, optimizer and schedule; returns {rank, params (this
+        rank's count), device, layout, load (how the weights were read: job.json's policy_load)}.
         `weights`: "load" (from the model's source) or "checkpoint" (allocated, not read: the caller
         fills every parameter and persistent buffer from a checkpoint next, `load_checkpoint_state`)."""
 

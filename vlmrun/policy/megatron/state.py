@@ -154,14 +154,9 @@ def offload(policy, parts: tuple[str, ...]) -> int:
 def export(spec: ModelSpec, read: Callable[[PolicyState], PolicyState], out: Path) -> None:
     """A transformers model directory (config, generation config, safetensors in the
     spec's dtype) with the processor, tokenizer and chat template of the spec's directory."""
-    from transformers import AutoProcessor
-    from transformers.utils import logging as hf_logging
+    from vlmrun.models.build import build_model, quiet_transformers, save_model_directory
 
-    from vlmrun.models.build import build_model
-
-    bars = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()
-    try:
+    with quiet_transformers():
         model = build_model(spec)
         files = read(PolicyState(Storage.PIECES, {MODEL_PART: None})).parts[MODEL_PART]
         tensors = WholeTensors(files, ("pieces",))
@@ -174,9 +169,4 @@ def export(spec: ModelSpec, read: Callable[[PolicyState], PolicyState], out: Pat
         model.tie_weights()
         if tied - {"lm_head.weight"}:
             raise KeyError(f"the checkpoint holds no piece of {sorted(tied)[:3]}")
-        model.save_pretrained(out)
-        if spec.directory is not None:
-            AutoProcessor.from_pretrained(spec.directory).save_pretrained(out)
-    finally:
-        if bars:
-            hf_logging.enable_progress_bar()
+        save_model_directory(model, spec, out)
