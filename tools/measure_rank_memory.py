@@ -6,8 +6,9 @@ Two runs of recipes/tiny-clevr-cpu.yaml through `vlmrun submit --cluster local -
 other: the tiny model, then a random-init model of the Qwen2.5-VL layout with the tiny model's tokenizer
 and processor and a wider, deeper language model (`--hidden`, `--layers`; ~181M parameters, 692 MiB in
 fp32, at the defaults), saved as bf16 safetensors and trained as fp32 masters. Both with FSDP2 over
-dp=2, SGD (no optimizer state), gradients reduce-scattered after every micro-batch, `--steps` steps,
-no validation; `--set` goes to both runs. While each run lasts, every process started under it is
+dp=2, SGD (no optimizer state), gradients reduce-scattered after every micro-batch, each decoder layer
+recomputed in the backward (as every GPU recipe ships; `--set parallel.activation_checkpointing=false`
+adds the micro-batch's activations), `--steps` steps, no validation; `--set` goes to both runs. While each run lasts, every process started under it is
 polled (/proc, every 50 ms); the rank processes are Ray's `SftWorker` actors (their loader workers, forked
 with the same name, left out), and each one's VmHWM (its peak resident memory over its life) is the last
 one read. The answer: each rank's peak in the large
@@ -34,6 +35,7 @@ RANK_MARK = "SftWorker"
 BASE_SETS = [
     "parallel.fsdp=true",
     "parallel.reduce_every_micro_batch=true",
+    "parallel.activation_checkpointing=true",
     "train.optimizer=sgd",
     "train.val_samples=0",
     "logger.wandb_mode=disabled",

@@ -20,6 +20,9 @@ GPU machine that has nothing but torch and transformers.
 4. `generate` runs the vision tower outside `forward`, where FSDP2 gathers nothing: GRPO's answers come
    from a generation engine refit from the shards; SFT's validation on GPUs generates with the sharded
    model itself, its root gathered for the call (generation/hf.py, 6).
+5. On CPU every collective runs in the computing thread, one after the other, so FSDP2's overlap
+   buffers overlap nothing and only hold memory: `serial_schedule` gathers a unit when it computes and
+   frees each buffer when its collective has returned (a rank's host memory: docs/measurements.md).
 """
 
 from __future__ import annotations
@@ -149,7 +152,74 @@ def shard_model(model: torch.nn.Module, mesh, sharding: Sharding = Sharding()) -
         unit.set_force_sum_reduction_for_comms(True)
         if hasattr(unit, "set_reduce_scatter_unused_params"):  # one rank: nothing to mismatch
             unit.set_reduce_scatter_unused_params(True)
+    if mesh.device_type == "cpu":
+        serial_schedule(units)
     return model
+
+
+def serial_schedule(units: list) -> None:
+    """FSDP2's schedule for a CPU mesh, where a collective returns when it is done (module doc, 5). Its
+    defaults buy overlap on a GPU with memory; here a rank holds a unit's working set and no more:
+
+    - forward: FSDP2 keeps a unit's all-gather buffer until the next unit's gather (the next gather
+      overlaps this copy-out) unless the gather is asynchronous: `_set_unshard_async_op` (documented as
+      settable) makes it so, and the buffer goes after its copy-out;
+    - backward: FSDP2 gathers the next unit before this one computes; a unit told to prefetch itself
+      prefetches nothing (FSDP2 has no other switch for its default), so a unit gathers when it computes;
+    - the collectives themselves (`_GatherInPlace`, `_ReduceScatterInPlace`): gloo's all-gather and
+      reduce-scatter stage a copy of their whole buffer (1-1.5x it, measured), where its broadcast and
+      all-reduce work in place; the reduce-scatter's input is freed when it returns, where FSDP2 keeps it
+      until the next unit's, for a stream that might still read it.
+
+    Losses, gradients and weights are bitwise those of FSDP2's defaults (tests/test_host_memory.py).
+    """
+    for unit in units:
+        unit._set_unshard_async_op(True)
+        unit.set_modules_to_backward_prefetch([unit])
+        unit.set_custom_all_gather(_GatherInPlace())
+        unit.set_custom_reduce_scatter(_ReduceScatterInPlace())
+
+
+def _slot(flat: torch.Tensor, index: int, world: int) -> torch.Tensor:
+    size = flat.numel() // world
+    return flat.narrow(0, index * size, size)
+
+
+class _FreshBuffers:
+    """A custom FSDP2 collective's buffers: plain tensors, freed when the last reference goes."""
+
+    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+
+class _GatherInPlace(_FreshBuffers):
+    """FSDP2's all-gather (`FSDPModule.set_custom_all_gather`'s protocol): each rank broadcasts its slot
+    of the output, where FSDP2 has already copied its shard. Called asynchronously (`serial_schedule`),
+    it returns the last broadcast's work, which FSDP2 waits on before its copy-out."""
+
+    def __call__(self, output_tensor, input_tensor, group, async_op: bool = False):
+        world, me = dist.get_world_size(group), dist.get_rank(group)
+        mine = _slot(output_tensor, me, world)
+        if mine.data_ptr() != input_tensor.data_ptr():
+            mine.copy_(input_tensor)
+        work = None
+        for rank in range(world):
+            last = rank == world - 1
+            work = dist.broadcast(
+                _slot(output_tensor, rank, world), group_src=rank, group=group, async_op=last and async_op
+            )
+        return work
+
+
+class _ReduceScatterInPlace(_FreshBuffers):
+    """FSDP2's reduce-scatter (`FSDPModule.set_custom_reduce_scatter`'s protocol): the input reduced in
+    place over the group, this rank's slot copied out, then the input freed."""
+
+    def __call__(self, output_tensor, input_tensor, group, op, async_op: bool = False):
+        dist.all_reduce(input_tensor, op=op, group=group)
+        output_tensor.copy_(_slot(input_tensor, dist.get_rank(group), dist.get_world_size(group)))
+        input_tensor.untyped_storage().resize_(0)
+        return None
 
 
 def fsdp_units(model: torch.nn.Module) -> list:

@@ -8,8 +8,10 @@
    ~2.2x the model at its peak, and `malloc_trim` after the step gave back half of it, nothing live).
    `keep_near_live` fixes the thresholds for the rank's process: every block from RANK_MMAP_THRESHOLD
    up is its own mapping, handed back to the kernel when freed, and the heap's free top is trimmed
-   above RANK_TRIM_THRESHOLD. The cost is a page fault per page of every such allocation, small against
-   a step's arithmetic; a loader's worker processes keep their own thresholds (data/malloc.py), which
+   above RANK_TRIM_THRESHOLD. RANK_MMAP_THRESHOLD is glibc's own starting threshold, held there: at
+   512 KiB the blocks between the two (autograd's and the micro-batch's smaller tensors) still left
+   10-30 MB a rank in the heap between micro-batches (docs/measurements.md). The cost is a page fault
+   per page of every such allocation, small against a step's arithmetic; a loader's worker processes keep their own thresholds (data/malloc.py), which
    favour reuse.
 2. `trim` hands back the heap's free pages after a step (`malloc_trim`), so a rollout, refit or
    checkpoint between steps starts from the memory the rank holds.
@@ -33,7 +35,7 @@ logger = logging.getLogger(__name__)
 
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
-RANK_MMAP_THRESHOLD = 512 << 10
+RANK_MMAP_THRESHOLD = 128 << 10
 RANK_TRIM_THRESHOLD = 32 << 20
 _STATUS = Path("/proc/self/status")
 _CLEAR_REFS = Path("/proc/self/clear_refs")
