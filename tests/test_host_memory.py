@@ -5,6 +5,7 @@ allocator settings while the rank keeps its. The numbers on the submit path: too
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -112,7 +113,7 @@ def _schedule_rank(rank: int, world: int, port: int, out: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from vlmrun.policy.fsdp import fsdp_units, serial_schedule
+    from vlmrun.policy.fsdp import fsdp_units, norm_from_local_sums, serial_schedule
     from vlmrun.policy.host_memory import StepPeak, keep_near_live
 
     keep_near_live()
@@ -143,21 +144,27 @@ def _schedule_rank(rank: int, world: int, port: int, out: str) -> None:
     y.square().sum().backward()
     backward = peak.peak_mb() - base
     grads = [p.grad.to_local().clone() for p in model.parameters()]
+    exact = math.sqrt(sum(float(p.grad.full_tensor().double().square().sum()) for p in model.parameters()))
+    local = norm_from_local_sums([p.grad for p in model.parameters()], mesh)  # a GPU mesh's arithmetic
     del model, y
     default = sharded(serial=False)
     default(x).square().sum().backward()
     same = all(torch.equal(g, p.grad.to_local()) for g, p in zip(grads, default.parameters(), strict=True))
-    Path(f"{out}.{rank}").write_text(json.dumps({"forward_mb": forward, "backward_mb": backward, "same": same}))
+    Path(f"{out}.{rank}").write_text(
+        json.dumps({"forward_mb": forward, "backward_mb": backward, "same": same, "norms": [exact, local]})
+    )
     dist.barrier()
     os._exit(0)  # skip interpreter teardown: gloo's threads sometimes abort in C++ destructors at exit
 
 
+@pytest.mark.slow  # spawned ranks
 def test_a_cpu_rank_s_sharded_step_holds_one_gathered_unit_at_a_time(tmp_path):
     """On CPU a collective returns when it is done, so nothing of FSDP2's overlap is kept: the forward
     holds one unit's gather (its buffer, then its weights), the backward one unit's working set above
     the gradient shards. FSDP2's defaults hold a unit more in the forward (the last gather's buffer)
     and more in the backward (the next unit, prefetched; the last unit's reduce-scatter input; gloo's
-    staging copies). The gradients are the defaults' bitwise."""
+    staging copies). The gradients are the defaults' bitwise. The norm a GPU mesh takes from each rank's
+    sums of squares (no gradient gathered) is the whole gradients' norm in fp64, within fp32 rounding."""
     from data_samples import free_port, start_ranks
 
     out = tmp_path / "rank"
@@ -165,6 +172,8 @@ def test_a_cpu_rank_s_sharded_step_holds_one_gathered_unit_at_a_time(tmp_path):
     for rank in range(2):
         got = json.loads(Path(f"{out}.{rank}").read_text())
         assert got["same"], got
+        exact, local = got["norms"]  # the GPU mesh's norm, from each rank's sums of squares, on CPU,
+        assert exact > 0 and abs(local - exact) <= 1e-6 * exact, got  # against the whole gradients' in fp64
         assert got["forward_mb"] < 2.5 * UNIT_MB, got  # the gather's buffer and its copy-out
         # the gradient shards (1.5 units at the last unit), a unit's gradients beside their flat copy and
         # its reduced half (2.5); FSDP2's defaults: ~5.7 units, ~2.1 in the forward

@@ -254,15 +254,21 @@ def grad_norm(params: list[torch.nn.Parameter], *, sharded: bool) -> float:
         return 0.0
     mesh = getattr(grads[0], "device_mesh", None)
     if sharded and mesh is not None and mesh.device_type != "cpu":
-        total = torch.zeros((), dtype=torch.float64, device=local_tensor(grads[0]).device)
-        for g in grads:
-            total += torch.linalg.vector_norm(local_tensor(g), 2, dtype=torch.float64).square()
-        if mesh.size() > 1:  # over one shard group: HSDP's replicas hold the same shards
-            group = mesh.get_group("shard") if mesh.ndim > 1 else mesh.get_group()
-            dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
-        return float(torch.tensor(math.sqrt(float(total)), dtype=torch.float32))
+        return norm_from_local_sums(grads, mesh)
     norms = [torch.linalg.vector_norm(g.full_tensor() if hasattr(g, "full_tensor") else g, 2.0) for g in grads]
     return float(torch.linalg.vector_norm(torch.stack([n.cpu() for n in norms]), 2.0))
+
+
+def norm_from_local_sums(grads: list[torch.Tensor], mesh) -> float:
+    """The L2 norm of sharded gradients (DTensors on `mesh`) from each rank's fp64 sum of its shards'
+    squares, all-reduced over the shard group (`grad_norm` on a GPU mesh): no gradient is gathered."""
+    total = torch.zeros((), dtype=torch.float64, device=local_tensor(grads[0]).device)
+    for g in grads:
+        total += torch.linalg.vector_norm(local_tensor(g), 2, dtype=torch.float64).square()
+    if mesh.size() > 1:  # over one shard group: HSDP's replicas hold the same shards
+        group = mesh.get_group("shard") if mesh.ndim > 1 else mesh.get_group()
+        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
+    return float(torch.tensor(math.sqrt(float(total)), dtype=torch.float32))
 
 
 def clip_gradients(params: list[torch.nn.Parameter], norm: float, max_norm: float) -> None:
