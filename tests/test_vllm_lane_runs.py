@@ -13,6 +13,7 @@ refit (generation.release_weights) answering as the first: tests/test_vllm_lane_
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import signal
@@ -55,10 +56,11 @@ def attempt(folder, run, args: list[str], *, kill_after: int | None = None) -> d
         node = node_pid(run)
         marker, temp_root, _ = reaper_of(node)
         seen: dict[int, str] = {}
+        parents: dict[int, int] = {}
         while launcher.proc.poll() is None:  # until the attempt ends, or is killed
-            seen |= census(marker)
+            seen |= engine_census(marker, parents)
             if kill_after is not None and any(s >= kill_after for s in sealed(run)):
-                seen |= census(marker)
+                seen |= engine_census(marker, parents)
                 os.kill(node, signal.SIGKILL)
                 break
             time.sleep(0.2)
@@ -66,8 +68,22 @@ def attempt(folder, run, args: list[str], *, kill_after: int | None = None) -> d
         wait_for(lambda: not alive(seen) and not temp_root.exists(), GONE_S, "every process of the attempt gone")
     finally:
         launcher.kill_group()
-    engines = sorted(pid for pid, name in seen.items() if name.startswith(ENGINE_PROCESS))
+    named = {pid for pid, name in seen.items() if name.startswith(ENGINE_PROCESS)}
+    engines = sorted(pid for pid in named if parents.get(pid) not in named)
     return {"code": code, "engines": engines, "seen": seen, "err": launcher.stderr()}
+
+
+def engine_census(marker: str, parents: dict[int, int]) -> dict[int, str]:
+    """`census`, and the parent of each process named as an engine, read with its name: a process an
+    engine forks carries the engine's name until it execs (vLLM runs helper programs), and is not one."""
+    import psutil
+
+    found = census(marker)
+    for pid, name in found.items():
+        if name.startswith(ENGINE_PROCESS) and pid not in parents:
+            with contextlib.suppress(psutil.Error):
+                parents[pid] = psutil.Process(pid).ppid()
+    return found
 
 
 @pytest.fixture(scope="module")
