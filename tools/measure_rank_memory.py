@@ -8,12 +8,12 @@ and processor and a wider, deeper language model (`--hidden`, `--layers`; ~181M 
 fp32, at the defaults), saved as bf16 safetensors and trained as fp32 masters. Both with FSDP2 over
 dp=2, SGD (no optimizer state), gradients reduce-scattered after every micro-batch, each decoder layer
 recomputed in the backward (as every GPU recipe ships; `--set parallel.activation_checkpointing=false`
-adds the micro-batch's activations), `--steps` steps, no validation; `--set` goes to both runs. While each run lasts, every process started under it is
-polled (/proc, every 50 ms); the rank processes are Ray's `SftWorker` actors (their loader workers, forked
-with the same name, left out), and each one's VmHWM (its peak resident memory over its life) is the last
-one read. The answer: each rank's peak in the large
-run less the same rank's in the tiny run, against the large model's fp32 bytes (`ratio_to_fp32_model`),
-and what the step rows said (`peak_rss_mb`). A rank holds 1/dp of the weights and 1/dp of their
+adds the micro-batch's activations), `--steps` steps, no validation; `--set` goes to both runs. While
+each run lasts, every process started under it is polled (/proc, every 50 ms); the rank processes are
+Ray's `SftWorker` actors (their loader workers, forked with the same name, left out), and each one's
+VmHWM (its peak resident memory over its life) is the last one read. The answer: each rank's peak in
+the large run less the same rank's in the tiny run, against the large model's fp32 bytes
+(`ratio_to_fp32_model`), and what the step rows said (`peak_rss_mb`). A rank holds 1/dp of the weights and 1/dp of their
 gradients between micro-batches (1.0x the model at dp=2), plus what a forward and backward gather.
 """
 

@@ -11,8 +11,8 @@
    above RANK_TRIM_THRESHOLD. RANK_MMAP_THRESHOLD is glibc's own starting threshold, held there: at
    512 KiB the blocks between the two (autograd's and the micro-batch's smaller tensors) still left
    10-30 MB a rank in the heap between micro-batches (docs/measurements.md). The cost is a page fault
-   per page of every such allocation, small against a step's arithmetic; a loader's worker processes keep their own thresholds (data/malloc.py), which
-   favour reuse.
+   per page of every such allocation, small against a step's arithmetic; a loader's worker processes
+   keep their own thresholds (data/malloc.py), which favour reuse.
 2. `trim` hands back the heap's free pages after a step (`malloc_trim`), so a rollout, refit or
    checkpoint between steps starts from the memory the rank holds.
 3. `StepPeak` reads the process's peak resident memory since it was last reset (VmHWM, reset through
