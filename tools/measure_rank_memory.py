@@ -13,8 +13,9 @@ each run lasts, every process started under it is polled (/proc, every 50 ms); t
 Ray's `SftWorker` actors (their loader workers, forked with the same name, left out), and each one's
 VmHWM (its peak resident memory over its life) is the last one read. The answer: each rank's peak in
 the large run less the same rank's in the tiny run, against the large model's fp32 bytes
-(`ratio_to_fp32_model`), and what the step rows said (`peak_rss_mb`). A rank holds 1/dp of the weights and 1/dp of their
-gradients between micro-batches (1.0x the model at dp=2), plus what a forward and backward gather.
+(`ratio_to_fp32_model`), and what the step rows said (`peak_rss_mb`). A rank holds 1/dp of the weights
+and 1/dp of their gradients between micro-batches (1.0x the model at dp=2), plus what a forward and
+backward gather.
 """
 
 from __future__ import annotations
